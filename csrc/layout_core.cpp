@@ -1,0 +1,342 @@
+#include "layout_core.hpp"
+
+#include <numeric>
+#include <sstream>
+
+namespace layoutlang {
+namespace {
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+
+}  // namespace
+
+LayoutCore::LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ranks,
+                       std::vector<ShardSpec> specs, std::vector<TensorEntry> tensors,
+                       std::vector<StorageEntry> storages)
+    : axis_sizes_(std::move(axis_sizes)),
+      ranks_(std::move(ranks)),
+      specs_(std::move(specs)),
+      tensors_(std::move(tensors)),
+      storages_(std::move(storages)) {
+  int64_t size = 1;
+  for (int64_t s : axis_sizes_) {
+    if (s < 1) throw CoreValueError("mesh axis sizes must be at least 1");
+    size *= s;
+  }
+  if (size != static_cast<int64_t>(ranks_.size())) {
+    throw CoreValueError("mesh of " + std::to_string(size) + " positions given " +
+                         std::to_string(ranks_.size()) + " ranks");
+  }
+  const std::size_t naxes = axis_sizes_.size();
+  coords_.assign(ranks_.size() * naxes, 0);
+  for (std::size_t i = 0; i < ranks_.size(); ++i) {
+    if (!index_of_.emplace(ranks_[i], static_cast<int64_t>(i)).second) {
+      throw CoreValueError("rank " + std::to_string(ranks_[i]) + " appears twice in the mesh");
+    }
+    int64_t rest = static_cast<int64_t>(i);
+    for (std::size_t a = naxes; a-- > 0;) {
+      coords_[i * naxes + a] = rest % axis_sizes_[a];
+      rest /= axis_sizes_[a];
+    }
+  }
+  for (const TensorEntry& t : tensors_) {
+    if (t.spec < 0 || static_cast<std::size_t>(t.spec) >= specs_.size()) {
+      throw CoreValueError("tensor refers to a missing placement spec");
+    }
+    if (t.storage < 0 || static_cast<std::size_t>(t.storage) >= storages_.size()) {
+      throw CoreValueError("tensor refers to a missing storage");
+    }
+    if (t.fixed.size() != naxes) throw CoreValueError("sub-mesh coordinates do not match the mesh");
+    for (std::size_t a = 0; a < naxes; ++a) {
+      if (t.fixed[a] >= axis_sizes_[a]) {
+        throw CoreValueError("sub-mesh coordinate " + std::to_string(t.fixed[a]) +
+                             " is out of range for axis " + std::to_string(a) + " of size " +
+                             std::to_string(axis_sizes_[a]));
+      }
+    }
+    check_spec(specs_[t.spec], t.shape.size(), axis_sizes_);
+  }
+  for (const StorageEntry& s : storages_) {
+    if (s.parts.empty()) throw CoreValueError("storage without parts");
+    if (!s.block_sizes.empty() && s.block_sizes.size() != s.parts.size()) {
+      throw CoreValueError("storage needs one block size per part");
+    }
+    for (int32_t p : s.parts) {
+      if (p < 0 || static_cast<std::size_t>(p) >= tensors_.size()) {
+        throw CoreValueError("storage refers to a missing tensor");
+      }
+    }
+  }
+}
+
+int64_t LayoutCore::mesh_index(int64_t rank) const {
+  auto it = index_of_.find(rank);
+  return it == index_of_.end() ? -1 : it->second;
+}
+
+bool LayoutCore::holds_index(int32_t tensor, int64_t index) const {
+  const std::vector<int32_t>& fixed = tensors_[tensor].fixed;
+  const int64_t* coords = &coords_[index * axis_sizes_.size()];
+  for (std::size_t a = 0; a < fixed.size(); ++a) {
+    if (fixed[a] >= 0 && coords[a] != fixed[a]) return false;
+  }
+  return true;
+}
+
+bool LayoutCore::holds(int32_t tensor, int64_t rank) const {
+  const int64_t index = mesh_index(rank);
+  return index >= 0 && holds_index(tensor, index);
+}
+
+std::vector<int64_t> LayoutCore::holders(int32_t tensor) const {
+  std::vector<int64_t> out;
+  for (std::size_t i = 0; i < ranks_.size(); ++i) {
+    if (holds_index(tensor, static_cast<int64_t>(i))) out.push_back(ranks_[i]);
+  }
+  return out;
+}
+
+bool LayoutCore::local_shard(int32_t tensor, int64_t index, LocalShard& out) const {
+  if (!holds_index(tensor, index)) return false;
+  const TensorEntry& t = tensors_[tensor];
+  const ShardSpec& spec = specs_[t.spec];
+  const int64_t* coords = &coords_[index * axis_sizes_.size()];
+  out.shape.resize(t.shape.size());
+  out.runs.resize(t.shape.size());
+  for (std::size_t d = 0; d < t.shape.size(); ++d) {
+    out.shape[d] = dim_runs(t.shape[d], spec[d], coords, axis_sizes_.data(), out.runs[d]);
+  }
+  return true;
+}
+
+bool LayoutCore::local_shape(int32_t tensor, int64_t rank, std::vector<int64_t>& shape) const {
+  const int64_t index = mesh_index(rank);
+  LocalShard shard;
+  if (index < 0 || !local_shard(tensor, index, shard)) return false;
+  shape = std::move(shard.shape);
+  return true;
+}
+
+int64_t LayoutCore::part_base(int32_t storage, int32_t tensor, int64_t index) const {
+  const StorageEntry& s = storages_[storage];
+  int64_t base = 0;
+  LocalShard shard;
+  for (int32_t part : s.parts) {
+    if (part == tensor) return base;
+    if (local_shard(part, index, shard)) base += shard.shape[s.dim];
+  }
+  return base;
+}
+
+void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard,
+                          std::vector<BoxRecord>& out) const {
+  const TensorEntry& t = tensors_[tensor];
+  const StorageEntry& s = storages_[t.storage];
+  const std::size_t ndim = t.shape.size();
+  const std::size_t dim = static_cast<std::size_t>(s.dim);
+  for (std::size_t d = 0; d < ndim; ++d) {
+    if (shard.runs[d].empty()) return;  // an empty shard holds no box
+  }
+
+  int64_t base = 0, block = 0, group_stride = 0, prefix = 0;
+  const bool interleaved = !s.block_sizes.empty();
+  if (interleaved) {
+    group_stride = std::accumulate(s.block_sizes.begin(), s.block_sizes.end(), int64_t{0});
+    for (std::size_t p = 0; p < s.parts.size(); ++p) {
+      if (s.parts[p] == tensor) {
+        block = s.block_sizes[p];
+        break;
+      }
+      prefix += s.block_sizes[p];
+    }
+  } else {
+    base = part_base(t.storage, tensor, index);
+  }
+
+  // Cartesian product of the runs of every dim (odometer over run indices).
+  std::vector<std::size_t> pick(ndim, 0);
+  while (true) {
+    BoxRecord box;
+    box.offsets.resize(ndim);
+    box.sizes.resize(ndim);
+    box.storage_offsets.resize(ndim);
+    for (std::size_t d = 0; d < ndim; ++d) {
+      const Run& run = shard.runs[d][pick[d]];
+      box.offsets[d] = run.global_start;
+      box.sizes[d] = run.length;
+      box.storage_offsets[d] = run.local_start;
+    }
+    if (!interleaved) {
+      box.storage_offsets[dim] += base;
+      out.push_back(std::move(box));
+    } else {
+      // Cut the box where the part's blocks end; each piece lands in its own group.
+      const int64_t local_start = box.storage_offsets[dim];
+      const int64_t local_stop = local_start + box.sizes[dim];
+      int64_t pos = local_start;
+      while (pos < local_stop) {
+        const int64_t group = pos / block;
+        const int64_t stop = std::min(local_stop, (group + 1) * block);
+        BoxRecord piece = box;
+        piece.offsets[dim] = box.offsets[dim] + (pos - local_start);
+        piece.sizes[dim] = stop - pos;
+        piece.storage_offsets[dim] = group * group_stride + prefix + (pos - group * block);
+        out.push_back(std::move(piece));
+        pos = stop;
+      }
+    }
+    std::size_t d = ndim;
+    while (d > 0) {
+      --d;
+      if (++pick[d] < shard.runs[d].size()) break;
+      pick[d] = 0;
+      if (d == 0) return;
+    }
+    if (ndim == 0) return;
+  }
+}
+
+void LayoutCore::boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out) const {
+  out.clear();
+  const int64_t index = mesh_index(rank);
+  LocalShard shard;
+  if (index < 0 || !local_shard(tensor, index, shard)) return;
+  boxes_at(tensor, index, shard, out);
+}
+
+bool LayoutCore::storage_shape(int32_t storage, int64_t rank, std::vector<int64_t>& shape) const {
+  const int64_t index = mesh_index(rank);
+  if (index < 0) return false;
+  const StorageEntry& s = storages_[storage];
+  LocalShard shard;
+  bool any = false;
+  for (int32_t part : s.parts) {
+    if (!local_shard(part, index, shard)) continue;
+    if (!any) {
+      shape = shard.shape;
+      any = true;
+    } else {
+      shape[s.dim] += shard.shape[s.dim];
+    }
+  }
+  return any;
+}
+
+std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
+  std::vector<Problem> problems;
+  LocalShard shard;
+  for (std::size_t si = 0; si < storages_.size() && problems.size() < max_problems; ++si) {
+    const StorageEntry& s = storages_[si];
+    const auto sid = static_cast<int32_t>(si);
+    for (std::size_t index = 0; index < ranks_.size(); ++index) {
+      const int64_t rank = ranks_[index];
+      std::vector<int64_t> shape;
+      int64_t groups = -1;
+      std::size_t held = 0;
+      bool bad = false;
+      for (std::size_t p = 0; p < s.parts.size() && !bad; ++p) {
+        const int32_t part = s.parts[p];
+        if (!local_shard(part, static_cast<int64_t>(index), shard)) continue;
+        ++held;
+        if (static_cast<std::size_t>(s.dim) >= shard.shape.size()) {
+          problems.push_back({"storage-shape", sid, rank,
+                              "part " + std::to_string(p) + " has " +
+                                  std::to_string(shard.shape.size()) +
+                                  " dims, fewer than the storage dim " + std::to_string(s.dim)});
+          bad = true;
+          break;
+        }
+        if (held == 1) {
+          shape = shard.shape;
+        } else {
+          bool same = shard.shape.size() == shape.size();
+          for (std::size_t d = 0; same && d < shape.size(); ++d) {
+            same = d == static_cast<std::size_t>(s.dim) || shape[d] == shard.shape[d];
+          }
+          if (!same) {
+            problems.push_back({"storage-shape", sid, rank,
+                                "part " + std::to_string(p) + " has local shape " +
+                                    shape_str(shard.shape) +
+                                    ", which does not fit beside the earlier parts " +
+                                    shape_str(shape) + " along dim " + std::to_string(s.dim)});
+            bad = true;
+            break;
+          }
+          shape[s.dim] += shard.shape[s.dim];
+        }
+        if (!s.block_sizes.empty()) {
+          const int64_t block = s.block_sizes[p];
+          const int64_t length = shard.shape[s.dim];
+          if (block < 1 || length % block != 0) {
+            problems.push_back({"storage-blocks", sid, rank,
+                                "part " + std::to_string(p) + " has " + std::to_string(length) +
+                                    " local elements along dim " + std::to_string(s.dim) +
+                                    ", not a multiple of its block size " +
+                                    std::to_string(block)});
+            bad = true;
+            break;
+          }
+          const int64_t part_groups = length / block;
+          if (groups >= 0 && part_groups != groups) {
+            problems.push_back({"storage-blocks", sid, rank,
+                                "part " + std::to_string(p) + " has " +
+                                    std::to_string(part_groups) +
+                                    " blocks, the earlier parts have " + std::to_string(groups)});
+            bad = true;
+            break;
+          }
+          groups = part_groups;
+        }
+      }
+      if (bad) {
+        if (problems.size() >= max_problems) break;
+        continue;
+      }
+      if (held > 0 && held != s.parts.size() && !s.block_sizes.empty()) {
+        problems.push_back({"storage-rank", sid, rank,
+                            "holds " + std::to_string(held) + " of the " +
+                                std::to_string(s.parts.size()) +
+                                " interleaved parts; interleaved parts must live on the same ranks"});
+      } else if (held > 0 && !s.declared_shape.empty() && shape != s.declared_shape) {
+        problems.push_back({"storage-declared", sid, rank,
+                            "parts add up to " + shape_str(shape) + ", the storage is declared " +
+                                shape_str(s.declared_shape)});
+      }
+      if (problems.size() >= max_problems) break;
+    }
+  }
+  return problems;
+}
+
+std::vector<RankSummary> LayoutCore::summarize() const {
+  std::vector<RankSummary> summary(ranks_.size());
+  for (std::size_t i = 0; i < ranks_.size(); ++i) summary[i].rank = ranks_[i];
+  LocalShard shard;
+  std::vector<BoxRecord> found;
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    const auto tid = static_cast<int32_t>(t);
+    for (std::size_t index = 0; index < ranks_.size(); ++index) {
+      if (!local_shard(tid, static_cast<int64_t>(index), shard)) continue;
+      found.clear();
+      boxes_at(tid, static_cast<int64_t>(index), shard, found);
+      RankSummary& row = summary[index];
+      row.tensors += 1;
+      for (const BoxRecord& box : found) {
+        int64_t elements = 1;
+        for (int64_t s : box.sizes) elements *= s;
+        row.boxes += 1;
+        row.elements += elements;
+        row.bytes += elements * tensors_[t].itemsize;
+      }
+    }
+  }
+  return summary;
+}
+
+}  // namespace layoutlang

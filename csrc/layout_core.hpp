@@ -1,0 +1,108 @@
+// A layout compiled to plain arrays: which boxes of which logical tensor each rank holds,
+// and where each box sits in the rank's storage.
+//
+// The Python model resolves names, rules and expressions; it hands this class only
+// integers: the mesh (axis sizes, ranks in row-major order), one ShardSpec per distinct
+// placement, per logical tensor its shape, spec, sub-mesh coordinates and storage, and per
+// storage the tensors it holds and how they are fused. Everything rank-by-rank (boxes,
+// storage shapes, validation, bulk summaries) is computed here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "shard_math.hpp"
+
+namespace layoutlang {
+
+struct TensorEntry {
+  std::vector<int64_t> shape;
+  int32_t spec = 0;              // index into the layout's specs
+  std::vector<int32_t> fixed;    // per axis: the coordinate of the sub-mesh, or -1 for all
+  int32_t storage = 0;           // index into the layout's storages
+  int32_t itemsize = 1;          // bytes per element
+};
+
+// A rank's local buffer holding the local shards of one or more tensors ("parts"),
+// concatenated along `dim`; with block_sizes, interleaved in blocks of block_sizes[p]
+// elements of part p (Megatron's fused QKV per query group).
+struct StorageEntry {
+  int32_t dim = 0;
+  std::vector<int32_t> parts;
+  std::vector<int64_t> block_sizes;     // empty: plain concatenation
+  std::vector<int64_t> declared_shape;  // empty: not declared; otherwise checked on every rank
+};
+
+// One box: offsets and sizes in the logical tensor, offsets in the storage (same sizes).
+struct BoxRecord {
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> storage_offsets;
+};
+
+struct Problem {
+  std::string kind;  // "storage-shape", "storage-blocks", "storage-rank", "storage-declared"
+  int32_t storage;
+  int64_t rank;
+  std::string message;
+};
+
+struct RankSummary {
+  int64_t rank;
+  int64_t boxes = 0;
+  int64_t elements = 0;
+  int64_t bytes = 0;
+  int64_t tensors = 0;
+};
+
+class LayoutCore {
+ public:
+  LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ranks,
+             std::vector<ShardSpec> specs, std::vector<TensorEntry> tensors,
+             std::vector<StorageEntry> storages);
+
+  const std::vector<int64_t>& axis_sizes() const { return axis_sizes_; }
+  const std::vector<int64_t>& ranks() const { return ranks_; }
+  std::size_t num_tensors() const { return tensors_.size(); }
+  std::size_t num_storages() const { return storages_.size(); }
+
+  // Position of `rank` in the mesh (row-major), or -1 when the mesh does not cover it.
+  int64_t mesh_index(int64_t rank) const;
+  bool holds(int32_t tensor, int64_t rank) const;
+  std::vector<int64_t> holders(int32_t tensor) const;
+
+  // Local shape of the tensor's shard (padding included); false when not held.
+  bool local_shape(int32_t tensor, int64_t rank, std::vector<int64_t>& shape) const;
+  bool storage_shape(int32_t storage, int64_t rank, std::vector<int64_t>& shape) const;
+  // Boxes of `tensor` on `rank`, with their places in the storage; empty when not held.
+  void boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out) const;
+
+  // Every storage on every rank it exists on: shapes agree, blocks divide, declared shapes hold.
+  std::vector<Problem> validate(std::size_t max_problems) const;
+  // Every box of every tensor on every rank, counted per rank.
+  std::vector<RankSummary> summarize() const;
+
+ private:
+  struct LocalShard {
+    std::vector<int64_t> shape;
+    std::vector<std::vector<Run>> runs;  // per dim
+  };
+  bool local_shard(int32_t tensor, int64_t index, LocalShard& out) const;
+  bool holds_index(int32_t tensor, int64_t index) const;
+  // Offset of `part` along the storage dim and whether the part is interleaved.
+  void boxes_at(int32_t tensor, int64_t index, const LocalShard& shard,
+                std::vector<BoxRecord>& out) const;
+  int64_t part_base(int32_t storage, int32_t tensor, int64_t index) const;
+
+  std::vector<int64_t> axis_sizes_;
+  std::vector<int64_t> ranks_;
+  std::vector<int64_t> coords_;  // mesh size x axes, row-major coordinates of each index
+  std::unordered_map<int64_t, int64_t> index_of_;
+  std::vector<ShardSpec> specs_;
+  std::vector<TensorEntry> tensors_;
+  std::vector<StorageEntry> storages_;
+};
+
+}  // namespace layoutlang

@@ -1,0 +1,68 @@
+"""layoutlang: declarative tensor layouts and exact reshard plans.
+
+A ``.layout`` program describes meshes of ranks, logical tensors, layouts that place every
+tensor on a mesh, and ``reshard A -> B`` statements. The same objects can be built in
+Python (:class:`Mesh`, :class:`Shard`, :class:`Replicate`, :class:`Layout`).
+
+>>> import layoutlang
+>>> program = layoutlang.loads('''
+... mesh train [tp = 2]
+... tensor "w" [4, 6] fp32
+... layout tp on train { "w": tp = shard(1) }
+... ''')
+>>> program.layouts["tp"].boxes("w", rank=1)
+[Box(tensor='w', offsets=(0, 3), sizes=(4, 3), storage='w', storage_offsets=(0, 0))]
+"""
+
+from .elaborate import load, loads
+from .errors import (
+    LayoutError,
+    LayoutIncludeError,
+    LayoutNameError,
+    LayoutSyntaxError,
+    LayoutValueError,
+    ModelDescriptionError,
+)
+from .model import (
+    Box,
+    Layout,
+    LogicalTensor,
+    Mesh,
+    Program,
+    Replicate,
+    Reshard,
+    Rule,
+    Shard,
+    Storage,
+    StorageRule,
+    TensorPlacement,
+    Topology,
+    shard_boxes,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Box",
+    "Layout",
+    "LayoutError",
+    "LayoutIncludeError",
+    "LayoutNameError",
+    "LayoutSyntaxError",
+    "LayoutValueError",
+    "LogicalTensor",
+    "Mesh",
+    "ModelDescriptionError",
+    "Program",
+    "Replicate",
+    "Reshard",
+    "Rule",
+    "Shard",
+    "Storage",
+    "StorageRule",
+    "TensorPlacement",
+    "Topology",
+    "load",
+    "loads",
+    "shard_boxes",
+]
