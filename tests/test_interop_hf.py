@@ -13,7 +13,7 @@ from layoutlang.errors import ModelDescriptionError
 from layoutlang.interop.hf import (
     SUPPORTED_MODEL_TYPES,
     hf_config_constants,
-    read_hf_config,
+    read_config,
     tensors_from_hf_config,
 )
 
@@ -509,7 +509,7 @@ def test_dtype_precedence(tmp_path: Path, argument: str | None, config_entries: 
 def test_model_folder_reads_its_config(tmp_path: Path) -> None:
     write_config(tmp_path, QWEN3_8B)
     assert tensors_from_hf_config(tmp_path) == tensors_from_hf_config(tmp_path / "config.json")
-    assert read_hf_config(tmp_path)["model_type"] == "qwen3"
+    assert read_config(tmp_path)["model_type"] == "qwen3"
 
 
 def test_config_constants_are_the_integer_entries() -> None:

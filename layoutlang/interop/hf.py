@@ -34,15 +34,15 @@ from layoutlang.dtypes import DTYPES, canonical_dtype
 from layoutlang.errors import ModelDescriptionError
 
 __all__ = [
-    "LogicalTensor",
     "SUPPORTED_MODEL_TYPES",
-    "read_hf_config",
+    "TensorEntry",
     "hf_config_constants",
+    "read_config",
     "tensors_from_hf_config",
 ]
 
-#: (name, global shape, dtype short name)
-LogicalTensor = tuple[str, tuple[int, ...], str]
+#: a logical tensor as (name, global shape, dtype short name): the fields of layoutlang.model.LogicalTensor
+TensorEntry = tuple[str, tuple[int, ...], str]
 
 _DEFAULT_DTYPE = "bf16"
 #: dtype of the per-block dequantization scales of FP8 checkpoints
@@ -56,7 +56,7 @@ def _config_file(path: str | os.PathLike[str]) -> Path:
     return file / "config.json" if file.is_dir() else file
 
 
-def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path`` (a file, or a model folder holding one)."""
     file = _config_file(path)
     try:
@@ -93,7 +93,7 @@ def tensors_from_hf_config(
     dtype: str | None = None,
     *,
     include_mtp: bool = False,
-) -> list[LogicalTensor]:
+) -> list[TensorEntry]:
     """Every weight tensor of the model described by the ``config.json`` at ``path``.
 
     ``dtype`` (any spelling :func:`~layoutlang.dtypes.canonical_dtype` knows) overrides the
@@ -103,7 +103,7 @@ def tensors_from_hf_config(
     not use. Raises :class:`ModelDescriptionError` naming the file for any problem.
     """
     file = _config_file(path)
-    config = read_hf_config(file)
+    config = read_config(file)
     model_type = config.get("model_type")
     builder = _BUILDERS.get(model_type) if isinstance(model_type, str) else None
     if builder is None:
@@ -210,9 +210,7 @@ class _Fp8Blocks:
             raise reader.error(
                 f"FP8 activation_scheme {quant.get('activation_scheme')!r} is not supported; {unquantized_hint}"
             )
-        if not (
-            isinstance(block, list) and len(block) == 2 and all(type(side) is int and side > 0 for side in block)
-        ):
+        if not (isinstance(block, list) and len(block) == 2 and all(type(side) is int and side > 0 for side in block)):
             raise reader.error(
                 f"FP8 'weight_block_size' must be two positive integers, not {block!r}; {unquantized_hint}"
             )
@@ -238,7 +236,7 @@ class _TensorList:
         # an explicit dtype describes a plain checkpoint in that dtype, with no scales
         self.explicit_dtype = explicit_dtype
         self.fp8 = None if explicit_dtype else _Fp8Blocks.from_config(reader)
-        self.tensors: list[LogicalTensor] = []
+        self.tensors: list[TensorEntry] = []
 
     def add(self, name: str, *shape: int, dtype: str | None = None) -> None:
         self.tensors.append((name, shape, dtype or self.dtype))

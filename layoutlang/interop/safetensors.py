@@ -27,15 +27,15 @@ from layoutlang.dtypes import canonical_dtype, itemsize
 from layoutlang.errors import ModelDescriptionError
 
 __all__ = [
-    "LogicalTensor",
-    "SAFETENSORS_DTYPES",
     "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPES",
+    "TensorEntry",
     "read_safetensors_header",
     "tensors_from_safetensors",
 ]
 
-#: (name, global shape, dtype short name)
-LogicalTensor = tuple[str, tuple[int, ...], str]
+#: a logical tensor as (name, global shape, dtype short name): the fields of layoutlang.model.LogicalTensor
+TensorEntry = tuple[str, tuple[int, ...], str]
 
 #: safetensors dtype spellings this module maps to short names
 SAFETENSORS_DTYPES: tuple[str, ...] = (
@@ -95,7 +95,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
     return header, data_start
 
 
-def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[LogicalTensor]:
+def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[TensorEntry]:
     """(name, shape, dtype short name) of every tensor of a checkpoint, from headers only.
 
     ``path`` is a ``.safetensors`` file (tensors in the order of their data), a sharded
@@ -112,12 +112,12 @@ def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[LogicalTensor
     return _tensors_from_file(file)
 
 
-def _tensors_from_file(file: Path) -> list[LogicalTensor]:
+def _tensors_from_file(file: Path) -> list[TensorEntry]:
     header, _ = read_safetensors_header(file)
     entries = [(name, entry) for name, entry in header.items() if name != _METADATA_KEY]
     # header key order is arbitrary (the library sorts names); the data order is the file's own
     entries.sort(key=lambda item: (item[1]["data_offsets"][0], item[1]["data_offsets"][1]))
-    tensors: list[LogicalTensor] = []
+    tensors: list[TensorEntry] = []
     for name, entry in entries:
         dtype = _short_dtype(file, name, entry["dtype"])
         shape = tuple(entry["shape"])
@@ -132,7 +132,7 @@ def _tensors_from_file(file: Path) -> list[LogicalTensor]:
     return tensors
 
 
-def _tensors_from_index(index: Path) -> list[LogicalTensor]:
+def _tensors_from_index(index: Path) -> list[TensorEntry]:
     """All tensors of the shards an index names, checked against its ``weight_map``."""
     try:
         raw = index.read_bytes()
@@ -145,14 +145,12 @@ def _tensors_from_index(index: Path) -> list[LogicalTensor]:
         raise ModelDescriptionError(
             f"{index}: not a safetensors index: needs a 'weight_map' object from tensor names to shard files"
         )
-    tensors: list[LogicalTensor] = []
+    tensors: list[TensorEntry] = []
     shard_of: dict[str, str] = {}
     for shard in sorted(set(weight_map.values())):
         shard_file = index.parent / shard
         if not shard_file.is_file():
-            raise ModelDescriptionError(
-                f"{index}: weight_map names shard {shard!r}, which is missing ({shard_file})"
-            )
+            raise ModelDescriptionError(f"{index}: weight_map names shard {shard!r}, which is missing ({shard_file})")
         for tensor in _tensors_from_file(shard_file):
             name = tensor[0]
             if name in shard_of:
@@ -165,9 +163,7 @@ def _tensors_from_index(index: Path) -> list[LogicalTensor]:
     for name, shard in weight_map.items():
         if shard_of.get(name) != shard:
             found = f"; it is in {shard_of[name]!r}" if name in shard_of else ""
-            raise ModelDescriptionError(
-                f"{index}: weight_map puts {name!r} in {shard!r}, whose header lacks it{found}"
-            )
+            raise ModelDescriptionError(f"{index}: weight_map puts {name!r} in {shard!r}, whose header lacks it{found}")
     return tensors
 
 
