@@ -323,10 +323,24 @@ std::vector<RankSummary> LayoutCore::summarize() const {
     const auto tid = static_cast<int32_t>(t);
     for (std::size_t index = 0; index < ranks_.size(); ++index) {
       if (!local_shard(tid, static_cast<int64_t>(index), shard)) continue;
-      found.clear();
-      boxes_at(tid, static_cast<int64_t>(index), shard, found);
       RankSummary& row = summary[index];
       row.tensors += 1;
+      if (storages_[tensors_[t].storage].block_sizes.empty()) {
+        // Without interleaving the boxes are exactly the product of the runs of each dim.
+        int64_t count = 1, elements = 1;
+        for (const std::vector<Run>& runs : shard.runs) {
+          int64_t length = 0;
+          for (const Run& run : runs) length += run.length;
+          count *= static_cast<int64_t>(runs.size());
+          elements *= length;
+        }
+        row.boxes += count;
+        row.elements += elements;
+        row.bytes += elements * tensors_[t].itemsize;
+        continue;
+      }
+      found.clear();
+      boxes_at(tid, static_cast<int64_t>(index), shard, found);
       for (const BoxRecord& box : found) {
         int64_t elements = 1;
         for (int64_t s : box.sizes) elements *= s;

@@ -13,13 +13,14 @@ shapes on every rank) happens lazily on first use, or all at once in
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import syntax as ast
-from .dtypes import DTYPES, canonical_dtype
+from .dtypes import DTYPES, canonical_dtype, itemsize
 from .errors import (
     LayoutError,
     LayoutIncludeError,
@@ -46,6 +47,13 @@ __all__ = ["load", "loads"]
 
 SOURCE_KINDS = ("hf", "safetensors")
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
+
+# Limits that keep a mistyped number from exhausting memory or overflowing the C++ core,
+# which counts elements, bytes and ranks in 64-bit integers and chunks and blocks in 32-bit.
+MAX_MESH_RANKS = 1 << 20
+MAX_GENERATED_TENSORS = 1 << 20
+_INT64_MAX = (1 << 63) - 1
+_INT32_MAX = (1 << 31) - 1
 
 _BANDWIDTH_UNITS = {
     "GB/s": 1e9,
@@ -108,7 +116,11 @@ def names_in(expr: ast.Expr) -> list[ast.Name | ast.Attr]:
 
 
 def _closure(expr: ast.Expr, constants: Mapping[str, int], allowed: set[str]) -> Callable[[Mapping[str, int]], int]:
-    """A function of the captures; names are checked now, values when it is called."""
+    """A function of the captures; names are checked now, values when it is called.
+
+    The expression is compiled to Python (constants folded in) because rule expressions
+    run once per tensor, tens of thousands of times in a large model.
+    """
     for name in names_in(expr):
         key = name.name if isinstance(name, ast.Name) else f"{name.obj}.{name.key}"
         if key not in allowed and key not in constants:
@@ -117,11 +129,29 @@ def _closure(expr: ast.Expr, constants: Mapping[str, int], allowed: set[str]) ->
                 name.span,
                 did_you_mean(key, list(allowed) + list(constants)),
             )
+    divisions: list[ast.BinOp] = []
 
-    def value(captures: Mapping[str, int]) -> int:
-        return evaluate(expr, {**constants, **captures})
+    def source(node: ast.Expr) -> str:
+        if isinstance(node, ast.Num):
+            return str(node.value)
+        if isinstance(node, ast.Name):
+            return f"captures[{node.name!r}]" if node.name in allowed else str(constants[node.name])
+        if isinstance(node, ast.Attr):
+            return str(constants[f"{node.obj}.{node.key}"])
+        if isinstance(node, ast.Neg):
+            return f"(-{source(node.operand)})"
+        if node.op in ("//", "%"):
+            divisions.append(node)
+            return f"divide({source(node.left)}, {source(node.right)}, {len(divisions) - 1})"
+        return f"({source(node.left)} {node.op} {source(node.right)})"
 
-    return value
+    def divide(left: int, right: int, which: int) -> int:
+        node = divisions[which]
+        if right == 0:
+            raise LayoutValueError(f"division by zero in '{node.op}'", node.span)
+        return left // right if node.op == "//" else left % right
+
+    return eval(f"lambda captures: {source(expr)}", {"divide": divide})  # noqa: S307 - built from the AST above
 
 
 # ----------------------------------------------------------------------- loading
@@ -166,6 +196,8 @@ class _Elaborator:
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
         if real in self.included:
             return  # each file is read once, so presets can be included from several places
+        if os.path.isdir(real):
+            raise LayoutIncludeError(f"cannot include '{node.path}': it is a directory ({display})", node.span)
         if not os.path.isfile(real):
             raise LayoutIncludeError(
                 f"cannot include '{node.path}': no such file ({display})",
@@ -212,6 +244,8 @@ class _Elaborator:
             if entry.key in values:
                 raise LayoutNameError(f"topology setting '{entry.key}' is given twice", entry.span)
             units = _TOPOLOGY_KEYS[entry.key]
+            if not math.isfinite(entry.value):
+                raise LayoutValueError(f"'{entry.key}' = {entry.value} is not a finite number", entry.span)
             if units is None:
                 if entry.unit is not None or entry.value != int(entry.value) or entry.value < 1:
                     raise LayoutValueError(f"'{entry.key}' is a whole number of ranks, at least 1", entry.span)
@@ -240,6 +274,13 @@ class _Elaborator:
                     f"axis '{axis.name}' of mesh '{node.name}' has size {size}; sizes are at least 1", axis.span
                 )
             axes.append((axis.name, size))
+        positions = math.prod(size for _, size in axes)
+        if positions > MAX_MESH_RANKS:
+            largest = max(node.axes, key=lambda a: dict(axes)[a.name])
+            raise LayoutValueError(
+                f"mesh '{node.name}' has {positions} positions; a mesh has at most {MAX_MESH_RANKS} ranks",
+                largest.span,
+            )
         ranks = None
         if node.ranks is not None:
             ranks = []
@@ -248,9 +289,19 @@ class _Elaborator:
                     start, stop = evaluate(item.start, self.constants), evaluate(item.stop, self.constants)
                     if stop < start:
                         raise LayoutValueError(f"empty rank range {start}..{stop} (both ends are included)", item.span)
+                    if len(ranks) + stop - start + 1 > positions:  # before building a huge list
+                        shape = " x ".join(f"{a}={s}" for a, s in axes)
+                        raise LayoutValueError(
+                            f"mesh '{node.name}' ({shape}) has {positions} positions but more ranks "
+                            f"(the range {start}..{stop} alone has {stop - start + 1})",
+                            item.span,
+                        )
                     ranks.extend(range(start, stop + 1))
                 else:
                     ranks.append(evaluate(item, self.constants))
+            for rank in ranks:
+                if rank > _INT64_MAX:
+                    raise LayoutValueError(f"mesh '{node.name}' lists rank {rank}, which is too large", node.ranks_span)
         try:
             self.meshes[node.name] = Mesh(node.name, axes, ranks)
         except LayoutError as err:
@@ -271,6 +322,10 @@ class _Elaborator:
         for d, n in enumerate(shape):
             if n < 0:
                 raise LayoutValueError(f"tensor '{name}' has negative size {n} in dim {d}", span)
+        if any(n > _INT64_MAX for n in shape) or math.prod(shape) * itemsize(dtype) > _INT64_MAX:
+            raise LayoutValueError(
+                f"tensor '{name}' of shape {list(shape)} is too large (more than 2**63 - 1 bytes)", span
+            )
         self.tensors[name] = LogicalTensor(name, shape, dtype)
         self.tensor_spans[name] = span
 
@@ -299,6 +354,13 @@ class _Elaborator:
             if stop < start:
                 raise LayoutValueError(f"empty range {start}..{stop} (both ends are included)", b.range.span)
             ranges.append(range(start, stop + 1))
+        count = math.prod(len(r) for r in ranges)
+        if count > MAX_GENERATED_TENSORS:
+            raise LayoutValueError(
+                f"the 'for' clause of tensor '{node.name}' generates {count} tensors; at most "
+                f"{MAX_GENERATED_TENSORS} per statement",
+                max(node.bindings, key=lambda b: len(ranges[node.bindings.index(b)])).span,
+            )
         for values in itertools.product(*ranges):
             env = {**self.constants, **dict(zip(names, values))}
             name = re.sub(r"\{([^}]*)\}", lambda m: str(env[m.group(1)]), node.name)
@@ -381,11 +443,11 @@ class _Elaborator:
 
         for entry in decl.entries:
             if isinstance(entry, ast.SelectEntry):
-                claim(entry.axis, entry.span)
+                claim(entry.axis, entry.axis_span or entry.span)
                 submesh[entry.axis] = _closure(entry.index, self.constants, set(captures))
                 continue
-            for axis in entry.axes:
-                claim(axis, entry.span)
+            for i, axis in enumerate(entry.axes):
+                claim(axis, entry.axis_spans[i] if i < len(entry.axis_spans) else entry.span)
             if isinstance(entry.placement, ast.ReplicateExpr):
                 if entry.ordered:
                     raise LayoutValueError("an explicit order of axes applies to shard(...), not replicate", entry.span)
@@ -428,6 +490,8 @@ class _Elaborator:
             value = evaluate(option.value, self.constants)
             if value < 1:
                 raise LayoutValueError(f"shard option '{option.name}' must be at least 1, not {value}", option.span)
+            if value > _INT32_MAX:
+                raise LayoutValueError(f"shard option '{option.name}' is {value}; at most {_INT32_MAX}", option.span)
             options[option.name] = value
         return Shard(dim, **options)
 
@@ -441,6 +505,8 @@ class _Elaborator:
                     )
         name_fn = self._name_template(decl.name, decl.name_span, set(first_captures))
         shape = tuple(evaluate(e, self.constants) for e in decl.shape) if decl.shape is not None else None
+        if shape is not None and any(n < 0 or n > _INT64_MAX for n in shape):
+            raise LayoutValueError(f"storage '{decl.name}' is declared with an impossible shape {list(shape)}", decl.span)
         dim = evaluate(decl.along, self.constants) if decl.along is not None else 0
         if dim < 0:
             raise LayoutValueError(f"storage '{decl.name}' fuses along dim {dim}; dims start at 0", decl.span)
@@ -453,6 +519,8 @@ class _Elaborator:
                 )
             if any(b < 1 for b in blocks):
                 raise LayoutValueError(f"storage '{decl.name}': block sizes must be at least 1", decl.span)
+            if any(b > _INT64_MAX for b in blocks):
+                raise LayoutValueError(f"storage '{decl.name}': block size {max(blocks)} is too large", decl.span)
         return StorageRule(decl.name, tuple(p for p, _ in decl.parts), dim, blocks, shape, name_fn, decl.span)
 
     def _name_template(self, template: str, span: Span, captures: set[str]) -> Callable[[Mapping[str, int]], str]:
@@ -553,11 +621,14 @@ def read_source(path: str | os.PathLike[str], display: str | None = None) -> str
         raise LayoutSyntaxError(f"{display} is a directory, not a .layout file") from None
     except OSError as err:
         raise LayoutSyntaxError(f"cannot read {display}: {err.strerror}") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark, as some editors write
+        data = data[3:]
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         line = data.count(b"\n", 0, err.start) + 1
-        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        line_start = data.rfind(b"\n", 0, err.start) + 1
+        column = len(data[line_start : err.start].decode("utf-8")) + 1  # in characters, as lark counts
         text = data.decode("utf-8", errors="replace").splitlines()
         source = text[line - 1] if line <= len(text) else ""
         raise LayoutSyntaxError(

@@ -503,30 +503,39 @@ class _Resolved:
         self.layout = layout
         self.names = list(layout.tensors)
         self.index = {n: i for i, n in enumerate(self.names)}
-        self.placements: list[TensorPlacement] = []
         self.rule_of: list[Rule] = []
+        self.submesh_of: list[tuple[tuple[str, int], ...]] = []
+        self.spec_of: list[int] = []
+        self.specs: list[tuple] = []
         self.storages: list[Storage] = []
         self.storage_of: list[int] = []
         self.storage_index: dict[str, list[int]] = {}
         self._sid_of: dict[str, int] = {}
+        self._axis_sizes = dict(layout.mesh.axes)
         self._resolve_rules()
         self._resolve_storages()
         self.core = self._compile()
 
+    def placement(self, index: int) -> TensorPlacement:
+        rule = self.rule_of[index]
+        return TensorPlacement(self.layout.mesh, self._placements(rule), self.submesh_of[index], tuple(rule.order))
+
     # -- rules
     def _resolve_rules(self) -> None:
         layout = self.layout
-        rules = sorted(
-            enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0])
-        )
+        rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
         compiled = [(r, compile_pattern(r.pattern) if r.pattern is not None else None) for _, r in rules]
         # Names that differ only in their digits match the same rules when no pattern has a
         # literal digit (captures match whole digit runs), so the search is cached by skeleton.
         cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
         by_skeleton: dict[str, int] = {}
+        # A spec depends only on the rule and the number of dims; sub-mesh coordinates vary.
+        spec_of_rule: dict[tuple[int, int], int] = {}
+        spec_ids: dict[tuple, int] = {}
+        digits = re.compile(r"[0-9]+")
         for name in self.names:
             tensor = layout.tensors[name]
-            key = re.sub(r"[0-9]+", "#", name) if cacheable else None
+            key = digits.sub("#", name) if cacheable else None
             chosen = by_skeleton.get(key) if key is not None else None
             if chosen is None:
                 chosen = self._choose_rule(name, compiled)
@@ -535,10 +544,17 @@ class _Resolved:
             rule, regex = compiled[chosen]
             captures: dict[str, int] = {}
             if regex is not None:
-                match = regex.fullmatch(name)
-                captures = {k: int(v) for k, v in match.groupdict().items()}
+                captures = {k: int(v) for k, v in regex.fullmatch(name).groupdict().items()}
+            ndim = len(tensor.shape)
+            sid = spec_of_rule.get((chosen, ndim))
+            if sid is None:
+                spec = self._spec(rule, name, ndim)
+                sid = spec_of_rule[(chosen, ndim)] = spec_ids.setdefault(spec, len(spec_ids))
+                if sid == len(self.specs):
+                    self.specs.append(spec)
             self.rule_of.append(rule)
-            self.placements.append(self._placement(tensor, rule, captures))
+            self.spec_of.append(sid)
+            self.submesh_of.append(self._submesh(name, rule, captures))
 
     def _choose_rule(self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]]) -> int:
         found: int | None = None
@@ -564,29 +580,34 @@ class _Resolved:
             )
         return found
 
-    def _placement(self, tensor: LogicalTensor, rule: Rule, captures: dict[str, int]) -> TensorPlacement:
-        mesh = self.layout.mesh
+    def _placements(self, rule: Rule) -> tuple[Placement, ...]:
         placed = dict(rule.placements)
-        placements = tuple(placed.get(axis, Replicate()) for axis in mesh.axis_names)
+        return tuple(placed.get(axis, Replicate()) for axis in self.layout.mesh.axis_names)
+
+    def _spec(self, rule: Rule, tensor: str, ndim: int) -> tuple:
+        # Only the names of the sub-mesh axes matter to the spec (their placements are ignored).
+        axes_only = tuple((axis, 0) for axis, _ in rule.submesh)
+        placement = TensorPlacement(self.layout.mesh, self._placements(rule), axes_only, tuple(rule.order))
+        try:
+            return placement.spec(ndim, tensor)
+        except LayoutError as err:
+            raise err.with_span(rule.span)
+
+    def _submesh(self, tensor: str, rule: Rule, captures: dict[str, int]) -> tuple[tuple[str, int], ...]:
+        sizes = self._axis_sizes
         submesh = []
         for axis, index in rule.submesh:
             value = index(captures) if callable(index) else int(index)
-            size = mesh.axis_size(axis)
+            size = sizes[axis]
             if not 0 <= value < size:
                 shown = ", ".join(f"{k}={v}" for k, v in captures.items())
                 raise LayoutValueError(
                     f"sub-mesh index {value} is out of range for axis '{axis}' of size {size} "
-                    f"(tensor '{tensor.name}'{', ' + shown if shown else ''})",
+                    f"(tensor '{tensor}'{', ' + shown if shown else ''})",
                     rule.span,
                 )
             submesh.append((axis, value))
-        order = tuple(rule.order)
-        placement = TensorPlacement(mesh, placements, tuple(submesh), order)
-        try:
-            placement.spec(len(tensor.shape), tensor.name)
-        except LayoutError as err:
-            raise err.with_span(rule.span)
-        return placement
+        return tuple(submesh)
 
     # -- storages
     def _resolve_storages(self) -> None:
@@ -651,25 +672,21 @@ class _Resolved:
     # -- core
     def _compile(self):
         layout = self.layout
-        spec_ids: dict[Any, int] = {}
-        specs = []
+        mesh = layout.mesh
+        axis_of = {a: i for i, a in enumerate(mesh.axis_names)}
         tensors = []
         for i, name in enumerate(self.names):
             tensor = layout.tensors[name]
-            placement = self.placements[i]
-            spec = placement.spec(len(tensor.shape), name)
-            sid = spec_ids.get(spec)
-            if sid is None:
-                sid = spec_ids[spec] = len(specs)
-                specs.append(spec)
-            tensors.append(
-                (list(tensor.shape), sid, placement.fixed_coords(name), self.storage_of[i], itemsize(tensor.dtype))
-            )
+            fixed = [-1] * len(axis_of)
+            for axis, value in self.submesh_of[i]:
+                fixed[axis_of[axis]] = value
+            tensors.append((list(tensor.shape), self.spec_of[i], fixed, self.storage_of[i], itemsize(tensor.dtype)))
         storages = [
             (s.dim, [self.index[p] for p in s.parts], list(s.blocks or ()), list(s.shape or ()))
             for s in self.storages
         ]
-        return _core.LayoutCore(list(layout.mesh.shape), list(layout.mesh.ranks), [list(s) for s in specs], tensors, storages)
+        specs = [[(pad, list(splits)) for pad, splits in spec] for spec in self.specs]
+        return _core.LayoutCore(list(mesh.shape), list(mesh.ranks), specs, tensors, storages)
 
 
 @attrs.frozen(eq=False)
@@ -721,7 +738,8 @@ class Layout:
         return found
 
     def placement(self, tensor: str) -> TensorPlacement:
-        return self.resolved.placements[self._tensor_index(tensor)]
+        """Where ``tensor`` lives: its placements per axis and its sub-mesh coordinates."""
+        return self.resolved.placement(self._tensor_index(tensor))
 
     def rule_for(self, tensor: str) -> Rule:
         return self.resolved.rule_of[self._tensor_index(tensor)]
