@@ -1,6 +1,7 @@
 // The only file that knows Python: converts plain Python values to the core's arrays and
 // back, and maps the core's exceptions to layoutlang.errors (one translator).
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "layout_core.hpp"
+#include "planner.hpp"
 #include "shard_math.hpp"
 
 namespace nb = nanobind;
@@ -65,6 +67,24 @@ void make_core(
   new (self) LayoutCore(std::move(axis_sizes), std::move(ranks), std::move(core_specs),
                         std::move(core_tensors), std::move(core_storages));
 }
+
+template <class T>
+using Column = nb::ndarray<nb::numpy, const T, nb::ndim<1>>;
+
+// A read-only numpy view of a plan column; the plan object stays alive while it is used.
+template <class T>
+Column<T> view(const std::vector<T>& column, nb::handle owner) {
+  const std::size_t shape[1] = {column.size()};
+  return Column<T>(column.data(), 1, shape, owner);
+}
+
+template <class T>
+std::vector<T> copy(const nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>& array) {
+  return std::vector<T>(array.data(), array.data() + array.shape(0));
+}
+
+#define PLAN_COLUMN(type, name) \
+  def_prop_ro(#name, [](nb::handle self) { return view<type>(nb::cast<const PlanData&>(self).name, self); })
 
 }  // namespace
 
@@ -167,5 +187,69 @@ NB_MODULE(_core, m) {
             }
             return out;
           },
-          "Per rank: (rank, tensors, boxes, elements, bytes), from every box of every tensor.");
+          "Per rank: (rank, tensors, boxes, elements, bytes), from every box of every tensor.")
+      .def(
+          "locate",
+          [](const LayoutCore& core, int32_t tensor, int64_t rank, const Shape& offsets) -> std::optional<Shape> {
+            if (offsets.size() != core.tensor(tensor).shape.size()) throw CoreValueError("one offset per dim");
+            Shape out(offsets.size());
+            if (!core.locate(tensor, rank, offsets.data(), out.data())) return std::nullopt;
+            return out;
+          },
+          nb::arg("tensor"), nb::arg("rank"), nb::arg("offsets"),
+          "Place in the rank's storage of the element at `offsets`, or None when not held.");
+
+  using I32 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  using I64 = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+  using U8 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+  nb::class_<PlanData>(m, "PlanArrays", "A plan's columns (read-only numpy views).")
+      .def("__init__",
+           [](PlanData* self, I32 region_tensor, I64 region_dims_start, I64 region_offsets, I64 region_sizes,
+              I64 region_bytes, I32 move_region, I32 move_src, I32 move_dst, I32 move_bucket, U8 move_kind,
+              U8 move_stage, U8 move_src_space, U8 move_dst_space, int32_t num_buckets, int64_t lower_bound_bytes,
+              int64_t broadcast_payload_bytes) {
+             new (self) PlanData{copy(region_tensor), copy(region_dims_start), copy(region_offsets),
+                                 copy(region_sizes),  copy(region_bytes),      copy(move_region),
+                                 copy(move_src),      copy(move_dst),          copy(move_bucket),
+                                 copy(move_kind),     copy(move_stage),        copy(move_src_space),
+                                 copy(move_dst_space), num_buckets,           lower_bound_bytes,
+                                 broadcast_payload_bytes};
+           })
+      .PLAN_COLUMN(int32_t, region_tensor)
+      .PLAN_COLUMN(int64_t, region_dims_start)
+      .PLAN_COLUMN(int64_t, region_offsets)
+      .PLAN_COLUMN(int64_t, region_sizes)
+      .PLAN_COLUMN(int64_t, region_bytes)
+      .PLAN_COLUMN(int32_t, move_region)
+      .PLAN_COLUMN(int32_t, move_src)
+      .PLAN_COLUMN(int32_t, move_dst)
+      .PLAN_COLUMN(int32_t, move_bucket)
+      .PLAN_COLUMN(uint8_t, move_kind)
+      .PLAN_COLUMN(uint8_t, move_stage)
+      .PLAN_COLUMN(uint8_t, move_src_space)
+      .PLAN_COLUMN(uint8_t, move_dst_space)
+      .def_ro("num_buckets", &PlanData::num_buckets)
+      .def_ro("lower_bound_bytes", &PlanData::lower_bound_bytes)
+      .def_ro("broadcast_payload_bytes", &PlanData::broadcast_payload_bytes);
+
+  m.def(
+      "build_plan",
+      [](const LayoutCore& source, const LayoutCore& destination, const std::vector<uint8_t>& policies,
+         int64_t domain_size, int64_t bucket_bytes) {
+        nb::gil_scoped_release release;
+        return build_plan(source, destination, policies, PlanOptions{domain_size, bucket_bytes});
+      },
+      nb::arg("source"), nb::arg("destination"), nb::arg("policies"), nb::arg("domain_size"),
+      nb::arg("bucket_bytes"), "Compile the plan that turns the source layout into the destination layout.");
+
+  m.def(
+      "validate_plan",
+      [](const PlanData& plan, const LayoutCore& source, const LayoutCore& destination, int64_t domain_size,
+         int64_t bucket_bytes, std::size_t max_problems) {
+        nb::gil_scoped_release release;
+        return validate_plan(plan, source, destination, PlanOptions{domain_size, bucket_bytes}, max_problems);
+      },
+      nb::arg("plan"), nb::arg("source"), nb::arg("destination"), nb::arg("domain_size"), nb::arg("bucket_bytes"),
+      nb::arg("max_problems") = 20, "Problems with the plan (empty when it is valid).");
 }

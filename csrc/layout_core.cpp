@@ -1,5 +1,6 @@
 #include "layout_core.hpp"
 
+#include <algorithm>
 #include <numeric>
 #include <sstream>
 
@@ -15,6 +16,18 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 }
 
 }  // namespace
+
+Interleave interleave_of(const StorageEntry& s, int32_t tensor) {
+  Interleave il;
+  for (std::size_t p = 0; p < s.parts.size(); ++p) {
+    if (s.parts[p] == tensor) {
+      il.block = s.block_sizes[p];
+      il.prefix = il.group_stride;
+    }
+    il.group_stride += s.block_sizes[p];
+  }
+  return il;
+}
 
 LayoutCore::LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ranks,
                        std::vector<ShardSpec> specs, std::vector<TensorEntry> tensors,
@@ -144,20 +157,9 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
     if (shard.runs[d].empty()) return;  // an empty shard holds no box
   }
 
-  int64_t base = 0, block = 0, group_stride = 0, prefix = 0;
   const bool interleaved = !s.block_sizes.empty();
-  if (interleaved) {
-    group_stride = std::accumulate(s.block_sizes.begin(), s.block_sizes.end(), int64_t{0});
-    for (std::size_t p = 0; p < s.parts.size(); ++p) {
-      if (s.parts[p] == tensor) {
-        block = s.block_sizes[p];
-        break;
-      }
-      prefix += s.block_sizes[p];
-    }
-  } else {
-    base = part_base(t.storage, tensor, index);
-  }
+  const Interleave il = interleaved ? interleave_of(s, tensor) : Interleave{};
+  const int64_t base = interleaved ? 0 : part_base(t.storage, tensor, index);
 
   // Cartesian product of the runs of every dim (odometer over run indices).
   std::vector<std::size_t> pick(ndim, 0);
@@ -181,12 +183,12 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
       const int64_t local_stop = local_start + box.sizes[dim];
       int64_t pos = local_start;
       while (pos < local_stop) {
-        const int64_t group = pos / block;
-        const int64_t stop = std::min(local_stop, (group + 1) * block);
+        const int64_t group = pos / il.block;
+        const int64_t stop = std::min(local_stop, (group + 1) * il.block);
         BoxRecord piece = box;
         piece.offsets[dim] = box.offsets[dim] + (pos - local_start);
         piece.sizes[dim] = stop - pos;
-        piece.storage_offsets[dim] = group * group_stride + prefix + (pos - group * block);
+        piece.storage_offsets[dim] = group * il.group_stride + il.prefix + (pos - group * il.block);
         out.push_back(std::move(piece));
         pos = stop;
       }
@@ -208,6 +210,36 @@ void LayoutCore::boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out
   LocalShard shard;
   if (index < 0 || !local_shard(tensor, index, shard)) return;
   boxes_at(tensor, index, shard, out);
+}
+
+bool LayoutCore::locate(int32_t tensor, int64_t rank, const int64_t* offsets,
+                        int64_t* storage_offsets) const {
+  const int64_t index = mesh_index(rank);
+  LocalShard shard;
+  if (index < 0 || !local_shard(tensor, index, shard)) return false;
+  const std::size_t ndim = shard.runs.size();
+  for (std::size_t d = 0; d < ndim; ++d) {
+    bool found = false;
+    for (const Run& run : shard.runs[d]) {
+      if (offsets[d] >= run.global_start && offsets[d] < run.global_start + run.length) {
+        storage_offsets[d] = run.local_start + (offsets[d] - run.global_start);
+        found = true;
+        break;
+      }
+    }
+    if (!found) return false;
+  }
+  const TensorEntry& t = tensors_[tensor];
+  const StorageEntry& s = storages_[t.storage];
+  const std::size_t dim = static_cast<std::size_t>(s.dim);
+  if (s.block_sizes.empty()) {
+    storage_offsets[dim] += part_base(t.storage, tensor, index);
+    return true;
+  }
+  const Interleave il = interleave_of(s, tensor);
+  const int64_t local = storage_offsets[dim];
+  storage_offsets[dim] = (local / il.block) * il.group_stride + il.prefix + local % il.block;
+  return true;
 }
 
 bool LayoutCore::storage_shape(int32_t storage, int64_t rank, std::vector<int64_t>& shape) const {

@@ -35,6 +35,15 @@ struct StorageEntry {
   std::vector<int64_t> declared_shape;  // empty: not declared; otherwise checked on every rank
 };
 
+// Where part `tensor` of an interleaved storage goes: block b of the part (block elements
+// along the storage dim) starts at b * group_stride + prefix.
+struct Interleave {
+  int64_t block = 1;
+  int64_t prefix = 0;
+  int64_t group_stride = 0;
+};
+Interleave interleave_of(const StorageEntry& storage, int32_t tensor);
+
 // One box: offsets and sizes in the logical tensor, offsets in the storage (same sizes).
 struct BoxRecord {
   std::vector<int64_t> offsets;
@@ -55,6 +64,13 @@ struct RankSummary {
   int64_t elements = 0;
   int64_t bytes = 0;
   int64_t tensors = 0;
+};
+
+// What one rank holds of one tensor: its local shape and, per dim, the runs of global
+// indices it holds in local order.
+struct Holding {
+  std::vector<int64_t> shape;
+  std::vector<std::vector<Run>> runs;  // per dim
 };
 
 class LayoutCore {
@@ -79,19 +95,26 @@ class LayoutCore {
   // Boxes of `tensor` on `rank`, with their places in the storage; empty when not held.
   void boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out) const;
 
+  // Where a region (inside one box of the rank) sits in the rank's storage; false when the
+  // rank does not hold the region's first element.
+  bool locate(int32_t tensor, int64_t rank, const int64_t* offsets, int64_t* storage_offsets) const;
+
+  const TensorEntry& tensor(int32_t t) const { return tensors_[t]; }
+  const StorageEntry& storage(int32_t s) const { return storages_[s]; }
+  const ShardSpec& spec(int32_t s) const { return specs_[s]; }
+  // Row-major coordinates of the mesh position `index`.
+  const int64_t* coords(int64_t index) const { return &coords_[index * axis_sizes_.size()]; }
+  bool holds_index(int32_t tensor, int64_t index) const;
+  bool holding(int32_t tensor, int64_t index, Holding& out) const { return local_shard(tensor, index, out); }
+
   // Every storage on every rank it exists on: shapes agree, blocks divide, declared shapes hold.
   std::vector<Problem> validate(std::size_t max_problems) const;
   // Every box of every tensor on every rank, counted per rank.
   std::vector<RankSummary> summarize() const;
 
  private:
-  struct LocalShard {
-    std::vector<int64_t> shape;
-    std::vector<std::vector<Run>> runs;  // per dim
-  };
+  using LocalShard = Holding;
   bool local_shard(int32_t tensor, int64_t index, LocalShard& out) const;
-  bool holds_index(int32_t tensor, int64_t index) const;
-  // Offset of `part` along the storage dim and whether the part is interleaved.
   void boxes_at(int32_t tensor, int64_t index, const LocalShard& shard,
                 std::vector<BoxRecord>& out) const;
   int64_t part_base(int32_t storage, int32_t tensor, int64_t index) const;

@@ -1,0 +1,730 @@
+#include "planner.hpp"
+
+#include <algorithm>
+#include <numeric>
+#include <string>
+
+namespace layoutlang {
+namespace {
+
+// Replica groups of each tensor, computed once per (spec, shape, sub-mesh): tensors that
+// share them (every expert of a layer, every layer's projections) reuse the same groups.
+class GroupCache {
+ public:
+  explicit GroupCache(const LayoutCore& layout) : layout_(layout) {}
+
+  const std::vector<HoldingGroup>& groups(int32_t tensor) {
+    const TensorEntry& entry = layout_.tensor(tensor);
+    key_.clear();
+    key_.push_back(entry.spec);
+    key_.push_back(static_cast<int64_t>(entry.shape.size()));
+    key_.insert(key_.end(), entry.shape.begin(), entry.shape.end());
+    key_.insert(key_.end(), entry.fixed.begin(), entry.fixed.end());
+    auto found = cache_.find(key_);
+    if (found != cache_.end()) return found->second;
+    return cache_.emplace(key_, compute(tensor)).first->second;
+  }
+
+ private:
+  std::vector<HoldingGroup> compute(int32_t tensor) const {
+    const TensorEntry& entry = layout_.tensor(tensor);
+    const ShardSpec& spec = layout_.spec(entry.spec);
+    const std::vector<int64_t>& sizes = layout_.axis_sizes();
+    std::map<std::vector<int64_t>, std::size_t> group_of;
+    std::vector<HoldingGroup> groups;
+    std::vector<int64_t> split_key;
+    Holding holding;
+    for (std::size_t index = 0; index < layout_.ranks().size(); ++index) {
+      const auto idx = static_cast<int64_t>(index);
+      if (!layout_.holds_index(tensor, idx)) continue;
+      // Ranks that pick the same chunk at every split hold exactly the same runs.
+      const int64_t* coords = layout_.coords(idx);
+      split_key.clear();
+      for (const DimSpec& dim : spec) {
+        for (const Split& split : dim.splits) {
+          const int64_t size = sizes[split.axis];
+          const int64_t pieces = split.pieces > 0 ? split.pieces : size;
+          split_key.push_back(coords[split.axis] / (size / pieces));
+        }
+      }
+      auto [it, inserted] = group_of.emplace(split_key, groups.size());
+      if (inserted) {
+        layout_.holding(tensor, idx, holding);
+        groups.push_back(HoldingGroup{holding.runs, {}});
+      }
+      groups[it->second].ranks.push_back(layout_.ranks()[index]);
+    }
+    for (HoldingGroup& g : groups) std::sort(g.ranks.begin(), g.ranks.end());
+    return groups;
+  }
+
+  const LayoutCore& layout_;
+  std::map<std::vector<int64_t>, std::vector<HoldingGroup>> cache_;
+  std::vector<int64_t> key_;
+};
+
+// A piece of one dim: global run plus its local position on each side.
+struct Piece {
+  int64_t global_start;
+  int64_t length;
+  int64_t src_local;
+  int64_t dst_local;
+};
+
+int64_t runs_length(const std::vector<Run>& runs) {
+  int64_t n = 0;
+  for (const Run& r : runs) n += r.length;
+  return n;
+}
+
+// Cuts pieces where the local position (source or destination side) crosses a multiple of
+// `block`, so every piece lands in one block of an interleaved storage.
+void cut_at_blocks(std::vector<Piece>& pieces, int64_t block, bool source_side) {
+  std::vector<Piece> out;
+  for (const Piece& p : pieces) {
+    int64_t done = 0;
+    while (done < p.length) {
+      const int64_t local = (source_side ? p.src_local : p.dst_local) + done;
+      const int64_t room = block - local % block;
+      const int64_t take = std::min(room, p.length - done);
+      out.push_back(Piece{p.global_start + done, take, p.src_local + done, p.dst_local + done});
+      done += take;
+    }
+  }
+  pieces.swap(out);
+}
+
+class Builder {
+ public:
+  Builder(const LayoutCore& src, const LayoutCore& dst, const std::vector<uint8_t>& policies,
+          const PlanOptions& options)
+      : src_(src), dst_(dst), policies_(policies), options_(options), src_groups_(src), dst_groups_(dst) {
+    int64_t max_rank = 0;
+    for (int64_t r : src.ranks()) max_rank = std::max(max_rank, r);
+    for (int64_t r : dst.ranks()) max_rank = std::max(max_rank, r);
+    const auto n = static_cast<std::size_t>(max_rank + 1);
+    net_send_.assign(n, 0);
+    net_recv_.assign(n, 0);
+    domain_send_.assign(n, 0);
+    root_load_.assign(n, 0);
+    src_group_of_rank_.assign(n, -1);
+    if (options_.domain_size < 1) throw CoreValueError("domain size must be at least 1");
+    if (options_.bucket_bytes < 1) throw CoreValueError("bucket size must be at least 1 byte");
+  }
+
+  PlanData build() {
+    if (src_.num_tensors() != dst_.num_tensors() || policies_.size() != src_.num_tensors()) {
+      throw CoreValueError("source and destination layouts cover different tensors");
+    }
+    // Every destination rank of every tensor gets at least one move: reserve that much up
+    // front, since growing columns of millions of moves costs more than planning them.
+    std::size_t expected_moves = 0, expected_regions = 0, expected_dims = 0;
+    for (std::size_t t = 0; t < src_.num_tensors(); ++t) {
+      const auto tid = static_cast<int32_t>(t);
+      if (src_.tensor(tid).shape != dst_.tensor(tid).shape) {
+        throw CoreValueError("tensor " + std::to_string(t) + " has different shapes in the two layouts");
+      }
+      for (const HoldingGroup& g : dst_groups_.groups(tid)) {
+        expected_moves += g.ranks.size();
+        expected_regions += 1;
+      }
+      expected_dims += src_.tensor(tid).shape.size() * dst_groups_.groups(tid).size();
+    }
+    reserve(expected_moves, expected_regions, expected_dims);
+    for (std::size_t t = 0; t < src_.num_tensors(); ++t) plan_tensor(static_cast<int32_t>(t));
+    assign_buckets();
+    return std::move(plan_);
+  }
+
+ private:
+  int64_t domain(int64_t rank) const { return rank / options_.domain_size; }
+
+  void reserve(std::size_t moves, std::size_t regions, std::size_t dims) {
+    for (auto* column : {&plan_.move_region, &plan_.move_src, &plan_.move_dst}) column->reserve(moves);
+    for (auto* column : {&plan_.move_kind, &plan_.move_stage, &plan_.move_src_space, &plan_.move_dst_space}) {
+      column->reserve(moves);
+    }
+    plan_.region_tensor.reserve(regions);
+    plan_.region_dims_start.reserve(regions);
+    plan_.region_bytes.reserve(regions);
+    plan_.region_offsets.reserve(dims);
+    plan_.region_sizes.reserve(dims);
+  }
+
+  // ---------------------------------------------------------------- regions
+  int32_t add_region(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
+    const auto id = static_cast<int32_t>(plan_.region_tensor.size());
+    plan_.region_tensor.push_back(tensor);
+    plan_.region_dims_start.push_back(static_cast<int64_t>(plan_.region_offsets.size()));
+    plan_.region_offsets.insert(plan_.region_offsets.end(), offsets.begin(), offsets.end());
+    plan_.region_sizes.insert(plan_.region_sizes.end(), sizes.begin(), sizes.end());
+    int64_t bytes = src_.tensor(tensor).itemsize;
+    for (int64_t s : sizes) bytes *= s;
+    plan_.region_bytes.push_back(bytes);
+    return id;
+  }
+
+  // Splits a box into slabs of at most bucket_bytes (a tensor larger than a bucket is cut,
+  // never refused) and calls `emit(region id)` for each slab.
+  template <class Emit>
+  void slabs(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes, Emit emit) {
+    const int64_t itemsize = src_.tensor(tensor).itemsize;
+    const std::size_t ndim = sizes.size();
+    int64_t bytes = itemsize;
+    for (int64_t s : sizes) bytes *= s;
+    if (bytes <= options_.bucket_bytes || ndim == 0) {
+      emit(add_region(tensor, offsets, sizes));
+      return;
+    }
+    // The outermost dim whose inner block fits: slabs of whole inner blocks along it.
+    std::size_t cut = ndim - 1;
+    int64_t inner = itemsize;
+    for (std::size_t d = ndim; d-- > 0;) {
+      if (inner * sizes[d] > options_.bucket_bytes) {
+        cut = d;
+        break;
+      }
+      inner *= sizes[d];
+    }
+    const int64_t rows = std::max<int64_t>(1, options_.bucket_bytes / inner);
+    std::vector<int64_t> at(offsets), size(sizes);
+    std::vector<int64_t> outer(cut, 0);  // odometer over the dims before `cut`, one index each
+    for (std::size_t d = 0; d < cut; ++d) size[d] = 1;
+    while (true) {
+      for (std::size_t d = 0; d < cut; ++d) at[d] = offsets[d] + outer[d];
+      for (int64_t row = 0; row < sizes[cut]; row += rows) {
+        at[cut] = offsets[cut] + row;
+        size[cut] = std::min(rows, sizes[cut] - row);
+        emit(add_region(tensor, at, size));
+      }
+      std::size_t d = cut;
+      while (d > 0) {
+        --d;
+        if (++outer[d] < sizes[d]) break;
+        outer[d] = 0;
+        if (d == 0) return;
+      }
+      if (cut == 0) return;
+    }
+  }
+
+  // Per dim pieces of a group's own runs (for gather and extraction).
+  static std::vector<std::vector<Piece>> own_pieces(const HoldingGroup& g) {
+    std::vector<std::vector<Piece>> pieces(g.runs.size());
+    for (std::size_t d = 0; d < g.runs.size(); ++d) {
+      for (const Run& r : g.runs[d]) pieces[d].push_back(Piece{r.global_start, r.length, r.local_start, r.local_start});
+    }
+    return pieces;
+  }
+
+  // Every box of the product of per-dim pieces.
+  template <class Emit>
+  void product(int32_t tensor, const std::vector<std::vector<Piece>>& pieces, Emit emit) {
+    const std::size_t ndim = pieces.size();
+    for (const auto& p : pieces) {
+      if (p.empty()) return;
+    }
+    std::vector<std::size_t> pick(ndim, 0);
+    std::vector<int64_t> offsets(ndim), sizes(ndim);
+    while (true) {
+      for (std::size_t d = 0; d < ndim; ++d) {
+        offsets[d] = pieces[d][pick[d]].global_start;
+        sizes[d] = pieces[d][pick[d]].length;
+      }
+      slabs(tensor, offsets, sizes, emit);
+      std::size_t d = ndim;
+      while (d > 0) {
+        --d;
+        if (++pick[d] < pieces[d].size()) break;
+        pick[d] = 0;
+        if (d == 0) return;
+      }
+      if (ndim == 0) return;
+    }
+  }
+
+  void interleave_cuts(int32_t tensor, std::vector<std::vector<Piece>>& pieces, bool cut_src, bool cut_dst) {
+    const std::pair<const LayoutCore*, bool> sides[] = {{&src_, true}, {&dst_, false}};
+    for (const auto& [layout, source_side] : sides) {
+      if (source_side ? !cut_src : !cut_dst) continue;
+      const StorageEntry& storage = layout->storage(layout->tensor(tensor).storage);
+      if (storage.block_sizes.empty()) continue;
+      const auto dim = static_cast<std::size_t>(storage.dim);
+      if (dim < pieces.size()) cut_at_blocks(pieces[dim], interleave_of(storage, tensor).block, source_side);
+    }
+  }
+
+  // ------------------------------------------------------------------ moves
+  void add_move(int32_t region, int64_t src, int64_t dst, uint8_t kind, uint8_t stage, uint8_t src_space,
+                uint8_t dst_space) {
+    plan_.move_region.push_back(region);
+    plan_.move_src.push_back(static_cast<int32_t>(src));
+    plan_.move_dst.push_back(static_cast<int32_t>(dst));
+    plan_.move_kind.push_back(kind);
+    plan_.move_stage.push_back(stage);
+    plan_.move_src_space.push_back(src_space);
+    plan_.move_dst_space.push_back(dst_space);
+  }
+
+  static int64_t least_loaded(const std::vector<int64_t>& candidates, const std::vector<int64_t>& load) {
+    int64_t best = candidates.front();
+    for (int64_t r : candidates) {
+      if (load[r] < load[best]) best = r;
+    }
+    return best;
+  }
+
+  // Delivers one region held by `sources` (ascending) to `needy` (ascending): a local copy
+  // where the rank holds it already, a domain move from a source in the same domain, else
+  // one network move per domain to the least loaded receiver there, relayed to the others.
+  void deliver(int32_t region, const std::vector<int64_t>& sources, uint8_t src_space,
+               const std::vector<int64_t>& needy, uint8_t dst_space, uint8_t stage) {
+    const int64_t bytes = plan_.region_bytes[region];
+    remote_.clear();
+    for (int64_t rank : needy) {
+      if (src_space == kSource && std::binary_search(sources.begin(), sources.end(), rank)) {
+        add_move(region, rank, rank, kLocal, stage, src_space, dst_space);
+      } else {
+        remote_.push_back(rank);
+      }
+    }
+    std::size_t begin = 0;
+    while (begin < remote_.size()) {
+      const int64_t dom = domain(remote_[begin]);
+      std::size_t end = begin;
+      while (end < remote_.size() && domain(remote_[end]) == dom) ++end;
+      near_.clear();
+      for (int64_t s : sources) {
+        if (domain(s) == dom) near_.push_back(s);
+      }
+      if (!near_.empty()) {
+        for (std::size_t i = begin; i < end; ++i) {
+          const int64_t s = least_loaded(near_, domain_send_);
+          domain_send_[s] += bytes;
+          add_move(region, s, remote_[i], kDomain, stage, src_space, dst_space);
+        }
+      } else {
+        const int64_t s = least_loaded(sources, net_send_);
+        int64_t landing = remote_[begin];
+        for (std::size_t i = begin; i < end; ++i) {
+          if (net_recv_[remote_[i]] < net_recv_[landing]) landing = remote_[i];
+        }
+        net_send_[s] += bytes;
+        net_recv_[landing] += bytes;
+        add_move(region, s, landing, kNetwork, stage, src_space, dst_space);
+        for (std::size_t i = begin; i < end; ++i) {
+          if (remote_[i] == landing) continue;
+          domain_send_[landing] += bytes;
+          add_move(region, landing, remote_[i], kDomain, static_cast<uint8_t>(stage + 1), dst_space, dst_space);
+        }
+      }
+      begin = end;
+    }
+  }
+
+  // ---------------------------------------------------------------- tensors
+  void plan_tensor(int32_t tensor) {
+    const std::vector<HoldingGroup>& sgroups = src_groups_.groups(tensor);
+    const std::vector<HoldingGroup>& dgroups = dst_groups_.groups(tensor);
+    const TensorEntry& entry = src_.tensor(tensor);
+    const std::size_t ndim = entry.shape.size();
+    int64_t numel = 1;
+    for (int64_t s : entry.shape) numel *= s;
+
+    // Coverage: the source replica groups must hold every element (their holdings are disjoint).
+    int64_t covered = 0;
+    for (const HoldingGroup& g : sgroups) {
+      int64_t v = 1;
+      for (const auto& runs : g.runs) v *= runs_length(runs);
+      covered += v;
+    }
+    if (covered != numel && !dgroups.empty()) {
+      throw CoreValueError("tensor " + std::to_string(tensor) + ": the source layout holds " +
+                           std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
+    }
+    for (std::size_t gi = 0; gi < sgroups.size(); ++gi) {
+      for (int64_t r : sgroups[gi].ranks) src_group_of_rank_[r] = static_cast<int64_t>(gi);
+    }
+    add_lower_bound(tensor, sgroups, dgroups);
+
+    if (policies_[tensor] == kBroadcast) {
+      plan_broadcast(tensor, sgroups, dgroups, numel * entry.itemsize);
+    } else {
+      for (const HoldingGroup& dg : dgroups) {
+        for (const HoldingGroup& sg : sgroups) {
+          std::vector<std::vector<Piece>> pieces(ndim);
+          bool empty = false;
+          for (std::size_t d = 0; d < ndim && !empty; ++d) {
+            for (const Run& b : dg.runs[d]) {
+              for (const Run& a : sg.runs[d]) {
+                const auto [lo, hi] = intersect(a.global_start, a.global_start + a.length, b.global_start,
+                                                b.global_start + b.length);
+                if (hi <= lo) continue;
+                pieces[d].push_back(Piece{lo, hi - lo, a.local_start + (lo - a.global_start),
+                                          b.local_start + (lo - b.global_start)});
+              }
+            }
+            empty = pieces[d].empty();
+          }
+          if (empty) continue;
+          interleave_cuts(tensor, pieces, true, true);
+          product(tensor, pieces, [&](int32_t region) { deliver(region, sg.ranks, kSource, dg.ranks, kDestination, 0); });
+        }
+      }
+    }
+    for (const HoldingGroup& g : sgroups) {
+      for (int64_t r : g.ranks) src_group_of_rank_[r] = -1;
+    }
+  }
+
+  void add_lower_bound(int32_t tensor, const std::vector<HoldingGroup>& sgroups,
+                       const std::vector<HoldingGroup>& dgroups) {
+    const int64_t itemsize = src_.tensor(tensor).itemsize;
+    for (const HoldingGroup& dg : dgroups) {
+      int64_t held = itemsize;
+      for (const auto& runs : dg.runs) held *= runs_length(runs);
+      for (int64_t rank : dg.ranks) {
+        int64_t overlap = 0;
+        const int64_t gi = src_group_of_rank_[rank];
+        if (gi >= 0) {
+          overlap = itemsize;
+          for (std::size_t d = 0; d < dg.runs.size(); ++d) {
+            int64_t common = 0;
+            for (const Run& a : sgroups[gi].runs[d]) {
+              for (const Run& b : dg.runs[d]) {
+                const auto [lo, hi] = intersect(a.global_start, a.global_start + a.length, b.global_start,
+                                                b.global_start + b.length);
+                common += hi - lo;
+              }
+            }
+            overlap *= common;
+          }
+        }
+        plan_.lower_bound_bytes += held - overlap;
+      }
+    }
+  }
+
+  void plan_broadcast(int32_t tensor, const std::vector<HoldingGroup>& sgroups,
+                      const std::vector<HoldingGroup>& dgroups, int64_t tensor_bytes) {
+    std::vector<int64_t> receivers;
+    for (const HoldingGroup& dg : dgroups) {
+      bool any = true;
+      for (const auto& runs : dg.runs) any = any && runs_length(runs) > 0;
+      if (any) receivers.insert(receivers.end(), dg.ranks.begin(), dg.ranks.end());
+    }
+    if (receivers.empty()) return;
+    std::sort(receivers.begin(), receivers.end());
+    std::vector<int64_t> holders;
+    for (const HoldingGroup& g : sgroups) holders.insert(holders.end(), g.ranks.begin(), g.ranks.end());
+    std::sort(holders.begin(), holders.end());
+    const int64_t root = least_loaded(holders, root_load_);
+    root_load_[root] += tensor_bytes;
+    plan_.broadcast_payload_bytes += 2 * tensor_bytes;
+    const std::vector<int64_t> at_root{root};
+
+    // Stage 0: gather the whole tensor into the root's scratch buffer.
+    for (const HoldingGroup& sg : sgroups) {
+      auto pieces = own_pieces(sg);
+      interleave_cuts(tensor, pieces, true, false);
+      product(tensor, pieces, [&](int32_t region) {
+        if (std::binary_search(sg.ranks.begin(), sg.ranks.end(), root)) {
+          add_move(region, root, root, kLocal, 0, kSource, kScratch);
+        } else {
+          deliver(region, sg.ranks, kSource, at_root, kScratch, 0);
+        }
+      });
+    }
+    // Stages 1-2: the whole tensor to every receiver's scratch buffer (once per domain,
+    // relayed inside it, as a broadcast over NVLink domains would).
+    std::vector<int64_t> others;
+    for (int64_t r : receivers) {
+      if (r != root) others.push_back(r);
+    }
+    const TensorEntry& entry = src_.tensor(tensor);
+    if (!others.empty()) {
+      std::vector<int64_t> zeros(entry.shape.size(), 0);
+      slabs(tensor, zeros, entry.shape, [&](int32_t region) { deliver(region, at_root, kScratch, others, kScratch, 1); });
+    }
+    // Stage 3: every receiver keeps its own boxes.
+    for (const HoldingGroup& dg : dgroups) {
+      auto pieces = own_pieces(dg);
+      interleave_cuts(tensor, pieces, false, true);
+      for (int64_t rank : dg.ranks) {
+        if (!std::binary_search(receivers.begin(), receivers.end(), rank)) continue;
+        product(tensor, pieces, [&](int32_t region) { add_move(region, rank, rank, kLocal, 3, kScratch, kDestination); });
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- buckets
+  // First fit: a move goes to the first bucket where both of its ranks still have room for
+  // its bytes of staging, so ranks that do not share moves fill their buckets independently.
+  // A move that reads what an earlier stage of its tensor wrote (a relay, a broadcast after
+  // its gather) never goes to an earlier bucket than those writes.
+  void assign_buckets() {
+    const std::size_t n = plan_.move_region.size();
+    plan_.move_bucket.assign(n, 0);
+    std::vector<std::vector<int64_t>> fill(net_send_.size());  // per rank, per bucket
+    std::vector<int32_t> open(net_send_.size(), 0);            // first bucket not yet full
+    int32_t stage_max[4] = {0, 0, 0, 0};
+    int32_t tensor = -1;
+    int32_t last = 0;
+    const int64_t budget = options_.bucket_bytes;
+    auto used = [&](int64_t rank, int32_t bucket) -> int64_t {
+      const auto& f = fill[rank];
+      return static_cast<std::size_t>(bucket) < f.size() ? f[bucket] : 0;
+    };
+    for (std::size_t i = 0; i < n; ++i) {
+      const int32_t region = plan_.move_region[i];
+      if (plan_.region_tensor[region] != tensor) {
+        tensor = plan_.region_tensor[region];
+        std::fill(std::begin(stage_max), std::end(stage_max), 0);
+      }
+      const uint8_t stage = plan_.move_stage[i];
+      int32_t bucket = 0;
+      for (uint8_t k = 0; k < stage; ++k) bucket = std::max(bucket, stage_max[k]);
+      const int64_t s = plan_.move_src[i], d = plan_.move_dst[i];
+      if (plan_.move_kind[i] != kLocal) {  // a copy on one rank needs no staging
+        const int64_t bytes = plan_.region_bytes[region];
+        bucket = std::max({bucket, open[s], open[d]});
+        while (used(s, bucket) + bytes > budget || used(d, bucket) + bytes > budget) ++bucket;
+        for (int64_t r : {s, d}) {
+          auto& f = fill[r];
+          if (f.size() <= static_cast<std::size_t>(bucket)) f.resize(static_cast<std::size_t>(bucket) + 1, 0);
+          f[bucket] += bytes;
+          // A bucket with less than 1/64 of the budget left counts as full: searching it again
+          // for every later move would cost more than the space is worth.
+          while (static_cast<std::size_t>(open[r]) < f.size() && f[open[r]] > budget - budget / 64) ++open[r];
+        }
+      }
+      stage_max[stage] = std::max(stage_max[stage], bucket);
+      plan_.move_bucket[i] = bucket;
+      last = std::max(last, bucket);
+    }
+    plan_.num_buckets = n == 0 ? 0 : last + 1;
+  }
+
+  const LayoutCore& src_;
+  const LayoutCore& dst_;
+  const std::vector<uint8_t>& policies_;
+  PlanOptions options_;
+  GroupCache src_groups_;
+  GroupCache dst_groups_;
+  PlanData plan_;
+  std::vector<int64_t> net_send_, net_recv_, domain_send_, root_load_;
+  std::vector<int64_t> src_group_of_rank_;
+  std::vector<int64_t> remote_, near_;
+};
+
+// Checks a plan tensor by tensor (moves of one tensor are contiguous, as built).
+class Validator {
+ public:
+  Validator(const PlanData& plan, const LayoutCore& src, const LayoutCore& dst, const PlanOptions& options,
+            std::size_t max_problems)
+      : plan_(plan), src_(src), dst_(dst), options_(options), max_(max_problems), src_groups_(src), dst_groups_(dst) {
+    int64_t max_rank = 0;
+    for (int64_t r : src.ranks()) max_rank = std::max(max_rank, r);
+    for (int64_t r : dst.ranks()) max_rank = std::max(max_rank, r);
+    src_group_.assign(static_cast<std::size_t>(max_rank + 1), -1);
+    dst_group_.assign(static_cast<std::size_t>(max_rank + 1), -1);
+  }
+
+  std::vector<std::string> run() {
+    const std::size_t n = plan_.move_region.size();
+    const std::size_t columns[] = {plan_.move_src.size(), plan_.move_dst.size(), plan_.move_bucket.size(),
+                                   plan_.move_kind.size(), plan_.move_stage.size(), plan_.move_src_space.size(),
+                                   plan_.move_dst_space.size()};
+    for (std::size_t c : columns) {
+      if (c != n) return {"move columns have different lengths"};
+    }
+    std::vector<char> seen(src_.num_tensors(), 0);
+    std::size_t begin = 0;
+    while (begin < n && problems_.size() < max_) {
+      if (plan_.move_region[begin] < 0 ||
+          static_cast<std::size_t>(plan_.move_region[begin]) >= plan_.region_tensor.size()) {
+        problem(begin, "refers to a region that does not exist");
+        return problems_;
+      }
+      const int32_t tensor = plan_.region_tensor[plan_.move_region[begin]];
+      std::size_t end = begin;
+      while (end < n && plan_.move_region[end] >= 0 &&
+             static_cast<std::size_t>(plan_.move_region[end]) < plan_.region_tensor.size() &&
+             plan_.region_tensor[plan_.move_region[end]] == tensor) {
+        ++end;
+      }
+      if (tensor < 0 || static_cast<std::size_t>(tensor) >= seen.size() || seen[tensor]) {
+        problem(begin, "moves of one tensor are not contiguous");
+        return problems_;
+      }
+      seen[tensor] = 1;
+      check_tensor(tensor, begin, end);
+      begin = end;
+    }
+    // Destinations of tensors that have no moves at all must hold nothing.
+    for (std::size_t t = 0; t < seen.size() && problems_.size() < max_; ++t) {
+      if (!seen[t]) check_writes_cover(static_cast<int32_t>(t), {});
+    }
+    return problems_;
+  }
+
+ private:
+  using Key = std::pair<int64_t, uint8_t>;  // rank, space
+
+  void problem(std::size_t move, const std::string& what) {
+    if (problems_.size() < max_) problems_.push_back("move " + std::to_string(move) + ": " + what);
+  }
+
+  int64_t volume(int32_t region) const {
+    int64_t v = 1;
+    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
+    const std::size_t ndim = src_.tensor(plan_.region_tensor[region]).shape.size();
+    for (std::size_t d = 0; d < ndim; ++d) v *= plan_.region_sizes[start + d];
+    return v;
+  }
+
+  int64_t overlap(int32_t a, int32_t b) const {
+    const std::size_t ndim = src_.tensor(plan_.region_tensor[a]).shape.size();
+    const auto sa = static_cast<std::size_t>(plan_.region_dims_start[a]);
+    const auto sb = static_cast<std::size_t>(plan_.region_dims_start[b]);
+    int64_t v = 1;
+    for (std::size_t d = 0; d < ndim; ++d) {
+      const auto [lo, hi] = intersect(plan_.region_offsets[sa + d], plan_.region_offsets[sa + d] + plan_.region_sizes[sa + d],
+                                      plan_.region_offsets[sb + d], plan_.region_offsets[sb + d] + plan_.region_sizes[sb + d]);
+      v *= hi - lo;
+    }
+    return v;
+  }
+
+  // Whether the group's runs cover the region along every dim.
+  bool inside(int32_t region, const HoldingGroup& group) const {
+    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
+    for (std::size_t d = 0; d < group.runs.size(); ++d) {
+      const int64_t lo = plan_.region_offsets[start + d], hi = lo + plan_.region_sizes[start + d];
+      int64_t covered = 0;
+      for (const Run& r : group.runs[d]) {
+        const auto [a, b] = intersect(lo, hi, r.global_start, r.global_start + r.length);
+        covered += b - a;
+      }
+      if (covered != hi - lo) return false;
+    }
+    return true;
+  }
+
+  bool earlier(std::size_t a, std::size_t b) const {
+    return plan_.move_bucket[a] < plan_.move_bucket[b] ||
+           (plan_.move_bucket[a] == plan_.move_bucket[b] && plan_.move_stage[a] < plan_.move_stage[b]);
+  }
+
+  void check_tensor(int32_t tensor, std::size_t begin, std::size_t end) {
+    const auto& sgroups = src_groups_.groups(tensor);
+    const auto& dgroups = dst_groups_.groups(tensor);
+    for (std::size_t g = 0; g < sgroups.size(); ++g)
+      for (int64_t r : sgroups[g].ranks) src_group_[r] = static_cast<int64_t>(g);
+    for (std::size_t g = 0; g < dgroups.size(); ++g)
+      for (int64_t r : dgroups[g].ranks) dst_group_[r] = static_cast<int64_t>(g);
+    const std::vector<int64_t>& shape = src_.tensor(tensor).shape;
+
+    std::map<Key, std::vector<std::size_t>> writes;
+    for (std::size_t i = begin; i < end; ++i) {
+      const int32_t region = plan_.move_region[i];
+      const int64_t s = plan_.move_src[i], d = plan_.move_dst[i];
+      const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
+      for (std::size_t k = 0; k < shape.size(); ++k) {
+        if (plan_.region_offsets[start + k] < 0 || plan_.region_sizes[start + k] < 1 ||
+            plan_.region_offsets[start + k] + plan_.region_sizes[start + k] > shape[k]) {
+          problem(i, "region lies outside its tensor");
+        }
+      }
+      if (s < 0 || d < 0 || static_cast<std::size_t>(std::max(s, d)) >= src_group_.size()) {
+        problem(i, "rank outside both meshes");
+        continue;
+      }
+      const uint8_t expected = s == d ? kLocal : (s / options_.domain_size == d / options_.domain_size ? kDomain : kNetwork);
+      if (plan_.move_kind[i] != expected) problem(i, "kind does not match the ranks' domains");
+      if (plan_.move_src_space[i] == kSource && (src_group_[s] < 0 || !inside(region, sgroups[src_group_[s]]))) {
+        problem(i, "reads what rank " + std::to_string(s) + " does not hold in the source layout");
+      }
+      if (plan_.move_src_space[i] == kDestination && (dst_group_[s] < 0 || !inside(region, dgroups[dst_group_[s]]))) {
+        problem(i, "relays what rank " + std::to_string(s) + " does not hold in the destination layout");
+      }
+      if (plan_.move_dst_space[i] == kDestination && (dst_group_[d] < 0 || !inside(region, dgroups[dst_group_[d]]))) {
+        problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
+      }
+      if (plan_.move_dst_space[i] == kSource) problem(i, "writes into a source storage");
+      writes[{d, plan_.move_dst_space[i]}].push_back(i);
+    }
+    // Reads of received data (relays, scratch) must be covered by earlier writes.
+    for (std::size_t i = begin; i < end; ++i) {
+      if (plan_.move_src_space[i] == kSource) continue;
+      const int32_t region = plan_.move_region[i];
+      int64_t covered = 0;
+      auto found = writes.find({plan_.move_src[i], plan_.move_src_space[i]});
+      if (found != writes.end()) {
+        for (std::size_t w : found->second) {
+          if (earlier(w, i)) covered += overlap(plan_.move_region[w], region);
+        }
+      }
+      if (covered != volume(region)) problem(i, "reads data that no earlier move delivered");
+    }
+    // Writes never overlap (every byte written once).
+    for (const auto& [key, list] : writes) {
+      for (std::size_t a = 0; a < list.size(); ++a) {
+        for (std::size_t b = a + 1; b < list.size(); ++b) {
+          if (overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
+            problem(list[b], "writes bytes that move " + std::to_string(list[a]) + " also writes");
+          }
+        }
+      }
+    }
+    check_writes_cover(tensor, writes);
+    for (const auto& g : sgroups)
+      for (int64_t r : g.ranks) src_group_[r] = -1;
+    for (const auto& g : dgroups)
+      for (int64_t r : g.ranks) dst_group_[r] = -1;
+  }
+
+  // Every destination rank receives exactly its holding (writes are disjoint and inside it).
+  void check_writes_cover(int32_t tensor, const std::map<Key, std::vector<std::size_t>>& writes) {
+    for (const HoldingGroup& g : dst_groups_.groups(tensor)) {
+      int64_t held = 1;
+      for (const auto& runs : g.runs) held *= runs_length(runs);
+      for (int64_t rank : g.ranks) {
+        int64_t written = 0;
+        auto found = writes.find({rank, kDestination});
+        if (found != writes.end()) {
+          for (std::size_t w : found->second) written += volume(plan_.move_region[w]);
+        }
+        if (written != held && problems_.size() < max_) {
+          problems_.push_back("tensor " + std::to_string(tensor) + " on rank " + std::to_string(rank) + ": " +
+                              std::to_string(written) + " of its " + std::to_string(held) +
+                              " destination elements are written");
+        }
+      }
+    }
+  }
+
+  const PlanData& plan_;
+  const LayoutCore& src_;
+  const LayoutCore& dst_;
+  PlanOptions options_;
+  std::size_t max_;
+  GroupCache src_groups_, dst_groups_;
+  std::vector<int64_t> src_group_, dst_group_;
+  std::vector<std::string> problems_;
+};
+
+}  // namespace
+
+PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
+                    const std::vector<uint8_t>& policies, const PlanOptions& options) {
+  return Builder(source, destination, policies, options).build();
+}
+
+std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& source,
+                                       const LayoutCore& destination, const PlanOptions& options,
+                                       std::size_t max_problems) {
+  return Validator(plan, source, destination, options, max_problems).run();
+}
+
+}  // namespace layoutlang
