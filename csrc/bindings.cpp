@@ -244,6 +244,26 @@ NB_MODULE(_core, m) {
       nb::arg("bucket_bytes"), "Compile the plan that turns the source layout into the destination layout.");
 
   m.def(
+      "plan_totals",
+      [](const PlanData& plan, int64_t num_ranks) {
+        PlanTotals t;
+        {
+          nb::gil_scoped_release release;
+          t = plan_totals(plan, num_ranks);
+        }
+        nb::dict out;
+        out["bytes"] = std::vector<int64_t>(t.bytes, t.bytes + 3);
+        out["moves"] = std::vector<int64_t>(t.moves, t.moves + 3);
+        out["messages"] = t.messages;
+        out["sent"] = t.sent;
+        out["received"] = t.received;
+        return out;
+      },
+      nb::arg("plan"), nb::arg("num_ranks"),
+      "Bytes and moves by kind (local, domain, network), messages, and per rank (rank * 3 + kind) "
+      "bytes sent and received.");
+
+  m.def(
       "validate_plan",
       [](const PlanData& plan, const LayoutCore& source, const LayoutCore& destination, int64_t domain_size,
          int64_t bucket_bytes, std::size_t max_problems) {

@@ -721,6 +721,33 @@ PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
   return Builder(source, destination, policies, options).build();
 }
 
+PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
+  PlanTotals totals;
+  totals.sent.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
+  totals.received.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
+  std::vector<uint64_t> keys;
+  keys.reserve(plan.move_region.size());
+  for (std::size_t i = 0; i < plan.move_region.size(); ++i) {
+    const uint8_t kind = plan.move_kind[i];
+    const int64_t bytes = plan.region_bytes[plan.move_region[i]];
+    const int64_t src = plan.move_src[i], dst = plan.move_dst[i];
+    if (kind > kNetwork || src < 0 || dst < 0 || src >= num_ranks || dst >= num_ranks) {
+      throw CoreValueError("move " + std::to_string(i) + " has a kind or rank out of range");
+    }
+    totals.bytes[kind] += bytes;
+    totals.moves[kind] += 1;
+    totals.sent[static_cast<std::size_t>(src) * 3 + kind] += bytes;
+    totals.received[static_cast<std::size_t>(dst) * 3 + kind] += bytes;
+    if (kind != kLocal) {
+      keys.push_back((static_cast<uint64_t>(plan.move_bucket[i]) << 42) | (static_cast<uint64_t>(plan.move_stage[i]) << 40) |
+                     (static_cast<uint64_t>(src) << 20) | static_cast<uint64_t>(dst));
+    }
+  }
+  std::sort(keys.begin(), keys.end());
+  totals.messages = static_cast<int64_t>(std::unique(keys.begin(), keys.end()) - keys.begin());
+  return totals;
+}
+
 std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& source,
                                        const LayoutCore& destination, const PlanOptions& options,
                                        std::size_t max_problems) {

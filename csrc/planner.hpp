@@ -70,6 +70,17 @@ struct HoldingGroup {
 PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
                     const std::vector<uint8_t>& policies, const PlanOptions& options);
 
+// Totals of a plan: bytes and moves by kind, sent and received per rank by kind, and the
+// number of messages (all moves between one pair of ranks in one bucket and stage).
+struct PlanTotals {
+  int64_t bytes[3] = {0, 0, 0};
+  int64_t moves[3] = {0, 0, 0};
+  int64_t messages = 0;
+  std::vector<int64_t> sent;      // rank * 3 + kind
+  std::vector<int64_t> received;  // rank * 3 + kind
+};
+PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks);
+
 // Problems found by validate_plan: every destination byte written exactly once, every read
 // inside what the reading rank holds (or received earlier), kinds consistent with domains.
 std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& source,

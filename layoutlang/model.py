@@ -22,6 +22,7 @@ several axes sharding one dim nest left to right in mesh-axis order.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -431,6 +432,7 @@ class Rule:
         return len(re.sub(r"\{[^}]*\}|\*", "", self.pattern))
 
 
+@functools.lru_cache(maxsize=4096)
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """``*`` matches any text, ``{name}`` a whole run of digits (captured as ``name``)."""
     out = []

@@ -1,0 +1,99 @@
+"""Human-readable tables for the command line: byte sizes, plan statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .plan import KINDS, Plan, PlanStats
+
+__all__ = ["human_bytes", "table", "plan_report"]
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``; exact bytes below 1 KiB."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        n /= 1024
+        if n < 1024 or unit == "PiB":
+            return f"{n:.1f} {unit}" if n < 100 else f"{n:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: set[int] | None = None) -> list[str]:
+    """Rows aligned under a header; columns in ``right`` are right-aligned."""
+    right = right if right is not None else set(range(1, len(header)))
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells + [list(header)]) for i in range(len(header))]
+
+    def fmt(row: Sequence[str]) -> str:
+        out = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(out).rstrip()
+
+    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in cells]
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"
+
+
+def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False) -> list[str]:
+    """The statistics of a plan (and of the gather-and-broadcast baseline) as text lines."""
+    stats: PlanStats = plan.stats
+    src, dst = plan.source, plan.destination
+    lines = [
+        f"plan {plan.name}: {src.name} on {src.mesh.name} ({src.mesh.size} ranks) -> "
+        f"{dst.name} on {dst.mesh.name} ({dst.mesh.size} ranks)",
+        f"  domains of {plan.domain_size} ranks, buckets of {human_bytes(plan.bucket_bytes)}, "
+        f"fingerprint {plan.fingerprint[:16]}",
+        "",
+    ]
+    plans = [("reshard" if set(plan.policies) == {"reshard"} else "this plan", stats)]
+    if baseline is not None:
+        plans.append(("gather-and-broadcast", baseline.stats))
+    rows = []
+    for label, s in plans:
+        rows.append(
+            [
+                label,
+                human_bytes(s.bytes["local"]),
+                human_bytes(s.bytes["domain"]),
+                human_bytes(s.bytes["network"]),
+                human_bytes(s.moved),
+                f"{sum(s.moves.values()):,}",
+                f"{s.messages:,}",
+                f"{s.buckets:,}",
+            ]
+        )
+    lines += table(rows, ["plan", "local", "domain", "network", "moved", "moves", "messages", "buckets"])
+    lines.append("")
+    lines.append(
+        f"lower bound (bytes destinations need and do not hold): {human_bytes(stats.lower_bound)}; "
+        f"moved / lower bound = {_ratio(stats.moved, stats.lower_bound)}"
+    )
+    lines.append(
+        f"largest network send per rank: {human_bytes(stats.largest_network_send[0])} (rank {stats.largest_network_send[1]}); "
+        f"largest network receive: {human_bytes(stats.largest_network_receive[0])} (rank {stats.largest_network_receive[1]})"
+    )
+    if baseline is not None:
+        b = baseline.stats
+        lines.append(
+            f"gather-and-broadcast moves {_ratio(b.moved, stats.moved)}x the bytes "
+            f"({_ratio(b.bytes['network'], stats.bytes['network'])}x over the network); "
+            f"its logical payload (gathered + broadcast once) is {human_bytes(b.broadcast_payload)}"
+        )
+    if per_rank:
+        lines.append("")
+        rows = []
+        for rank, v in stats.per_rank.items():
+            rows.append(
+                [rank]
+                + [human_bytes(v["sent"][k]) for k in KINDS[1:]]
+                + [human_bytes(v["received"][k]) for k in KINDS[1:]]
+                + [human_bytes(v["sent"]["local"])]
+            )
+        lines += table(
+            rows,
+            ["rank", "sent domain", "sent network", "recv domain", "recv network", "local copy"],
+        )
+    return lines
