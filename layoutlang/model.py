@@ -435,6 +435,8 @@ class Rule:
 @functools.lru_cache(maxsize=4096)
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """``*`` matches any text, ``{name}`` a whole run of digits (captured as ``name``)."""
+    if re.search(r"\}\{", pattern):
+        raise LayoutValueError(f"pattern \"{pattern}\": two captures must be separated by text (a capture takes a whole run of digits)")
     out = []
     pos = 0
     for m in re.finditer(r"\{([A-Za-z_][A-Za-z0-9_]*)\}|\*", pattern):
@@ -526,18 +528,23 @@ class _Resolved:
     def _resolve_rules(self) -> None:
         layout = self.layout
         rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
-        compiled = [(r, compile_pattern(r.pattern) if r.pattern is not None else None) for _, r in rules]
+        compiled = []
+        for _, rule in rules:
+            try:
+                compiled.append((rule, compile_pattern(rule.pattern) if rule.pattern is not None else None))
+            except LayoutError as err:
+                raise err.with_span(rule.span)
         # Names that differ only in their digits match the same rules when no pattern has a
         # literal digit (captures match whole digit runs), so the search is cached by skeleton.
         cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
-        by_skeleton: dict[str, int] = {}
+        by_skeleton: dict[tuple[str, ...], int] = {}
         # A spec depends only on the rule and the number of dims; sub-mesh coordinates vary.
         spec_of_rule: dict[tuple[int, int], int] = {}
         spec_ids: dict[tuple, int] = {}
         digits = re.compile(r"[0-9]+")
         for name in self.names:
             tensor = layout.tensors[name]
-            key = digits.sub("#", name) if cacheable else None
+            key = tuple(digits.split(name)) if cacheable else None
             chosen = by_skeleton.get(key) if key is not None else None
             if chosen is None:
                 chosen = self._choose_rule(name, compiled)
@@ -629,6 +636,10 @@ class _Resolved:
                     storage_name = rule.storage_name(captures)
                 except LayoutError as err:
                     raise err.with_span(rule.span)
+                if len(set(parts)) != len(parts):
+                    raise LayoutValueError(
+                        f"storage '{storage_name}' of layout '{layout.name}' names a tensor twice", rule.span
+                    )
                 for part in parts:
                     if part not in layout.tensors:
                         raise LayoutNameError(
@@ -850,8 +861,10 @@ class Reshard:
     span: Span | None = attrs.field(default=None, eq=False, repr=False)
 
     def policy_for(self, tensor: str) -> str:
-        """``reshard`` or ``broadcast``: the most specific matching policy, else ``reshard``."""
-        best: tuple[int, str] | None = None
+        """``reshard`` or ``broadcast``: the most specific matching policy (more literal
+        characters wins, as for layout rules), else the default policy, else ``reshard``.
+        Two matching patterns of equal specificity are an error."""
+        best: tuple[int, str, str | None] | None = None
         for pattern, policy in self.policies:
             if pattern is None:
                 score = -1
@@ -859,8 +872,15 @@ class Reshard:
                 score = Rule(pattern).specificity
             else:
                 continue
+            if best is not None and score == best[0]:
+                raise LayoutValueError(
+                    f"tensor '{tensor}' is matched by two policies of equal specificity in reshard "
+                    f"'{self.name}': \"{best[2]}\" and \"{pattern}\"",
+                    self.span,
+                    "make one pattern more specific (more literal characters wins)",
+                )
             if best is None or score > best[0]:
-                best = (score, policy)
+                best = (score, policy, pattern)
         return best[1] if best else "reshard"
 
 
