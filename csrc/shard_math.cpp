@@ -42,7 +42,7 @@ int64_t dim_runs(int64_t n, const DimSpec& spec, const int64_t* coords, const in
   const int64_t pad = spec.pad_multiple > 1 ? spec.pad_multiple : 1;
   const int64_t padded = (n + pad - 1) / pad * pad;
   runs.clear();
-  runs.push_back(Run{0, padded, 0});
+  if (padded > 0) runs.push_back(Run{0, padded, 0});  // an empty dim holds no run
   int64_t length = padded;
 
   std::vector<Run> next;
