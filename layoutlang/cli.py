@@ -226,6 +226,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return ExitCode.OK
     except KeyboardInterrupt:
         return ExitCode.FAILURE
+    except Exception as err:  # a bug in layoutlang, not the user's mistake: still no traceback
+        log.debug("internal error", exc_info=True)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": "internal", "message": f"{type(err).__name__}: {err}"}), file=sys.stderr)
+        else:
+            print(
+                f"layoutlang: internal error: {type(err).__name__}: {err}\n"
+                "  please report it; run with -vv to see the traceback",
+                file=sys.stderr,
+            )
+        return ExitCode.INTERNAL
 
 
 if __name__ == "__main__":

@@ -354,12 +354,12 @@ class _Elaborator:
             if stop < start:
                 raise LayoutValueError(f"empty range {start}..{stop} (both ends are included)", b.range.span)
             ranges.append(range(start, stop + 1))
-        count = math.prod(len(r) for r in ranges)
+        count = math.prod(r.stop - r.start for r in ranges)  # len() overflows on huge ranges
         if count > MAX_GENERATED_TENSORS:
             raise LayoutValueError(
                 f"the 'for' clause of tensor '{node.name}' generates {count} tensors; at most "
                 f"{MAX_GENERATED_TENSORS} per statement",
-                max(node.bindings, key=lambda b: len(ranges[node.bindings.index(b)])).span,
+                max(zip(ranges, node.bindings), key=lambda rb: rb[0].stop - rb[0].start)[1].span,
             )
         for values in itertools.product(*ranges):
             env = {**self.constants, **dict(zip(names, values))}

@@ -21,7 +21,7 @@ import attrs
 import lark
 from lark import Token, Transformer, v_args
 
-from .errors import LayoutSyntaxError, Span
+from .errors import LayoutError, LayoutSyntaxError, Span
 
 __all__ = [
     "parse",
@@ -206,6 +206,7 @@ class SelectEntry:
     axis: str
     index: Expr
     span: Span
+    axis_span: Span | None = attrs.field(default=None, eq=False)  # the axis name alone
 
 
 @attrs.frozen
@@ -216,6 +217,7 @@ class PlacementEntry:
     placement: ShardExpr | ReplicateExpr
     ordered: bool
     span: Span
+    axis_spans: tuple[Span, ...] = attrs.field(default=(), eq=False)  # each axis name alone
 
 
 @attrs.frozen
@@ -322,7 +324,10 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def int(self, meta, children):
         (tok,) = children
-        return Num(int(tok.replace("_", "")), self._tok(tok))
+        digits = tok.replace("_", "")
+        if len(digits) > 1000:  # Python refuses to read very long numbers; none is meaningful here
+            raise LayoutSyntaxError(f"an integer of {len(digits)} digits is too long", self._tok(tok))
+        return Num(int(digits), self._tok(tok))
 
     @v_args(meta=True)
     def name(self, meta, children):
@@ -461,17 +466,18 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def select(self, meta, children):
         axis, index = children
-        return SelectEntry(str(axis), index, self._meta(meta))
+        return SelectEntry(str(axis), index, self._meta(meta), self._tok(axis))
 
     @v_args(meta=True)
     def axis_placement(self, meta, children):
         axis, placement = children
-        return PlacementEntry((str(axis),), placement, False, self._meta(meta))
+        return PlacementEntry((str(axis),), placement, False, self._meta(meta), (self._tok(axis),))
 
     @v_args(meta=True)
     def ordered_placement(self, meta, children):
         *axes, placement = children
-        return PlacementEntry(tuple(str(a) for a in axes), placement, True, self._meta(meta))
+        spans = tuple(self._tok(a) for a in axes)
+        return PlacementEntry(tuple(str(a) for a in axes), placement, True, self._meta(meta), spans)
 
     @v_args(meta=True)
     def replicate(self, meta, children):
@@ -613,7 +619,7 @@ def _error_from_lark(err: lark.exceptions.LarkError, path: str, lines: list[str]
         token = err.token
         expected = set(err.expected)
         width = max(1, len(str(token))) if token.type != "$END" else 1
-        shown = "the end of the file" if token.type == "$END" else f"'{token}'"
+        shown = "end of the file" if token.type == "$END" else f"'{token}'"
         message = f"unexpected {shown}; expected {_describe_expected(expected)}"
         hint = _hint_for(str(token), token.type, expected, source)
         span = Span(path, line, column, line, column + width, source)
@@ -626,6 +632,9 @@ def _error_from_lark(err: lark.exceptions.LarkError, path: str, lines: list[str]
         hint = _hint_for(char, "", expected, source)
         if char == "'":
             hint = "names are quoted with double quotes"
+        if char == '"':  # the string token did not match: no closing quote on this line
+            message = "a quoted name is not closed on this line"
+            hint = 'a quoted name ends with \'"\' before the end of its line'
         span = Span(path, line, column, line, column + 1, source)
     else:  # UnexpectedEOF and anything else lark may raise
         expected = set(getattr(err, "expected", ()) or ())
@@ -655,8 +664,22 @@ def parse(text: str, path: str = "<string>") -> File:
         tree = _parser().parse(text, start="start")
     except lark.exceptions.LarkError as err:
         raise _error_from_lark(err, path, lines) from None
-    statements = _Builder(path, lines).transform(tree)
-    return File(path, text, statements)
+    builder = _Builder(path, lines)
+    statements = []
+    for node in tree.children:  # one statement at a time, so that a failure has a place
+        try:
+            statements.append(builder.transform(node))
+        except (RecursionError, lark.exceptions.VisitError) as err:
+            if isinstance(err, lark.exceptions.VisitError) and isinstance(err.orig_exc, LayoutError):
+                raise err.orig_exc from None
+            if isinstance(err, lark.exceptions.VisitError) and not isinstance(err.orig_exc, RecursionError):
+                raise
+            raise LayoutSyntaxError(
+                "the statement nests too deeply to be read",
+                builder._meta(node.meta),
+                "split long expressions with 'let' constants",
+            ) from None
+    return File(path, text, tuple(statements))
 
 
 def parse_expression(text: str, span: Span) -> Expr:

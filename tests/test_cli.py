@@ -1,0 +1,589 @@
+"""The command line: ``layoutlang check`` and ``layoutlang show``, run in-process.
+
+Besides the expected output for good input, the contract under test is that a user's
+mistake is reported on stderr as ``file:line:col: error: ...`` with the source line and a
+caret (or one JSON object with ``--json``), the exit status is 2, and no traceback is ever
+shown. The fuzz tests hold every example to that contract under truncation and mutation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import layoutlang
+from layoutlang import cli
+from layoutlang.cli import ExitCode, main
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+EXAMPLE_FILES = sorted(EXAMPLES.rglob("*.layout"))  # including the fragments in subfolders
+PROGRAMS = sorted(EXAMPLES.glob("*.layout"))  # complete programs; subfolders hold included parts
+ERROR_HEAD = re.compile(r"^(?P<path>.+?):(?P<line>\d+):(?P<column>\d+): error: ")
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    """main(argv) in-process: (exit status, stdout, stderr)."""
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def rows(out: str) -> list[list[str]]:
+    """The table rows of ``show`` output, split on runs of two or more spaces."""
+    return [
+        re.split(r"\s{2,}", line.strip())
+        for line in out.splitlines()
+        if re.match(r"\s*\d+\s", line)
+    ]
+
+
+# ===================================================================== check
+
+
+def test_examples_are_found():
+    names = {p.relative_to(EXAMPLES).as_posix() for p in EXAMPLE_FILES}
+    assert {"vllm_tp.layout", "megatron_pp_tp.layout", "models/tiny_llama.layout"} <= names
+    assert {"vllm_tp.layout", "megatron_pp_tp.layout"} <= {p.name for p in PROGRAMS}
+
+
+@pytest.mark.parametrize("path", PROGRAMS, ids=lambda p: p.name)
+def test_check_every_example_prints_an_ok_line(capsys, path):
+    code, out, err = run(capsys, "check", path)
+    assert code == ExitCode.OK, err
+    assert err == ""
+    assert re.fullmatch(
+        rf"{re.escape(str(path))}: ok \(\d+ meshes, \d+ tensors, \d+ layouts, \d+ reshards\)\n", out
+    ), out
+
+
+def test_check_several_files_prints_one_line_each(capsys):
+    code, out, _ = run(
+        capsys, "check", EXAMPLES / "vllm_tp.layout", EXAMPLES / "megatron_pp_tp.layout"
+    )
+    assert code == ExitCode.OK
+    lines = out.splitlines()
+    assert lines[0].startswith(
+        f"{EXAMPLES / 'vllm_tp.layout'}: ok (1 meshes, 39 tensors, 1 layouts"
+    )
+    assert lines[1].startswith(
+        f"{EXAMPLES / 'megatron_pp_tp.layout'}: ok (1 meshes, 39 tensors, 1 layouts"
+    )
+
+
+def test_check_json_on_every_example_parses(capsys):
+    code, out, err = run(capsys, "check", "--json", *PROGRAMS)
+    assert code == ExitCode.OK, err
+    results = json.loads(out)
+    assert [r["file"] for r in results] == [str(p) for p in PROGRAMS]
+    assert all(r["ok"] for r in results)
+    vllm = next(r for r in results if r["file"].endswith("vllm_tp.layout"))
+    assert {k: vllm[k] for k in ("meshes", "tensors", "layouts", "reshards")} == {
+        "meshes": 1,
+        "tensors": 39,
+        "layouts": 1,
+        "reshards": 0,
+    }
+
+
+# ====================================================================== show
+
+TINY = """\
+mesh m [dp = 2, tp = 2] on ranks 4..7
+mesh solo [tp = 2] on ranks 0..1
+
+tensor "w" [4, 6] fp32
+tensor "b" [6] fp32
+tensor "mlp.gate" [4, 2] bf16
+tensor "mlp.up" [4, 2] bf16
+
+layout tp on m {
+    "w": tp = shard(1)
+    "mlp.*": tp = shard(0)
+    default: replicate
+    storage "mlp.gate_up" = "mlp.gate" | "mlp.up"
+}
+
+layout dp on m {
+    "w": dp = shard(0), tp = shard(0)
+    default: dp = shard(0)
+}
+
+layout single on solo {
+    default: replicate
+}
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path) -> Path:
+    path = tmp_path / "tiny.layout"
+    path.write_text(TINY)
+    return path
+
+
+def test_show_one_tensor_on_one_rank_of_one_layout(capsys, tiny):
+    code, out, err = run(capsys, "show", tiny, "--layout", "tp", "--tensor", "w", "--rank", "5")
+    assert code == ExitCode.OK, err
+    lines = out.splitlines()
+    assert lines[0] == "layout tp on mesh m [dp=2, tp=2] (ranks 4..7)"
+    assert lines[1].split() == ["rank", "tensor", "region", "storage", "place", "storage", "shape"]
+    # rank 5 is tp coordinate 1: columns 3..6 of w, at the start of its own storage of 4x3
+    assert rows(out) == [["5", "w", "[0:4, 3:6]", "w", "[0:4, 0:3]", "4x3"]]
+
+
+def test_show_fused_storage_places_the_second_part_after_the_first(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--layout", "tp", "--tensor", "mlp.*", "--rank", "6")
+    assert code == ExitCode.OK
+    assert rows(out) == [
+        ["6", "mlp.gate", "[0:2, 0:2]", "mlp.gate_up", "[0:2, 0:2]", "4x2"],
+        ["6", "mlp.up", "[0:2, 0:2]", "mlp.gate_up", "[2:4, 0:2]", "4x2"],
+    ]
+
+
+def test_show_nested_sharding_over_both_axes(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--layout", "dp", "--tensor", "w")
+    assert code == ExitCode.OK
+    # dp then tp split dim 0 left to right: ranks 4..7 hold one row each, in mesh order
+    assert [(r[0], r[2]) for r in rows(out)] == [
+        ("4", "[0:1, 0:6]"),
+        ("5", "[1:2, 0:6]"),
+        ("6", "[2:3, 0:6]"),
+        ("7", "[3:4, 0:6]"),
+    ]
+
+
+def test_show_capture_pattern_selects_tensors(capsys, tmp_path):
+    path = tmp_path / "layers.layout"
+    path.write_text(
+        'mesh m [tp = 2]\ntensor "l.{i}.w" [2] fp32 for i in 0..2\ntensor "head" [2] fp32\n'
+        "layout r on m { default: replicate }\n"
+    )
+    code, out, _ = run(capsys, "show", path, "--tensor", "l.{x}.w", "--rank", "0")
+    assert code == ExitCode.OK
+    assert [r[1] for r in rows(out)] == ["l.0.w", "l.1.w", "l.2.w"]
+
+
+def test_show_all_layouts_prints_one_table_each(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny)
+    assert code == ExitCode.OK
+    headers = [line for line in out.splitlines() if line.startswith("layout ")]
+    assert headers == [
+        "layout tp on mesh m [dp=2, tp=2] (ranks 4..7)",
+        "layout dp on mesh m [dp=2, tp=2] (ranks 4..7)",
+        "layout single on mesh solo [tp=2] (ranks 0..1)",
+    ]
+    assert len(rows(out)) == (4 + 4 + 2) * 4  # ranks of each layout x 4 tensors, a box of each
+
+
+def test_show_rank_without_layout_skips_layouts_whose_mesh_lacks_it(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--rank", "1", "--tensor", "b")
+    assert code == ExitCode.OK
+    assert [line for line in out.splitlines() if line.startswith("layout ")] == [
+        "layout single on mesh solo [tp=2] (ranks 0..1)"
+    ]
+    assert rows(out) == [["1", "b", "[0:6]", "b", "[0:6]", "6"]]
+
+
+def test_show_json_boxes(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--layout", "dp", "--rank", "7", "--json")
+    assert code == ExitCode.OK
+    assert json.loads(out) == [
+        {
+            "layout": "dp",
+            "mesh": "m",
+            "boxes": [
+                {
+                    "rank": 7,
+                    "tensor": "w",
+                    "offsets": [3, 0],
+                    "sizes": [1, 6],
+                    "storage": "w",
+                    "storage_offsets": [0, 0],
+                },
+                {
+                    "rank": 7,
+                    "tensor": "b",
+                    "offsets": [3],
+                    "sizes": [3],
+                    "storage": "b",
+                    "storage_offsets": [0],
+                },
+                {
+                    "rank": 7,
+                    "tensor": "mlp.gate",
+                    "offsets": [2, 0],
+                    "sizes": [2, 2],
+                    "storage": "mlp.gate",
+                    "storage_offsets": [0, 0],
+                },
+                {
+                    "rank": 7,
+                    "tensor": "mlp.up",
+                    "offsets": [2, 0],
+                    "sizes": [2, 2],
+                    "storage": "mlp.up",
+                    "storage_offsets": [0, 0],
+                },
+            ],
+        }
+    ]
+
+
+def test_show_summary_totals_per_rank(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--layout", "tp", "--summary")
+    assert code == ExitCode.OK
+    assert out.splitlines()[1].split() == ["rank", "tensors", "boxes", "elements", "bytes"]
+    # per rank: w 4x3 fp32 (48 B) + b 6 fp32 (24 B) + gate 2x2 bf16 (8 B) + up 2x2 bf16 (8 B)
+    assert rows(out) == [[str(rank), "4", "4", "26", "88"] for rank in (4, 5, 6, 7)]
+
+
+def test_show_summary_json_for_one_rank(capsys, tiny):
+    code, out, _ = run(capsys, "show", tiny, "--layout", "dp", "--summary", "--rank", "4", "--json")
+    assert code == ExitCode.OK
+    # w: 1 row of 6 fp32 (24 B), b: 3 fp32 (12 B), gate and up: 2x2 bf16 each (8 B)
+    assert json.loads(out) == [
+        {
+            "layout": "dp",
+            "mesh": "m",
+            "summary": [{"rank": 4, "tensors": 4, "boxes": 4, "elements": 17, "bytes": 52}],
+        }
+    ]
+
+
+# ==================================================================== errors
+
+BROKEN = """\
+mesh train [pp = 2, tp = 2]
+tensor "w" [4] fp32
+layout l on train {
+    "w": tpp = shard(0)
+}
+"""
+
+
+@pytest.fixture
+def broken(tmp_path) -> Path:
+    path = tmp_path / "broken.layout"
+    path.write_text(BROKEN)
+    return path
+
+
+@pytest.mark.parametrize("command", ["check", "show"])
+def test_bad_file_prints_place_caret_and_hint_without_traceback(capsys, broken, command):
+    code, out, err = run(capsys, command, broken)
+    assert code == ExitCode.BAD_INPUT
+    assert out == ""
+    assert err.splitlines() == [
+        f"{broken}:4:10: error: unknown axis 'tpp' in mesh 'train' (axes: pp, tp)",
+        '    4 |     "w": tpp = shard(0)',
+        "      |          ^~~",
+        "  hint: did you mean 'tp'?",
+    ]
+    assert "Traceback" not in err
+
+
+def test_check_goes_on_after_a_bad_file_and_fails_overall(capsys, broken):
+    good = EXAMPLES / "vllm_tp.layout"
+    code, out, err = run(capsys, "check", broken, good)
+    assert code == ExitCode.BAD_INPUT
+    assert err.startswith(f"{broken}:4:10: error: ")
+    assert out.startswith(f"{good}: ok (")
+
+
+def test_check_json_error_is_one_object_on_stderr(capsys, broken):
+    code, out, err = run(capsys, "check", "--json", broken)
+    assert code == ExitCode.BAD_INPUT
+    lines = err.splitlines()
+    assert len(lines) == 1
+    error = json.loads(lines[0])
+    assert {k: error[k] for k in ("error", "file", "line", "column", "end_column", "hint")} == {
+        "error": "name",
+        "file": str(broken),
+        "line": 4,
+        "column": 10,
+        "end_column": 13,
+        "hint": "did you mean 'tp'?",
+    }
+    assert "unknown axis 'tpp'" in error["message"]
+    (result,) = json.loads(out)
+    assert result["ok"] is False and result["file"] == str(broken) and result["line"] == 4
+
+
+def test_show_json_error_is_one_object_on_stderr(capsys, tmp_path):
+    path = tmp_path / "syntax.layout"
+    path.write_text("let a = 1\nlet b = a / 2\n")
+    code, out, err = run(capsys, "show", path, "--json")
+    assert code == ExitCode.BAD_INPUT
+    assert out == ""
+    error = json.loads(err)
+    assert (error["error"], error["file"], error["line"], error["column"]) == (
+        "syntax",
+        str(path),
+        2,
+        11,
+    )
+    assert error["hint"] == "integer division is written '//'"
+
+
+def test_error_found_while_resolving_is_reported_by_check(capsys, tmp_path):
+    path = tmp_path / "stages.layout"
+    path.write_text(
+        'mesh m [pp = 2]\ntensor "l.{l}" [4] fp32 for l in 0..9\nlayout x on m {\n  "l.{l}": pp[l // 2]\n}\n'
+    )
+    code, _, err = run(capsys, "check", path)
+    assert code == ExitCode.BAD_INPUT
+    assert err.startswith(
+        f"{path}:4:3: error: sub-mesh index 2 is out of range for axis 'pp' of size 2"
+    )
+    assert "^" in err.splitlines()[2]
+
+
+def test_show_unknown_layout(capsys, tiny):
+    code, out, err = run(capsys, "show", tiny, "--layout", "tpp")
+    assert code == ExitCode.BAD_INPUT
+    assert out == ""
+    assert err.splitlines() == [
+        "error: unknown layout 'tpp' (layouts: tp, dp, single)",
+        "  hint: did you mean 'tp'?",
+    ]
+
+
+def test_show_unknown_layout_as_json(capsys, tiny):
+    code, _, err = run(capsys, "show", tiny, "--layout", "nope", "--json")
+    assert code == ExitCode.BAD_INPUT
+    assert json.loads(err) == {
+        "error": "name",
+        "message": "unknown layout 'nope' (layouts: tp, dp, single)",
+    }
+
+
+def test_show_rank_in_no_mesh(capsys, tiny):
+    code, out, err = run(capsys, "show", tiny, "--rank", "99")
+    assert code == ExitCode.BAD_INPUT
+    assert out == ""
+    assert err.strip() == f"error: rank 99 belongs to no mesh of any layout in {tiny}"
+
+
+def test_show_rank_outside_the_chosen_layouts_mesh(capsys, tiny):
+    code, _, err = run(capsys, "show", tiny, "--layout", "single", "--rank", "5")
+    assert code == ExitCode.BAD_INPUT
+    assert err.strip() == "error: rank 5 is not in mesh 'solo' of layout 'single' (ranks 0..1)"
+
+
+def test_show_tensor_matching_nothing_suggests_a_name(capsys, tiny):
+    code, out, err = run(capsys, "show", tiny, "--tensor", "mlp.gtae")
+    assert code == ExitCode.BAD_INPUT
+    assert out == ""
+    assert err.splitlines() == [
+        f"error: no tensor matches 'mlp.gtae' in {tiny}",
+        "  hint: did you mean 'mlp.gate'?",
+    ]
+
+
+def test_show_tensor_pattern_matching_nothing(capsys, tiny):
+    code, _, err = run(capsys, "show", tiny, "--tensor", "layers.*")
+    assert code == ExitCode.BAD_INPUT
+    assert "no tensor matches 'layers.*'" in err
+
+
+def test_missing_file(capsys, tmp_path):
+    code, _, err = run(capsys, "check", tmp_path / "nope.layout")
+    assert code == ExitCode.BAD_INPUT
+    assert err.strip() == f"error: no such file: {tmp_path / 'nope.layout'}"
+
+
+def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tiny, monkeypatch):
+    def broken_load(path):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(cli, "load", broken_load)
+    code, _, err = run(capsys, "check", tiny)
+    assert code == ExitCode.INTERNAL
+    assert err.startswith("layoutlang: internal error: RuntimeError: simulated bug")
+    assert "Traceback" not in err
+
+    code, _, err = run(capsys, "check", "--json", tiny)
+    assert code == ExitCode.INTERNAL
+    assert json.loads(err) == {"error": "internal", "message": "RuntimeError: simulated bug"}
+
+
+# ====================================================================== fuzz
+#
+# Every example, truncated at many places and mutated in many ways, must give exit 0, or
+# exit 2 with an error whose first line is "path:line:col: error: " (the path is the fuzzed
+# file, or a file it includes), never an exception and never a traceback.
+
+TOKEN = re.compile(r'"[^"\n]*"|[A-Za-z_][A-Za-z0-9_]*|[0-9][0-9_]*|//|\.\.|->|\S')
+NAME = re.compile(r"\b[A-Za-z_][A-Za-z0-9_]*\b")
+NUMBER = re.compile(r"\b[0-9]+\b")
+NUMBERS = ("0", "-1", "99999999999", "9" * 30)
+CUTS = 30
+MUTATIONS = 70
+
+
+def mutants(text: str, rng: random.Random) -> list[tuple[str, str]]:
+    """(description, text) pairs: truncations, then token/character/number/name mutations."""
+    out = [
+        (f"cut at {p}", text[:p])
+        for p in sorted(rng.sample(range(len(text)), min(CUTS, len(text))))
+    ]
+    tokens = [m.span() for m in TOKEN.finditer(text)]
+    names = sorted({m.group() for m in NAME.finditer(text)})
+    name_spans = [m.span() for m in NAME.finditer(text)]
+    numbers = [m.span() for m in NUMBER.finditer(text)]
+    kinds = [
+        "delete token",
+        "duplicate token",
+        "swap tokens",
+        "delete char",
+        "duplicate char",
+        "swap chars",
+        "replace name",
+    ] + ["replace number"] * 2 * bool(numbers)
+    for _ in range(MUTATIONS):
+        kind = rng.choice(kinds)
+        if kind.endswith("token") or kind == "swap tokens":
+            i = rng.randrange(len(tokens))
+            s, e = tokens[i]
+            if kind == "delete token":
+                mutated = text[:s] + text[e:]
+            elif kind == "duplicate token":
+                mutated = text[:e] + " " + text[s:e] + text[e:]
+            else:
+                s2, e2 = tokens[min(i + 1, len(tokens) - 1)]
+                mutated = (
+                    text[:s] + text[s2:e2] + text[e:s2] + text[s:e] + text[e2:] if s2 > s else text
+                )
+            where = s
+        elif kind.endswith("char") or kind == "swap chars":
+            p = rng.randrange(len(text) - 1)
+            if kind == "delete char":
+                mutated = text[:p] + text[p + 1 :]
+            elif kind == "duplicate char":
+                mutated = text[:p] + text[p] + text[p:]
+            else:
+                mutated = text[:p] + text[p + 1] + text[p] + text[p + 2 :]
+            where = p
+        elif kind == "replace number":
+            (s, e), new = rng.choice(numbers), rng.choice(NUMBERS)
+            mutated, where, kind = text[:s] + new + text[e:], s, f"number -> {new}"
+        else:
+            (s, e), new = rng.choice(name_spans), rng.choice(names)
+            mutated, where, kind = text[:s] + new + text[e:], s, f"name -> {new}"
+        out.append((f"{kind} at {where}", mutated))
+    return out
+
+
+@pytest.fixture(scope="module")
+def examples_copy(tmp_path_factory) -> Path:
+    """The examples tree (includes, configs and all) copied so that relative paths hold."""
+    root = tmp_path_factory.mktemp("fuzz") / "examples"
+    shutil.copytree(EXAMPLES, root)
+    return root
+
+
+def assert_clean_outcome(code: int, out: str, err: str, path: Path, root: Path, what: str) -> None:
+    assert "Traceback" not in out + err, what
+    if code == ExitCode.OK:
+        return
+    assert code == ExitCode.BAD_INPUT, f"{what}: exit {code}\n{err}"
+    assert err.strip(), f"{what}: exit 2 without a message"
+    head = ERROR_HEAD.match(err)
+    assert head is not None, f"{what}: error without file:line:col\n{err}"
+    reported = Path(head["path"])
+    assert reported == path or (reported.is_file() and root in reported.resolve().parents), (
+        f"{what}\n{err}"
+    )
+
+
+def entry_point(source: Path, root: Path) -> Path:
+    """The file to check when ``source`` is mutated: itself when it is a complete program,
+    else the first top-level example that includes it (a fragment such as layouts/*.layout
+    uses constants and meshes of the file that includes it)."""
+    try:
+        layoutlang.load(source).check()
+        return source
+    except layoutlang.LayoutError:
+        pass
+    relative = source.relative_to(root).as_posix()
+    for program in sorted(root.glob("*.layout")):
+        if f'include "{relative}"' in program.read_text():
+            return program
+    raise AssertionError(
+        f"{relative} is neither a complete program nor included by a top-level example"
+    )
+
+
+@pytest.mark.parametrize("example", EXAMPLE_FILES, ids=lambda p: p.relative_to(EXAMPLES).as_posix())
+def test_fuzz_truncated_and_mutated_examples_never_crash(capsys, examples_copy, example):
+    relative = example.relative_to(EXAMPLES)
+    source = examples_copy / relative
+    text = source.read_text()
+    entry = entry_point(source, examples_copy)
+    seed = int(hashlib.sha256(relative.as_posix().encode()).hexdigest()[:8], 16)  # fixed per file
+    # A complete program is mutated into a new file beside it (its includes still resolve);
+    # a fragment is mutated in place and checked through the program that includes it.
+    path = source.with_name(f"fuzzed_{source.name}") if entry == source else source
+    checked = path if entry == source else entry
+    outcomes = {0: 0, 2: 0}
+    try:
+        for what, mutated in mutants(text, random.Random(seed)):
+            path.write_text(mutated)
+            code, out, err = run(capsys, "check", checked)
+            assert_clean_outcome(code, out, err, checked, examples_copy, f"{relative}, {what}")
+            outcomes[code] += 1
+            if code == ExitCode.OK:  # a program that checks must also show
+                code, out, err = run(capsys, "show", checked, "--summary")
+                assert_clean_outcome(
+                    code, out, err, checked, examples_copy, f"{relative}, {what}, show"
+                )
+                assert code == ExitCode.OK, err
+    finally:
+        if path == source:
+            source.write_text(text)
+        else:
+            path.unlink(missing_ok=True)
+    assert outcomes[2] > 0  # the mutations do find mistakes
+    assert sum(outcomes.values()) == min(CUTS, len(text)) + MUTATIONS
+
+
+SUBPROCESS_CASES = {
+    "truncated": lambda text: text[: len(text) // 2],
+    "huge number": lambda text: re.sub(r"tp = \d+", "tp = " + "9" * 30, text, count=1),
+    "not utf-8": lambda text: text.replace("#", "# caf\udce9", 1),
+}
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_fuzz_case_in_a_real_process_shows_no_traceback(examples_copy, case):
+    source = examples_copy / "vllm_tp.layout"
+    path = source.with_name(f"process_{case.replace(' ', '_')}.layout")
+    path.write_bytes(SUBPROCESS_CASES[case](source.read_text()).encode("utf-8", "surrogateescape"))
+    script = Path(sys.executable).with_name("layoutlang")  # the console script, where installed
+    use_script = case == "truncated" and script.exists()
+    command = [str(script)] if use_script else [sys.executable, "-m", "layoutlang.cli"]
+    result = subprocess.run(
+        [*command, "check", str(path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.startswith(f"{path}:"), result.stderr
+    assert ERROR_HEAD.match(result.stderr)
+    assert "^" in result.stderr
