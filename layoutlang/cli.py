@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import enum
+import itertools
 import json
 import logging
+import re
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +20,8 @@ from . import __version__
 from .elaborate import load
 from .errors import LayoutError, LayoutNameError, did_you_mean
 from .model import Layout, Program, compile_pattern
+from .plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
+from .report import plan_report
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,57 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--rank", metavar="R", type=int, help="only this rank")
     show.add_argument("--summary", action="store_true", help="per rank totals instead of boxes")
     show.add_argument("--json", action="store_true", help="print JSON")
+
+    plan = commands.add_parser(
+        "plan",
+        help="compile the plan of a reshard statement and print its statistics",
+        description="Compile the plan that turns the source layout of a reshard statement into "
+        "its destination layout, validate it, and print bytes by kind (local, domain, network), "
+        "messages, buckets, the lower bound and the gather-and-broadcast baseline.",
+    )
+    plan.add_argument("file", metavar="FILE", help="a .layout file")
+    plan.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    plan.add_argument(
+        "--explain",
+        metavar="PATTERN",
+        nargs="?",
+        const="*",
+        help='print the moves of the tensors matching PATTERN (default "*": all), one line each',
+    )
+    plan.add_argument("--limit", type=int, default=100, metavar="N", help="print at most N moves (default 100)")
+    plan.add_argument(
+        "--bucket-size",
+        metavar="SIZE",
+        type=parse_size,
+        default=DEFAULT_BUCKET_BYTES,
+        help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
+    )
+    plan.add_argument(
+        "--policy",
+        choices=POLICIES,
+        help="one policy for every tensor, overriding the statement's rules",
+    )
+    plan.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
+    plan.add_argument(
+        "--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline"
+    )
+    plan.add_argument(
+        "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
+    )
+    plan.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
     return parser
+
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``64MiB`` -> 67108864; plain numbers are bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _SIZE_UNITS or float(match.group(1)) * _SIZE_UNITS[unit] < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a size such as 65536, 64MiB or 1GiB")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
 # ------------------------------------------------------------------------ check
@@ -88,7 +142,8 @@ def _check(args: argparse.Namespace) -> int:
         }
         results.append({"file": path, "ok": True, **counts})
         if not args.json:
-            print(f"{path}: ok ({', '.join(f'{v} {k}' for k, v in counts.items())})")
+            described = ", ".join(f"{v} {k if v != 1 else k[:-1]}" for k, v in counts.items())
+            print(f"{path}: ok ({described})")
     if args.json:
         print(json.dumps(results, indent=2))
     return status
@@ -200,6 +255,47 @@ def _show(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+# ------------------------------------------------------------------------- plan
+
+
+def _plan(args: argparse.Namespace) -> int:
+    program = load(args.file)
+    program.check()
+    plan = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy)
+    plan.validate()
+    baseline = None
+    if not args.no_compare and args.policy != "broadcast":
+        baseline = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy="broadcast")
+    if args.out:
+        if args.out.endswith(".json"):
+            with open(args.out, "w", encoding="utf-8") as f:
+                json.dump(plan.to_json(), f, indent=1)
+        else:
+            with open(args.out, "wb") as f:
+                f.write(plan.to_bytes())
+    explained = list(itertools.islice(plan.moves(args.explain), args.limit)) if args.explain else []
+    if args.json:
+        out = plan.to_json(moves=False)
+        if baseline is not None:
+            out["gather_and_broadcast"] = baseline.stats.to_json()
+            out["gather_and_broadcast"].pop("per_rank")
+        if args.explain:
+            out["moves"] = [str(m) for m in explained]
+        print(json.dumps(out, indent=2))
+        return ExitCode.OK
+    lines = plan_report(plan, baseline, per_rank=args.per_rank)
+    if args.explain:
+        total = sum(1 for _ in plan.moves(args.explain)) if len(explained) == args.limit else len(explained)
+        lines += ["", f"moves of {args.explain!r} ({total:,} in all):"]
+        lines += [f"  {m}" for m in explained]
+        if total > len(explained):
+            lines.append(f"  ... {total - len(explained):,} more (raise --limit to see them)")
+    if args.out:
+        lines += ["", f"plan written to {args.out}"]
+    print("\n".join(lines))
+    return ExitCode.OK
+
+
 # ------------------------------------------------------------------------- main
 
 
@@ -216,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(levelname)s %(name)s: %(message)s"
     )
-    commands = {"check": _check, "show": _show}
+    commands = {"check": _check, "show": _show, "plan": _plan}
     try:
         return int(commands[args.command](args))
     except LayoutError as err:

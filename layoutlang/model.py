@@ -913,10 +913,15 @@ class Program:
     def reshard(self, name: str | None = None) -> Reshard:
         """The named reshard, or the only one when ``name`` is None."""
         if name is None:
-            if len(self.reshards) != 1:
+            if not self.reshards:
                 raise LayoutNameError(
-                    f"the program has {len(self.reshards)} reshard statements; name one "
-                    f"({', '.join(self.reshards) or 'none'})"
+                    f"{self.path} declares no reshard statement",
+                    hint="add one, e.g. 'reshard training -> inference'",
+                )
+            if len(self.reshards) > 1:
+                raise LayoutNameError(
+                    f"{self.path} declares {len(self.reshards)} reshard statements; name one "
+                    f"({', '.join(self.reshards)})"
                 )
             return next(iter(self.reshards.values()))
         if name not in self.reshards:

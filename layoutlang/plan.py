@@ -335,7 +335,7 @@ class Plan:
             "destination_digest": _layout_digest(self.destination),
             "domain_size": self.domain_size,
             "bucket_bytes": self.bucket_bytes,
-            "policies": list(self.policies),
+            "broadcast_tensors": [i for i, p in enumerate(self.policies) if p == "broadcast"],
             "tensors": [[n, list(self.source.tensors[n].shape), self.source.tensors[n].dtype] for n in self.tensors],
             "num_buckets": self.num_buckets,
             "lower_bound_bytes": int(self.arrays.lower_bound_bytes),
@@ -397,11 +397,13 @@ class Plan:
             header["lower_bound_bytes"],
             header["broadcast_payload_bytes"],
         )
+        broadcast = set(header["broadcast_tensors"])
+        policies = tuple("broadcast" if i in broadcast else "reshard" for i in range(len(header["tensors"])))
         plan = cls(
             source,
             destination,
             header["reshard"],
-            tuple(header["policies"]),
+            policies,
             header["domain_size"],
             header["bucket_bytes"],
             arrays,
