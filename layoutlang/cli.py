@@ -142,7 +142,8 @@ def _check(args: argparse.Namespace) -> int:
         }
         results.append({"file": path, "ok": True, **counts})
         if not args.json:
-            described = ", ".join(f"{v} {k if v != 1 else k[:-1]}" for k, v in counts.items())
+            singular = {"meshes": "mesh", "tensors": "tensor", "layouts": "layout", "reshards": "reshard"}
+            described = ", ".join(f"{v} {k if v != 1 else singular[k]}" for k, v in counts.items())
             print(f"{path}: ok ({described})")
     if args.json:
         print(json.dumps(results, indent=2))
