@@ -116,6 +116,13 @@ class Builder {
     if (src_.num_tensors() != dst_.num_tensors() || policies_.size() != src_.num_tensors()) {
       throw CoreValueError("source and destination layouts cover different tensors");
     }
+    for (std::size_t t = 0; t < src_.num_tensors(); ++t) {
+      const int64_t itemsize = src_.tensor(static_cast<int32_t>(t)).itemsize;
+      if (itemsize > options_.bucket_bytes) {
+        throw CoreValueError("the bucket budget of " + std::to_string(options_.bucket_bytes) +
+                             " bytes is smaller than one element (" + std::to_string(itemsize) + " bytes)");
+      }
+    }
     // Every destination rank of every tensor gets at least one move: reserve that much up
     // front, since growing columns of millions of moves costs more than planning them.
     std::size_t expected_moves = 0, expected_regions = 0, expected_dims = 0;
@@ -667,6 +674,18 @@ class Validator {
       }
       if (covered != volume(region)) problem(i, "reads data that no earlier move delivered");
     }
+    // No rank stages more than the budget in one bucket (send and receive sides together).
+    for (std::size_t i = begin; i < end; ++i) {
+      if (plan_.move_kind[i] == kLocal) continue;
+      const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
+      for (int64_t r : {static_cast<int64_t>(plan_.move_src[i]), static_cast<int64_t>(plan_.move_dst[i])}) {
+        const int64_t total = (staged_[{plan_.move_bucket[i], r}] += bytes);
+        if (total > options_.bucket_bytes && total - bytes <= options_.bucket_bytes) {
+          problem(i, "rank " + std::to_string(r) + " stages more than the bucket budget in bucket " +
+                         std::to_string(plan_.move_bucket[i]));
+        }
+      }
+    }
     // Writes never overlap (every byte written once).
     for (const auto& [key, list] : writes) {
       for (std::size_t a = 0; a < list.size(); ++a) {
@@ -711,6 +730,7 @@ class Validator {
   std::size_t max_;
   GroupCache src_groups_, dst_groups_;
   std::vector<int64_t> src_group_, dst_group_;
+  std::map<std::pair<int32_t, int64_t>, int64_t> staged_;  // (bucket, rank) -> bytes
   std::vector<std::string> problems_;
 };
 

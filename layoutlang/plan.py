@@ -87,7 +87,11 @@ class Move:
 
     @property
     def is_relay(self) -> bool:
-        return self.src_space == "destination"
+        """A domain move forwarding what its rank received over the network: from the
+        destination storage (reshard, stage 1) or the scratch buffer (broadcast, stage 2)."""
+        return self.kind == "domain" and (
+            self.src_space == "destination" or (self.src_space == "scratch" and self.stage == 2)
+        )
 
     def __str__(self) -> str:
         region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))

@@ -34,7 +34,18 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str], right: set[in
 
 
 def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.3f}" if b else "-"
+    if not b:
+        return "1.000" if not a else "inf"
+    return f"{a / b:.3f}"
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _largest(pair: tuple[int, int]) -> str:
+    nbytes, rank = pair
+    return f"{human_bytes(nbytes)} (rank {rank})" if nbytes else "none"
 
 
 def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False) -> list[str]:
@@ -42,8 +53,8 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
     stats: PlanStats = plan.stats
     src, dst = plan.source, plan.destination
     lines = [
-        f"plan {plan.name}: {src.name} on {src.mesh.name} ({src.mesh.size} ranks) -> "
-        f"{dst.name} on {dst.mesh.name} ({dst.mesh.size} ranks)",
+        f"plan {plan.name}: {src.name} on {src.mesh.name} ({_ranks(src.mesh.size)}) -> "
+        f"{dst.name} on {dst.mesh.name} ({_ranks(dst.mesh.size)})",
         f"  domains of {plan.domain_size} ranks, buckets of {human_bytes(plan.bucket_bytes)}, "
         f"fingerprint {plan.fingerprint[:16]}",
         "",
@@ -72,8 +83,8 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
         f"moved / lower bound = {_ratio(stats.moved, stats.lower_bound)}"
     )
     lines.append(
-        f"largest network send per rank: {human_bytes(stats.largest_network_send[0])} (rank {stats.largest_network_send[1]}); "
-        f"largest network receive: {human_bytes(stats.largest_network_receive[0])} (rank {stats.largest_network_receive[1]})"
+        f"largest network send per rank: {_largest(stats.largest_network_send)}; "
+        f"largest network receive: {_largest(stats.largest_network_receive)}"
     )
     if baseline is not None:
         b = baseline.stats
