@@ -174,7 +174,9 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
       box.sizes[d] = run.length;
       box.storage_offsets[d] = run.local_start;
     }
-    if (!interleaved) {
+    if (ndim == 0) {  // a scalar: one element, nothing to place along a dim
+      out.push_back(std::move(box));
+    } else if (!interleaved) {
       box.storage_offsets[dim] += base;
       out.push_back(std::move(box));
     } else {
@@ -232,6 +234,7 @@ bool LayoutCore::locate(int32_t tensor, int64_t rank, const int64_t* offsets,
   const TensorEntry& t = tensors_[tensor];
   const StorageEntry& s = storages_[t.storage];
   const std::size_t dim = static_cast<std::size_t>(s.dim);
+  if (ndim == 0) return true;  // a scalar sits at the start of its storage
   if (s.block_sizes.empty()) {
     storage_offsets[dim] += part_base(t.storage, tensor, index);
     return true;
@@ -253,7 +256,7 @@ bool LayoutCore::storage_shape(int32_t storage, int64_t rank, std::vector<int64_
     if (!any) {
       shape = shard.shape;
       any = true;
-    } else {
+    } else if (!shape.empty()) {
       shape[s.dim] += shard.shape[s.dim];
     }
   }
@@ -276,7 +279,7 @@ std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
         const int32_t part = s.parts[p];
         if (!local_shard(part, static_cast<int64_t>(index), shard)) continue;
         ++held;
-        if (static_cast<std::size_t>(s.dim) >= shard.shape.size()) {
+        if (static_cast<std::size_t>(s.dim) >= shard.shape.size() && !(shard.shape.empty() && s.parts.size() == 1)) {
           problems.push_back({"storage-shape", sid, rank,
                               "part " + std::to_string(p) + " has " +
                                   std::to_string(shard.shape.size()) +
@@ -286,6 +289,7 @@ std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
         }
         if (held == 1) {
           shape = shard.shape;
+          if (shape.empty()) continue;  // a scalar storage: nothing to add up
         } else {
           bool same = shard.shape.size() == shape.size();
           for (std::size_t d = 0; same && d < shape.size(); ++d) {

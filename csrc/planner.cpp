@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <numeric>
 #include <string>
+#include <tuple>
 
 namespace layoutlang {
 namespace {
@@ -545,6 +546,7 @@ class Validator {
     for (std::size_t c : columns) {
       if (c != n) return {"move columns have different lengths"};
     }
+    if (!check_regions()) return problems_;
     std::vector<char> seen(src_.num_tensors(), 0);
     std::size_t begin = 0;
     while (begin < n && problems_.size() < max_) {
@@ -577,6 +579,61 @@ class Validator {
 
  private:
   using Key = std::pair<int64_t, uint8_t>;  // rank, space
+
+  // Every region's dims lie inside the coordinate columns and its bytes match its sizes.
+  bool check_regions() {
+    const std::size_t regions = plan_.region_tensor.size();
+    if (plan_.region_dims_start.size() != regions || plan_.region_bytes.size() != regions ||
+        plan_.region_offsets.size() != plan_.region_sizes.size()) {
+      problems_.push_back("region columns have different lengths");
+      return false;
+    }
+    for (std::size_t r = 0; r < regions && problems_.size() < max_; ++r) {
+      const int32_t tensor = plan_.region_tensor[r];
+      if (tensor < 0 || static_cast<std::size_t>(tensor) >= src_.num_tensors()) {
+        problems_.push_back("region " + std::to_string(r) + " refers to a tensor that does not exist");
+        return false;
+      }
+      const std::size_t ndim = src_.tensor(tensor).shape.size();
+      const int64_t start = plan_.region_dims_start[r];
+      if (start < 0 || static_cast<std::size_t>(start) + ndim > plan_.region_offsets.size()) {
+        problems_.push_back("region " + std::to_string(r) + " has its dims outside the coordinate columns");
+        return false;
+      }
+      int64_t bytes = src_.tensor(tensor).itemsize;
+      for (std::size_t d = 0; d < ndim; ++d) bytes *= plan_.region_sizes[static_cast<std::size_t>(start) + d];
+      if (bytes != plan_.region_bytes[r]) {
+        problems_.push_back("region " + std::to_string(r) + " claims " + std::to_string(plan_.region_bytes[r]) +
+                            " bytes, its sizes give " + std::to_string(bytes));
+      }
+    }
+    for (std::size_t i = 0; i < plan_.move_kind.size() && problems_.size() < max_; ++i) {
+      if (plan_.move_kind[i] > kNetwork || plan_.move_src_space[i] > kScratch || plan_.move_dst_space[i] > kScratch ||
+          plan_.move_stage[i] > 3 || plan_.move_bucket[i] < 0) {
+        problem(i, "has a kind, space, stage or bucket out of range");
+      }
+    }
+    return problems_.empty();
+  }
+
+  // A region read from or written to an interleaved storage must sit in one block there.
+  bool within_one_block(int32_t region, const HoldingGroup& group, const LayoutCore& layout) const {
+    const int32_t tensor = plan_.region_tensor[region];
+    const StorageEntry& storage = layout.storage(layout.tensor(tensor).storage);
+    if (storage.block_sizes.empty()) return true;
+    const auto dim = static_cast<std::size_t>(storage.dim);
+    if (dim >= group.runs.size()) return true;
+    const int64_t block = interleave_of(storage, tensor).block;
+    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
+    const int64_t lo = plan_.region_offsets[start + dim], hi = lo + plan_.region_sizes[start + dim];
+    for (const Run& run : group.runs[dim]) {
+      if (lo >= run.global_start && hi <= run.global_start + run.length) {
+        const int64_t local = run.local_start + (lo - run.global_start);
+        return local / block == (local + (hi - lo) - 1) / block;
+      }
+    }
+    return false;
+  }
 
   void problem(std::size_t move, const std::string& what) {
     if (problems_.size() < max_) problems_.push_back("move " + std::to_string(move) + ": " + what);
@@ -659,6 +716,12 @@ class Validator {
         problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
       }
       if (plan_.move_dst_space[i] == kSource) problem(i, "writes into a source storage");
+      if ((plan_.move_src_space[i] == kSource && src_group_[s] >= 0 &&
+           !within_one_block(region, sgroups[src_group_[s]], src_)) ||
+          (plan_.move_dst_space[i] == kDestination && dst_group_[d] >= 0 &&
+           !within_one_block(region, dgroups[dst_group_[d]], dst_))) {
+        problem(i, "spans two blocks of an interleaved storage");
+      }
       writes[{d, plan_.move_dst_space[i]}].push_back(i);
     }
     // Reads of received data (relays, scratch) must be covered by earlier writes.
@@ -745,7 +808,7 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
   PlanTotals totals;
   totals.sent.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
   totals.received.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
-  std::vector<uint64_t> keys;
+  std::vector<std::tuple<int32_t, uint8_t, int64_t, int64_t>> keys;  // bucket, stage, src, dst
   keys.reserve(plan.move_region.size());
   for (std::size_t i = 0; i < plan.move_region.size(); ++i) {
     const uint8_t kind = plan.move_kind[i];
@@ -758,10 +821,7 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
     totals.moves[kind] += 1;
     totals.sent[static_cast<std::size_t>(src) * 3 + kind] += bytes;
     totals.received[static_cast<std::size_t>(dst) * 3 + kind] += bytes;
-    if (kind != kLocal) {
-      keys.push_back((static_cast<uint64_t>(plan.move_bucket[i]) << 42) | (static_cast<uint64_t>(plan.move_stage[i]) << 40) |
-                     (static_cast<uint64_t>(src) << 20) | static_cast<uint64_t>(dst));
-    }
+    if (kind != kLocal) keys.emplace_back(plan.move_bucket[i], plan.move_stage[i], src, dst);
   }
   std::sort(keys.begin(), keys.end());
   totals.messages = static_cast<int64_t>(std::unique(keys.begin(), keys.end()) - keys.begin());

@@ -131,7 +131,9 @@ class PlanStats:
 
     @property
     def ratio_to_lower_bound(self) -> float:
-        return self.moved / self.lower_bound if self.lower_bound else 1.0
+        if not self.lower_bound:
+            return 1.0 if not self.moved else float("inf")
+        return self.moved / self.lower_bound
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -388,6 +390,13 @@ class Plan:
                 pos += size
         except (struct.error, ValueError, json.JSONDecodeError) as err:
             raise LayoutValueError(f"the plan file is damaged ({err})") from None
+        try:
+            return cls._from_header(header, columns, program)
+        except (KeyError, TypeError, IndexError) as err:
+            raise LayoutValueError(f"the plan file is damaged (its header lacks or garbles {err})") from None
+
+    @classmethod
+    def _from_header(cls, header: dict[str, Any], columns: dict[str, np.ndarray], program: Program) -> Plan:
         source = program.layout(header["source"])
         destination = program.layout(header["destination"])
         for side, layout in (("source", source), ("destination", destination)):
@@ -413,6 +422,15 @@ class Plan:
             arrays,
         )
         plan.validate()
+        # The header's totals are derived data: recompute them rather than trust them.
+        check = plan_layouts(
+            source, destination, name=plan.name, domain_size=plan.domain_size, bucket_bytes=plan.bucket_bytes, policies=policies
+        )
+        for field in ("num_buckets", "lower_bound_bytes", "broadcast_payload_bytes"):
+            if header[field] != int(getattr(check.arrays, field)) and field != "num_buckets":
+                raise LayoutValueError(f"the plan file is damaged: its {field} does not match the program")
+        if header["num_buckets"] != (int(np.max(columns["move_bucket"])) + 1 if columns["move_bucket"].size else 0):
+            raise LayoutValueError("the plan file is damaged: its num_buckets does not match its moves")
         return plan
 
     def to_json(self, moves: bool = True) -> dict[str, Any]:
@@ -459,6 +477,8 @@ def _check_pair(source: Layout, destination: Layout) -> None:
     src_names, dst_names = list(source.tensors), list(destination.tensors)
     if source.tensors is destination.tensors:
         pass  # layouts of one program share its tensors
+    elif set(src_names) == set(dst_names):
+        pass  # the same tensors declared in another order: plan_layouts reorders
     elif src_names != dst_names:
         missing = [n for n in src_names if n not in destination.tensors][:3]
         extra = [n for n in dst_names if n not in source.tensors][:3]
@@ -514,6 +534,12 @@ def plan_layouts(
     memory of one rank in one bucket; larger regions are cut into slabs.
     """
     _check_pair(source, destination)
+    if list(source.tensors) != list(destination.tensors):
+        # The core numbers tensors in declaration order: give the destination the source's.
+        ordered = {name: destination.tensors[name] for name in source.tensors}
+        destination = Layout(
+            destination.name, destination.mesh, ordered, destination.rules, destination.storages, destination.span
+        )
     names = source.resolved.names
     per_tensor = (policies,) * len(names) if isinstance(policies, str) else tuple(policies)
     if len(per_tensor) != len(names) or any(p not in POLICIES for p in per_tensor):
