@@ -226,4 +226,4 @@ def test_refit_has_disjoint_fleets():
     refit = program.reshard("refit")
     source, destination = program.layout(refit.source), program.layout(refit.destination)
     assert not set(source.mesh.ranks) & set(destination.mesh.ranks)
-    assert program.topology.domain_size == 4
+    assert program.topology.domain_size == 2
