@@ -40,10 +40,36 @@ from .model import (
     shard_boxes,
 )
 
+from .plan import Plan, compile_plan, plan_layouts
+
 __version__ = "0.1.0"
 
+# Execution needs torch; import it only when it is used, so the language stays light.
+_LAZY = {
+    "Resharder": ("layoutlang.execute", "Resharder"),
+    "ExecutionError": ("layoutlang.execute", "ExecutionError"),
+    "AgreementError": ("layoutlang.execute", "AgreementError"),
+    "redistribute": ("layoutlang.interop.dtensor", "redistribute"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module 'layoutlang' has no attribute '{name}'")
+
 __all__ = [
+    "AgreementError",
     "Box",
+    "ExecutionError",
+    "Plan",
+    "Resharder",
+    "compile_plan",
+    "plan_layouts",
+    "redistribute",
     "Layout",
     "LayoutError",
     "LayoutIncludeError",

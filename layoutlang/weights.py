@@ -176,7 +176,8 @@ class SafetensorsCheckpoint:
                 f"{file}: tensor '{name}' is {entry['dtype']} {entry['shape']}, the program declares {dtype} {list(shape)}"
             )
         if file not in self._maps:
-            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+            # copy-on-write: torch wants writable memory; the file is never changed
+            self._maps[file] = np.memmap(file, dtype=np.uint8, mode="c")
         begin, end = entry["data_offsets"]
         raw = torch.from_numpy(np.asarray(self._maps[file][data_start + begin : data_start + end]))
         whole = raw.view(_torch_dtype(dtype)).view(tuple(shape)) if shape else raw.view(_torch_dtype(dtype))

@@ -58,7 +58,7 @@ def test_bytes_by_kind_match_the_plan(pool):
     path = EXAMPLES / "tp_to_dp.layout"
     participants = participants_of(path)
     results = [r[0] for r in pool.run(workers.refit, str(path), participants) if r]
-    plan = layoutlang.plan.compile_plan(layoutlang.load(path))
+    plan = layoutlang.compile_plan(layoutlang.load(path))
     sent = {k: sum(r["sent"][k] for r in results) for k in ("domain", "network")}
     assert sent == {"domain": plan.stats.bytes["domain"], "network": plan.stats.bytes["network"]}
 
