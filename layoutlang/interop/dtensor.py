@@ -34,6 +34,25 @@ def mesh_from_device_mesh(device_mesh: Any, name: str = "mesh") -> Mesh:
     return Mesh(name, tuple(zip(names, shape)), device_mesh.mesh.flatten().tolist())
 
 
+def _unsliced(device_mesh: Any, placements: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """A DTensor on a slice of a mesh (``world["tp"]``) lives, replicated, on every slice:
+    describe it on the whole (root) mesh, so every rank describes the same layout."""
+    from torch.distributed.tensor import Replicate as DReplicate
+
+    root = device_mesh._get_root_mesh() if hasattr(device_mesh, "_get_root_mesh") else device_mesh
+    if root is device_mesh or root is None:
+        return device_mesh, list(placements)
+    names, root_names = device_mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise LayoutValueError(
+            "a DTensor on a sliced or flattened device mesh needs mesh dims named after its root mesh's dims"
+        )
+    full: list[Any] = [DReplicate()] * root.ndim
+    for name, placement in zip(names, placements):
+        full[root_names.index(name)] = placement
+    return root, full
+
+
 def placements_from_dtensor(placements: Sequence[Any]) -> tuple[Shard | Replicate, ...]:
     """DTensor placements as layoutlang placements; Partial is refused."""
     from torch.distributed.tensor import Replicate as DReplicate
@@ -94,24 +113,28 @@ def redistribute(
 ) -> Any:
     """``dtensor`` moved to ``device_mesh`` with ``placements`` (meshes may differ).
 
-    Every rank of both meshes calls it (ranks of only one mesh too). On ranks of the
-    destination mesh it returns the new DTensor; on ranks outside it, None. Only the exact
-    overlap of the shards moves; ``domain_size`` groups ranks that share fast links.
+    Every rank of both meshes calls it (ranks of only one mesh too); on ranks of neither it
+    does nothing. On ranks of the destination mesh it returns the new DTensor; elsewhere
+    None. A DTensor on a slice of a mesh (``world["tp"]``) is taken as replicated over the
+    other dims of the root mesh. Only the exact overlap of the shards moves; ``domain_size``
+    groups ranks that share fast links.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     rank = dist.get_rank()
-    source_mesh = mesh_from_device_mesh(dtensor.device_mesh, "source") if isinstance(dtensor, DTensor) else None
-    if source_mesh is None:
+    if not isinstance(dtensor, DTensor):
         raise LayoutValueError("redistribute takes a DTensor")
-    destination_mesh = mesh_from_device_mesh(device_mesh, "destination")
-    src_placements = placements_from_dtensor(dtensor.placements)
-    dst_placements = placements_from_dtensor(placements)
-    if len(dst_placements) != len(destination_mesh.axes):
-        raise LayoutValueError(
-            f"{len(dst_placements)} placements for a destination mesh of {len(destination_mesh.axes)} dims"
-        )
+    if len(placements) != device_mesh.ndim:
+        raise LayoutValueError(f"{len(placements)} placements for a destination mesh of {device_mesh.ndim} dims")
+    src_root, src_full = _unsliced(dtensor.device_mesh, dtensor.placements)
+    dst_root, dst_full = _unsliced(device_mesh, placements)
+    source_mesh = mesh_from_device_mesh(src_root, "source")
+    destination_mesh = mesh_from_device_mesh(dst_root, "destination")
+    src_placements = placements_from_dtensor(src_full)
+    dst_placements = placements_from_dtensor(dst_full)
+    if rank not in source_mesh and rank not in destination_mesh:
+        return None  # as in DTensor: a rank outside both meshes has nothing to do
     plan = _plan(
         (source_mesh, src_placements),
         (destination_mesh, dst_placements),
