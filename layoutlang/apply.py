@@ -58,9 +58,13 @@ def apply_on_rank(
     rank: int,
     rank_map: dict[int, int] | None,
     progress: Callable[[str, int, int], None] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """One rank's part of ``apply``: every requested policy, timed, verified."""
     import torch
+
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
     from .elaborate import load
     from .execute import Resharder
@@ -84,15 +88,19 @@ def apply_on_rank(
             timeout=options.timeout,
         )
         plan = resharder.plan
-        sources = resharder.allocate("source")
+        sources = resharder.allocate("source", device=device)
+        problem = None
         if rank in plan.source.mesh:
-            (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
+            try:
+                (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
+            except LayoutError as err:  # every rank learns of it in the run's agreement
+                problem = err.message
         dtype = getattr(torch, options.cast) if options.cast else None
-        destinations = resharder.allocate("destination", dtype=dtype)
+        destinations = resharder.allocate("destination", dtype=dtype, device=device)
         seconds = []
         for _ in range(max(1, options.repeat)):
             notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
-            resharder.run(sources, destinations, cast=dtype is not None, progress=notify)
+            resharder.run(sources, destinations, cast=dtype is not None, progress=notify, not_ready=problem)
             seconds.append(resharder.last_report.seconds)
         run = resharder.last_report
         result: dict[str, Any] = {
@@ -212,6 +220,10 @@ def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, A
 
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
+        if device == "cuda":
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     rank = dist.get_rank()
     try:
@@ -219,7 +231,7 @@ def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, A
     except LayoutError:
         participants = []
     if rank in participants:
-        report: dict[str, Any] = apply_on_rank(options, rank, None)
+        report: dict[str, Any] = apply_on_rank(options, rank, None, device=device)
     else:
         report = {"rank": rank, "idle": True, "runs": {}}
     gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None  # type: ignore[assignment]

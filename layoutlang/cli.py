@@ -352,8 +352,20 @@ def _apply(args: argparse.Namespace) -> int:
             return ExitCode.OK
         launcher = "torchrun"
     else:
+        from .launch import WorkerError
+
         job.participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
-        reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
+        try:
+            reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
+        except WorkerError as err:
+            if err.kind in ("internal", "died"):
+                raise
+            # A user's mistake found on a worker: its message already has its place and caret.
+            if args.json:
+                print(json.dumps({"error": err.kind, "message": err.message}), file=sys.stderr)
+            else:
+                print(err.message, file=sys.stderr)
+            return ExitCode.BAD_INPUT
         launcher = "local gloo workers"
     summary = job.summarize(reports)
     if args.json:
@@ -399,9 +411,9 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
         r, b = runs["reshard"], runs["broadcast"]
         lines.append("")
         lines.append(
-            f"reshard is {b['seconds'] / max(r['seconds'], 1e-9):.1f}x faster than gather-and-broadcast and moves "
-            f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x fewer bytes "
-            f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x fewer over the network)"
+            f"gather-and-broadcast took {b['seconds'] / max(r['seconds'], 1e-9):.1f}x the time of reshard and moved "
+            f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x its bytes "
+            f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x over the network)"
         )
     for run in runs.values():
         for mismatch in run["mismatches"][:10]:

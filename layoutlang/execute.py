@@ -113,7 +113,9 @@ class TorchTransport:
     program whose ranks are sparse can run on a compact process group.
     """
 
-    def __init__(self, rank: int, rank_map: Mapping[int, int] | None = None, group: Any = None):
+    def __init__(
+        self, rank: int, rank_map: Mapping[int, int] | None = None, group: Any = None, device: Any = None
+    ):
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -122,6 +124,10 @@ class TorchTransport:
         self.rank = rank
         self.group = group
         self._map = dict(rank_map) if rank_map is not None else None
+        if device is None:  # NCCL moves only GPU memory: small control messages go there too
+            backend = dist.get_backend(group)
+            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+        self.device = torch.device(device)
 
     def _peer(self, rank: int) -> int:
         return self._map[rank] if self._map is not None else rank
@@ -257,7 +263,7 @@ class Executor:
         self._scratch_last_use = self._last_scratch_use()
         self.source_storages = plan.source.storages_on(rank) if rank in plan.source.mesh else {}
         self.destination_storages = plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
-        self._expected = self._expected_writes()
+        self._complete_after = self._completion_steps()
 
     def _last_scratch_use(self) -> dict[int, list[str]]:
         """Step index -> scratch buffers (whole tensors) no later step touches, to free them."""
@@ -273,18 +279,20 @@ class Executor:
             out[n].append(name)
         return out
 
-    def _expected_writes(self) -> dict[str, int]:
-        """Bytes each destination storage receives on this rank (its completion condition)."""
-        expected: dict[str, int] = {name: 0 for name in self.destination_storages}
-        for step in self.steps:
-            for _, write in step.copies:
-                if write.space == _DESTINATION:
-                    expected[write.storage] += write.nbytes
-            for message in step.recvs.values():
-                for p in message.pieces:
-                    if p.space == _DESTINATION:
-                        expected[p.storage] += p.nbytes
-        return expected
+    def _completion_steps(self) -> dict[int, list[str]]:
+        """Step index -> destination storages whose last write and last read are done by then
+        (-1: storages this rank never writes)."""
+        last = {name: -1 for name in self.destination_storages}
+        for n, step in enumerate(self.steps):
+            pieces = [p for pair in step.copies for p in pair]
+            pieces += [p for m in list(step.sends.values()) + list(step.recvs.values()) for p in m.pieces]
+            for p in pieces:
+                if p.space == _DESTINATION:
+                    last[p.storage] = n
+        out: dict[int, list[str]] = defaultdict(list)
+        for name, n in last.items():
+            out[n].append(name)
+        return out
 
     # -- checks
     def _check(self, sources: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], cast: bool) -> None:
@@ -322,37 +330,31 @@ class Executor:
         cast: bool = False,
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        not_ready: str | None = None,
     ) -> RunReport:
         """Move every byte this rank sends or receives; destinations are written in place.
 
         All ranks first check their storages and agree that every rank is ready, so a bad
         storage on one rank stops every rank before any byte moves.
         """
-        problem = None
-        try:
-            self._check(sources, destinations, cast)
-        except ExecutionError as err:
-            problem = err.message
+        problem = not_ready
+        if problem is None:
+            try:
+                self._check(sources, destinations, cast)
+            except ExecutionError as err:
+                problem = err.message
         agree(self.transport, self.rank, self.participants, self.plan.fingerprint, problem, self.timeout,
               failure="is not ready")
         device = _device_of(list(sources.values()) + list(destinations.values()))
         spaces = {_SOURCE: sources, _DESTINATION: destinations, _SCRATCH: {}}
-        remaining = dict(self._expected)
-        done_storages: set[str] = set()
-
-        def written(piece: _Piece) -> None:
-            if piece.space != _DESTINATION or on_complete is None:
-                return
-            remaining[piece.storage] -= piece.nbytes
-            if remaining[piece.storage] == 0 and piece.storage not in done_storages:
-                done_storages.add(piece.storage)
-                on_complete(piece.storage, destinations[piece.storage])
-
-        if on_complete is not None:
-            for name, count in remaining.items():
-                if count == 0:  # nothing to receive: complete from the start
-                    done_storages.add(name)
+        # A destination storage is complete after the step of its last write, and free for the
+        # engine after the step of its last read (a relay forwarding from it) too.
+        def announce(step: int) -> None:
+            if on_complete is not None:
+                for name in self._complete_after.get(step, ()):
                     on_complete(name, destinations[name])
+
+        announce(-1)
 
         sent = dict.fromkeys(KINDS, 0)
         received = dict.fromkeys(KINDS, 0)
@@ -373,7 +375,6 @@ class Executor:
                 self._target(spaces, write, device)[write.index].copy_(_view(spaces, read))
                 sent["local"] += read.nbytes
                 received["local"] += read.nbytes
-                written(write)
             # Pipelining: pack the next step while this one is in flight, when it does not
             # read what this step is about to receive.
             packed_next = None
@@ -388,12 +389,12 @@ class Executor:
                     staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece))
                     self._target(spaces, piece, device)[piece.index].copy_(staged)
                     received[self._kind(peer)] += piece.nbytes
-                    written(piece)
             for peer, message in step.sends.items():
                 sent[self._kind(peer)] += sum(p.nbytes for p in message.pieces)
             messages += len(step.sends)
             for name in self._scratch_last_use.get(n, ()):
                 spaces[_SCRATCH].pop(name, None)
+            announce(n)
             if progress is not None:
                 progress(n + 1, len(self.steps))
         if device.type == "cuda":
@@ -461,7 +462,7 @@ def _encode(status: bytes, digest: bytes, message: str, size: int) -> torch.Tens
 
 
 def _decode(buf: torch.Tensor) -> tuple[bytes, bytes, str]:
-    raw = bytes(buf.numpy().tobytes())
+    raw = bytes(buf.cpu().numpy().tobytes())
     length = int.from_bytes(raw[34:36], "little")
     return raw[:2], raw[2:34], raw[36 : 36 + length].decode("utf-8", errors="replace")
 
@@ -481,21 +482,22 @@ def agree(
     compares them and sends every rank the same verdict. Nothing else moves before it.
     """
     leader = min(participants)
+    device = getattr(transport, "device", torch.device("cpu"))
     digest = bytes.fromhex(fingerprint) if fingerprint else b""
-    mine = _encode(b"ER" if error else b"OK", digest, error or "", _AGREE_BYTES)
+    mine = _encode(b"ER" if error else b"OK", digest, error or "", _AGREE_BYTES).to(device)
     if rank != leader:
-        verdict = torch.empty(_VERDICT_BYTES, dtype=torch.uint8)
+        verdict = torch.empty(_VERDICT_BYTES, dtype=torch.uint8, device=device)
         transport.exchange([(leader, mine)], [(leader, verdict)], tag=_AGREEMENT_TAG).wait(timeout)
         status, _, message = _decode(verdict)
         if status != b"OK":
             raise AgreementError(message)
         return
     others = [r for r in participants if r != rank]
-    inboxes = {r: torch.empty(_AGREE_BYTES, dtype=torch.uint8) for r in others}
+    inboxes = {r: torch.empty(_AGREE_BYTES, dtype=torch.uint8, device=device) for r in others}
     transport.exchange([], list(inboxes.items()), tag=_AGREEMENT_TAG).wait(timeout)
     seen: dict[tuple[bytes, bytes], list[int]] = defaultdict(list)
     errors: dict[int, str] = {}
-    seen[(mine[:2].numpy().tobytes(), digest)].append(rank)
+    seen[(mine[:2].cpu().numpy().tobytes(), digest)].append(rank)
     if error:
         errors[rank] = error
     for r, buf in inboxes.items():
@@ -523,7 +525,7 @@ def agree(
         )
     else:
         text = ""
-    verdict = _encode(b"ER" if text else b"OK", b"", text, _VERDICT_BYTES)
+    verdict = _encode(b"ER" if text else b"OK", b"", text, _VERDICT_BYTES).to(device)
     transport.exchange([(r, verdict) for r in others], [], tag=_AGREEMENT_TAG).wait(timeout)
     if text:
         raise AgreementError(text)
@@ -630,17 +632,22 @@ class Resharder:
         cast: bool = False,
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        not_ready: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Move this rank's part of the plan; returns the destination storages.
 
         ``on_complete(name, tensor)`` is called for each destination storage as soon as all its
         bytes have arrived; ``cast=True`` accepts destinations in another dtype (converted on
-        arrival, e.g. fp32 master weights into bf16 inference weights).
+        arrival, e.g. fp32 master weights into bf16 inference weights). ``not_ready`` reports a
+        problem this rank found before running (e.g. reading its weights): every rank stops
+        with it and nothing moves.
         """
         if destinations is None:
             device = _device_of(list(sources.values())) if sources else torch.device("cpu")
             destinations = self.allocate("destination", device=device)
-        self.last_report = self.executor.run(sources, destinations, cast=cast, on_complete=on_complete, progress=progress)
+        self.last_report = self.executor.run(
+            sources, destinations, cast=cast, on_complete=on_complete, progress=progress, not_ready=not_ready
+        )
         return dict(destinations)
 
 

@@ -23,7 +23,17 @@ __all__ = ["LocalWorkers", "WorkerError", "worker_context"]
 
 
 class WorkerError(RuntimeError):
-    """A task failed on a worker (or a worker died); the message names the rank."""
+    """A task failed on a worker (or a worker died); the message names the rank.
+
+    ``kind`` is the LayoutError kind when the task failed on a user's mistake (a bad
+    program, storage or checkpoint), ``internal`` for anything else, ``died`` for a worker
+    that exited; ``message`` is the worker's error message without the rank prefix.
+    """
+
+    def __init__(self, text: str, kind: str = "internal", message: str = ""):
+        super().__init__(text)
+        self.kind = kind
+        self.message = message or text
 
 
 #: set in each worker: its rank, the world size and the store's port
@@ -31,7 +41,11 @@ worker_context: dict[str, Any] = {}
 
 
 def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results) -> None:
+    import torch
     import torch.distributed as dist
+
+    # Several workers share this machine's cores: one intra-op thread each, as torchrun does.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
     dist.init_process_group(
@@ -62,6 +76,7 @@ class LocalWorkers:
         self.timeout = timeout
         self.store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=start_timeout))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers, read at their start
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.SimpleQueue() for _ in range(size)]
@@ -77,7 +92,7 @@ class LocalWorkers:
         for p in self.processes:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, ranks=None, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; returns the results by rank.
 
         Raises WorkerError naming the first failing rank (its LayoutError message, or the
@@ -99,14 +114,18 @@ class LocalWorkers:
                 pass
             dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
             if dead:
-                raise WorkerError(f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})")
+                raise WorkerError(
+                    f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})", "died"
+                )
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.size)) - set(results))
                 raise WorkerError(f"workers {missing} did not finish in time")
         failed = sorted(r for r, (ok, _) in results.items() if not ok)
         if failed:
-            name, message, kind = results[failed[0]][1]
-            raise WorkerError(f"rank {failed[0]}: {name}: {message}")
+            # Prefer a user's mistake over the consequences it had on other ranks.
+            first = min(failed, key=lambda r: (results[r][1][2] == "internal", r))
+            name, message, kind = results[first][1]
+            raise WorkerError(f"rank {first}: {name}: {message}", kind, message)
         return [results[r][1] for r in range(self.size)]
 
     def results_by_rank(self, timeout: float | None = None) -> dict[int, tuple[bool, Any]]:
