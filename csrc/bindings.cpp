@@ -19,6 +19,9 @@
 namespace nb = nanobind;
 using namespace layoutlang;
 
+// The NCCL core's bindings (csrc/nccl/bindings_nccl.cpp): the `_core.nccl` submodule.
+void register_nccl_bindings(nb::module_& m);
+
 namespace {
 
 using SplitTuple = std::tuple<int32_t, int32_t, int32_t>;        // axis, pieces, blocks
@@ -273,4 +276,6 @@ NB_MODULE(_core, m) {
       },
       nb::arg("plan"), nb::arg("source"), nb::arg("destination"), nb::arg("domain_size"), nb::arg("bucket_bytes"),
       nb::arg("max_problems") = 20, "Problems with the plan (empty when it is valid).");
+
+  register_nccl_bindings(m);
 }

@@ -40,6 +40,7 @@ class ApplyOptions:
     to_dir: str | None = None
     cast: str | None = None
     repeat: int = 1
+    transport: str = "torch"
 
 
 def participants_of(path: str, reshard: str | None) -> list[int]:
@@ -77,12 +78,14 @@ def apply_on_rank(
         policies.append("broadcast")
     report: dict[str, Any] = {"rank": rank, "runs": {}}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    transport = _transport(options, program, rank, rank_map) if options.transport == "nccl" else None
     for index, policy in enumerate(policies):
         resharder = Resharder(
             program,
             options.reshard,
             rank=rank,
             rank_map=rank_map,
+            transport=transport,
             memory_budget=options.memory_budget,
             policy=None if policy == "reshard" and options.policy is None else policy,
             timeout=options.timeout,
@@ -135,6 +138,19 @@ def apply_on_rank(
         report["runs"][policy] = result
     report["peak_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     return report
+
+
+def _transport(options: ApplyOptions, program, rank: int, rank_map):
+    """layoutlang's native NCCL communicator over the reshard's ranks, made through the job's store."""
+    import torch.distributed as dist
+
+    from .launch import worker_context
+    from .nccl import NcclTransport
+
+    statement = program.reshard(options.reshard)
+    ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
+    store = worker_context.get("store") or dist.distributed_c10d._get_default_store()
+    return NcclTransport.from_store(rank, sorted(ranks), store, timeout=options.timeout)
 
 
 # ----------------------------------------------------------------- launching

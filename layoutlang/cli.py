@@ -134,7 +134,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="destination dtype, converted on arrival (e.g. bfloat16)")
     apply.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
     apply.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live")
+    apply.add_argument(
+        "--transport",
+        choices=("torch", "nccl"),
+        default="torch",
+        help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
+    )
     apply.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    from . import doctor
+
+    doctor_parser = commands.add_parser(
+        "doctor",
+        help="report the NCCL, CUDA and torch this machine offers",
+        description="Find NCCL as the nccl transport would (environment override, the library already in "
+        "the process, an nvidia-nccl wheel, the system), report its version and whether it offers "
+        "ncclCommShrink, ncclCommRevoke and ncclCommGrow, and the CUDA runtime and torch facts.",
+    )
+    doctor.add_arguments(doctor_parser)
     return parser
 
 
@@ -345,6 +362,7 @@ def _apply(args: argparse.Namespace) -> int:
         to_dir=args.to_dir,
         cast=args.cast,
         repeat=args.repeat,
+        transport=args.transport,
     )
     if job.environment_is_torchrun():
         reports = job.run_torchrun(options, args.device)
@@ -439,7 +457,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(levelname)s %(name)s: %(message)s"
     )
-    commands = {"check": _check, "show": _show, "plan": _plan, "apply": _apply}
+    from . import doctor
+
+    commands = {"check": _check, "show": _show, "plan": _plan, "apply": _apply, "doctor": doctor.run}
     try:
         return int(commands[args.command](args))
     except LayoutError as err:
