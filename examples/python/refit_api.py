@@ -87,6 +87,7 @@ def refit_worker(program_text: str) -> dict:
     def progress(done, total):
         transfers[:] = [done, total]
 
+    completions: list[str] = []
     for step in (1, 2):
         if step == 2:
             for weight in sources.values():  # a training step changes every weight
@@ -94,12 +95,12 @@ def refit_worker(program_text: str) -> dict:
         transfers[:] = [0, len(resharder.executor.steps)]
 
         def on_complete(name, tensor, step=step):
-            # The engine may load this parameter now: later transfers will not write it
-            # (they may still read it, to relay it to a domain peer: do not modify it).
-            print(
+            # The engine may load (or post-process) this parameter now: no later transfer
+            # of this refit writes or reads it. (Workers share one terminal: the messages go
+            # back to the parent, which prints them in order.)
+            completions.append(
                 f"  rank {rank}, refit {step}: {name} complete ({human_bytes(tensor.nbytes)}), "
-                f"during transfer step {transfers[0] + 1} of {transfers[1]}",
-                flush=True,
+                f"during transfer step {transfers[0] + 1} of {transfers[1]}"
             )
 
         resharder.run(sources, engine, on_complete=on_complete, progress=progress)
@@ -136,6 +137,7 @@ def refit_worker(program_text: str) -> dict:
         "buckets": plan.num_buckets,
         "steps": steps,
         "refused": refused,
+        "completions": completions,
     }
 
 
@@ -148,6 +150,8 @@ def main() -> None:
     fingerprint = results[0]["fingerprint"][:16]
     print(f"\nplan fingerprint {fingerprint} on all {len(results)} ranks: {len(fingerprints) == 1}")
     print(f"buckets of {human_bytes(MEMORY_BUDGET // 2)}: {results[0]['buckets']} buckets")
+    for line in sorted(c for r in results for c in r["completions"]):
+        print(line)
     for step in (1, 2):
         print(f"refit {step}:")
         for r in results:
