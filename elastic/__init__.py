@@ -1,4 +1,39 @@
 """Elastic communicators: membership, shrink and grow, and remeshing during failure recovery.
 
 The package is built on layoutlang's layouts and plans; see the design notes in the docs.
+``elastic.membership`` detects failures (heartbeats, exit notifications, per-operation
+deadlines) and agrees on each generation's members; ``elastic.groups`` builds the process
+group of a generation at once under its own store prefix, and a Transport over it.
 """
+
+from .groups import ElasticGroup, GlooTransport, abandon, admit, build_group
+from .membership import (
+    ExcludedError,
+    ExitWatcher,
+    FailureDetector,
+    Heartbeat,
+    Membership,
+    MembershipError,
+    decode_members,
+    encode_members,
+    failed_peers,
+    generation_key,
+)
+
+__all__ = [
+    "ElasticGroup",
+    "ExcludedError",
+    "ExitWatcher",
+    "FailureDetector",
+    "GlooTransport",
+    "Heartbeat",
+    "Membership",
+    "MembershipError",
+    "abandon",
+    "admit",
+    "build_group",
+    "decode_members",
+    "encode_members",
+    "failed_peers",
+    "generation_key",
+]

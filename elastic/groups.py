@@ -1,0 +1,194 @@
+"""Process groups per generation, and a layoutlang Transport over them (gloo).
+
+When a generation is agreed, its members build that generation's gloo process group at
+once, under the generation's own store prefix (``{namespace}/gen{g}/pg``), by constructing
+``torch.distributed.ProcessGroupGloo`` directly: nothing waits for the timeouts of the dead
+group, and no key of an earlier generation is read. The group is not registered with
+torch.distributed's default-group machinery; it is used through its own ``send``/``recv``
+methods by :class:`GlooTransport`.
+
+A member's rank in the group is its index in the sorted member list, so the group of
+generation 1 of members ``[0, 1, 3]`` has ranks 0, 1, 2 for job ranks 0, 1, 3.
+
+Grow: the coordinator (the lowest surviving rank) reads the join requests of the next
+generation and publishes its members including the joiners (:func:`admit`); joiners wait
+for a generation that includes them (:meth:`Membership.wait_until_member`); then every
+member builds the group of that generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from layoutlang.execute import ExecutionError
+
+from .membership import Membership, MembershipError, generation_key
+
+__all__ = ["ElasticGroup", "GlooTransport", "abandon", "admit", "build_group"]
+
+_abandoned: list[
+    Any
+] = []  # groups of dead generations, kept alive so their threads never block a destructor
+
+
+class ElasticGroup:
+    """The process group of one generation: its members, this rank's place, the gloo group."""
+
+    def __init__(
+        self, generation: int, members: Sequence[int], rank: int, pg: Any, build_seconds: float
+    ):
+        self.generation = generation
+        self.members = list(members)
+        self.rank = rank  # job rank
+        self.group_rank = self.members.index(rank)
+        self.pg = pg
+        self.build_seconds = build_seconds
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_map(self) -> dict[int, int]:
+        """Job rank -> group rank."""
+        return {m: i for i, m in enumerate(self.members)}
+
+    def transport(
+        self, rank_map: Mapping[int, int] | None = None, rank: int | None = None
+    ) -> GlooTransport:
+        """A Transport over this group; program ranks are job ranks unless ``rank_map`` says otherwise."""
+        return GlooTransport(
+            self.pg,
+            self.rank if rank is None else rank,
+            self.rank_map() if rank_map is None else rank_map,
+        )
+
+
+def build_group(store: Any, membership: Membership, *, timeout: float = 30.0) -> ElasticGroup:
+    """Build the gloo group of ``membership``'s current generation (all members call it at once).
+
+    ``store`` is the raw store (the namespace is ``membership.namespace``); ``timeout`` bounds
+    the rendezvous and is the group's default operation timeout.
+    """
+    import torch.distributed as dist
+
+    g = membership.generation
+    if g is None:
+        raise MembershipError(
+            f"rank {membership.rank}: enter a generation before building its group"
+        )
+    prefix = (
+        f"{membership.namespace}/{generation_key(g, 'pg')}"
+        if membership.namespace
+        else generation_key(g, "pg")
+    )
+    start = time.monotonic()
+    members = membership.members
+    try:
+        pg = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store),
+            members.index(membership.rank),
+            len(members),
+            timedelta(seconds=timeout),
+        )
+    except RuntimeError as err:
+        raise MembershipError(
+            f"rank {membership.rank}: building the group of generation {g} (members {members}) failed: "
+            f"{str(err).splitlines()[0]}"
+        ) from None
+    return ElasticGroup(g, members, membership.rank, pg, time.monotonic() - start)
+
+
+def abandon(group: ElasticGroup | None) -> None:
+    """Give up a dead generation's group: abort its pending work, never wait on it."""
+    if group is None:
+        return
+    _abandoned.append(group.pg)
+    abort = getattr(group.pg, "abort", None)  # absent on older torch
+    if abort is not None:
+        with contextlib.suppress(RuntimeError):
+            abort()
+
+
+def admit(
+    membership: Membership,
+    survivors: Sequence[int],
+    *,
+    wait_for: Sequence[int] = (),
+    timeout: float = 10.0,
+) -> list[int]:
+    """Coordinator side of grow: publish the next generation with the survivors and the joiners.
+
+    Waits (bounded) until every rank of ``wait_for`` has asked to join, then proposes the
+    next generation (``membership.generation + 1``) and enters it. Returns its members.
+    """
+    g = (membership.generation or 0) + 1
+    end = time.monotonic() + timeout
+    while True:
+        joiners = membership.join_requests(g)
+        if set(wait_for) <= set(joiners):
+            break
+        if time.monotonic() >= end:
+            raise MembershipError(
+                f"rank {membership.rank}: ranks {sorted(set(wait_for) - set(joiners))} did not ask to join "
+                f"generation {g} within {timeout:g} s"
+            )
+        time.sleep(0.02)
+    return membership.agree(g, list(survivors) + joiners)
+
+
+class _GlooPending:
+    def __init__(self, rank: int, works: list, labels: list[str], peers: list[int]):
+        self.rank, self.works, self.labels, self.peers = rank, works, labels, peers
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for work, label, peer in zip(self.works, self.labels, self.peers):
+            remaining = max(0.001, deadline - time.monotonic())
+            try:
+                completed = work.wait(timedelta(seconds=remaining))
+                error = None if completed is not False else "timed out"
+            except RuntimeError as err:
+                error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if error is not None:
+                exc = ExecutionError(
+                    f"rank {self.rank}: {label} failed or did not complete within {timeout:g} s "
+                    f"(the peer may have died or hung): {error}"
+                )
+                exc.peers = [peer]
+                raise exc
+
+
+class GlooTransport:
+    """layoutlang's Transport over a ProcessGroupGloo, with program rank -> group rank map."""
+
+    def __init__(self, pg: Any, rank: int, rank_map: Mapping[int, int]):
+        self.pg = pg
+        self.rank = rank
+        self._map = dict(rank_map)
+        self.device = torch.device("cpu")
+
+    def _peer(self, rank: int) -> int:
+        try:
+            return self._map[rank]
+        except KeyError:
+            raise ExecutionError(
+                f"rank {self.rank}: rank {rank} is not a member of this group"
+            ) from None
+
+    def exchange(self, sends, recvs, tag):
+        works, labels, peers = [], [], []
+        for peer, buf in recvs:
+            works.append(self.pg.recv([buf], self._peer(peer), tag))
+            labels.append(f"receiving {buf.numel() * buf.element_size()} bytes from rank {peer}")
+            peers.append(peer)
+        for peer, buf in sends:
+            works.append(self.pg.send([buf], self._peer(peer), tag))
+            labels.append(f"sending {buf.numel() * buf.element_size()} bytes to rank {peer}")
+            peers.append(peer)
+        return _GlooPending(self.rank, works, labels, peers)

@@ -1,0 +1,497 @@
+"""Membership of an elastic group: heartbeats, failure detection, survivor agreement.
+
+Everything lives in a torch.distributed Store hosted by a process that outlives the workers
+(the launcher's TCPStore). Every key of a group is under the group's namespace and is
+prefixed by its *generation* (one membership epoch)::
+
+    {namespace}/gen{g}/members        JSON list of job ranks, written once (compare_set)
+    {namespace}/gen{g}/hb/{rank}      heartbeat counter of a member, advanced every interval
+    {namespace}/gen{g}/exited/{rank}  set by the launcher when the rank's process exited
+    {namespace}/gen{g}/joins          counter of join requests for generation g
+    {namespace}/gen{g}/join/{i}       the job rank of the i-th join request
+    {namespace}/gen{g}/pg/...         the process group of generation g (elastic.groups)
+
+Keys are never reused across generations: a new generation starts from empty keys, so a
+stale heartbeat or a half-built group of an earlier generation cannot be mistaken for a
+live one. Ranks are *job ranks* (stable process identities); a member's rank in a
+generation's process group is its index in the sorted member list.
+
+Failure detection has three sources:
+
+- heartbeats: a member whose counter has not advanced within ``deadline`` seconds (as
+  observed by the detector's own clock, so no clock agreement is needed) has failed; a
+  SIGSTOPped process stops heartbeating, so frozen past the deadline counts as failed;
+- exit notifications: :class:`ExitWatcher` runs in the launcher and sets ``exited/{rank}``;
+- per-operation deadlines: :func:`failed_peers` takes the ExecutionError of a transport
+  wait and checks the heartbeats of the peers it names.
+
+Agreement: :meth:`Membership.propose` writes generation g's member list with compare_set
+on an absent key, so exactly one writer wins per generation and every proposer (and every
+later reader) reads the winning list back; a rank not in it learns it is excluded
+(:class:`ExcludedError`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+from layoutlang.execute import ExecutionError
+
+__all__ = [
+    "ExcludedError",
+    "ExitWatcher",
+    "FailureDetector",
+    "Heartbeat",
+    "Membership",
+    "MembershipError",
+    "decode_members",
+    "encode_members",
+    "failed_peers",
+    "generation_key",
+]
+
+DEFAULT_INTERVAL = 0.2  # seconds between heartbeats
+DEFAULT_DEADLINE = 1.0  # seconds without an advancing heartbeat before a member counts as failed
+
+
+class MembershipError(ExecutionError):
+    """Membership could not be established: no agreement in time, or an unknown generation."""
+
+    kind = "membership"
+
+
+class ExcludedError(MembershipError):
+    """This rank is not a member of the agreed generation (the survivors excluded it)."""
+
+    def __init__(self, rank: int, generation: int, members: Sequence[int]):
+        super().__init__(
+            f"rank {rank} is excluded from generation {generation} (members: {list(members)}); "
+            "it was declared failed by the survivors and must rejoin to take part again"
+        )
+        self.rank, self.generation, self.members = rank, generation, list(members)
+
+
+def generation_key(generation: int, name: str) -> str:
+    return f"gen{int(generation)}/{name}"
+
+
+def encode_members(members: Iterable[int]) -> bytes:
+    """Plain bytes: the JSON of the sorted, distinct job ranks (no pickle)."""
+    return json.dumps(sorted({int(m) for m in members}), separators=(",", ":")).encode()
+
+
+def decode_members(data: bytes) -> list[int]:
+    value = json.loads(bytes(data).decode())
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise MembershipError(f"malformed member list in the store: {bytes(data)[:80]!r}")
+    return value
+
+
+def _namespaced(store: Any, namespace: str) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore(namespace, store) if namespace else store
+
+
+def _has(store: Any, key: str) -> bool:
+    return bool(store.check([key]))
+
+
+# ---------------------------------------------------------------------- heartbeats
+
+
+class Heartbeat:
+    """A daemon thread that advances ``gen{g}/hb/{rank}`` every ``interval`` seconds.
+
+    It uses its own store client (``TCPStore(host, port)``), so it never shares a socket
+    with the thread that runs collectives or agreement. ``generation`` may be changed while
+    it runs (:meth:`set_generation`): the counter then advances under the new prefix, and
+    keeps advancing under the previous one too, since peers that have not yet entered the
+    new generation still watch the old keys (a rank that moved on early must not look dead
+    to them). Only the current and the previous generation are kept.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        *,
+        namespace: str = "elastic",
+        generation: int = 0,
+        interval: float = DEFAULT_INTERVAL,
+        connect_timeout: float = 30.0,
+    ):
+        import torch.distributed as dist
+
+        self.rank, self.interval, self.namespace = int(rank), float(interval), namespace
+        self._generation = int(generation)
+        self._previous: int | None = None
+        client = dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=connect_timeout)
+        )
+        self._store = _namespaced(client, namespace)
+        self._stop = threading.Event()
+        self.beats = 0
+        self._beat()  # the first beat before start() returns: the key exists from now on
+        self._thread = threading.Thread(
+            target=self._run, name=f"elastic-heartbeat-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def set_generation(self, generation: int) -> None:
+        generation = int(generation)
+        if generation != self._generation:
+            self._previous, self._generation = self._generation, generation
+        self._beat()
+
+    def _beat(self) -> None:
+        self.beats += 1
+        previous = self._previous
+        self._store.add(generation_key(self._generation, f"hb/{self.rank}"), 1)
+        if previous is not None:
+            self._store.add(generation_key(previous, f"hb/{self.rank}"), 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except RuntimeError:  # the store went away (DistStoreError): the job is over
+                if self._stop.is_set():
+                    return
+                time.sleep(self.interval)
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- failure detection
+
+
+class FailureDetector:
+    """Watches the heartbeats and exit notifications of a generation's members.
+
+    A member has failed when its ``exited`` key is set, or when its heartbeat counter has
+    not changed for ``deadline`` seconds of this detector's clock (a member whose key never
+    appeared counts from the detector's first poll). ``use_exits=False`` ignores exit
+    notifications (heartbeats only).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        generation: int,
+        members: Iterable[int],
+        *,
+        namespace: str = "elastic",
+        deadline: float = DEFAULT_DEADLINE,
+        use_exits: bool = True,
+    ):
+        self.store = _namespaced(store, namespace)
+        self.use_exits = use_exits
+        self.generation = int(generation)
+        self.members = sorted(int(m) for m in members)
+        self.deadline = float(deadline)
+        self._seen: dict[int, tuple[int | None, float]] = {}
+        self.failures: dict[int, str] = {}  # rank -> reason, once failed always failed
+
+    def _counter(self, rank: int) -> int | None:
+        key = generation_key(self.generation, f"hb/{rank}")
+        if not _has(self.store, key):
+            return None
+        return int(self.store.add(key, 0))
+
+    def poll(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
+        """Read the store once; returns every failed member (rank -> reason) so far."""
+        now = time.monotonic()
+        for rank in self.members if ranks is None else ranks:
+            if rank in self.failures:
+                continue
+            if self.use_exits and _has(
+                self.store, generation_key(self.generation, f"exited/{rank}")
+            ):
+                code = bytes(
+                    self.store.get(generation_key(self.generation, f"exited/{rank}"))
+                ).decode()
+                self.failures[rank] = f"its process exited ({code})"
+                continue
+            value = self._counter(rank)
+            last = self._seen.get(rank)
+            if last is None or value != last[0]:
+                self._seen[rank] = (value, now)
+            elif now - last[1] > self.deadline:
+                what = "no heartbeat" if value is None else f"heartbeat stuck at {value}"
+                self.failures[rank] = (
+                    f"{what} for {now - last[1]:.2f} s (deadline {self.deadline:g} s)"
+                )
+        return dict(self.failures)
+
+    def wait_for_failure(self, timeout: float, period: float = 0.05) -> dict[int, str]:
+        """Poll until some member fails or ``timeout`` passes; returns the failures (maybe none)."""
+        end = time.monotonic() + timeout
+        while True:
+            failures = self.poll()
+            if failures or time.monotonic() >= end:
+                return failures
+            time.sleep(period)
+
+    def check(self, ranks: Iterable[int], period: float = 0.05) -> dict[int, str]:
+        """Decide within about ``deadline`` seconds whether each of ``ranks`` is alive.
+
+        A rank is alive once its heartbeat is seen to advance; returns the failed ones.
+        """
+        ranks = sorted({int(r) for r in ranks})
+        start = {r: self._counter(r) for r in ranks}
+        end = time.monotonic() + self.deadline
+        alive: set[int] = set()
+        while True:
+            self.poll(ranks)
+            for r in ranks:
+                if r not in self.failures and r not in alive and self._counter(r) != start[r]:
+                    alive.add(r)
+            pending = [r for r in ranks if r not in alive and r not in self.failures]
+            if not pending:
+                break
+            if time.monotonic() >= end:
+                for r in pending:
+                    self.failures[r] = f"heartbeat did not advance within {self.deadline:g} s"
+                break
+            time.sleep(period)
+        return {r: self.failures[r] for r in ranks if r in self.failures}
+
+
+_PEER = re.compile(r"\b(?:from|to|peer) rank (\d+)")
+
+
+def failed_peers(
+    error: BaseException,
+    detector: FailureDetector,
+    rank_of: Mapping[int, int] | Callable[[int], int] | None = None,
+) -> dict[int, str]:
+    """The peers of a failed transport wait that have really failed (rank -> reason).
+
+    The peers come from ``error.peers`` (set by :class:`elastic.groups.GlooTransport`) or,
+    for other transports, from the ranks the message names ("from rank 3", "to rank 5").
+    ``rank_of`` maps the error's (program) ranks to job ranks. A slow peer whose heartbeat
+    still advances is not reported: the caller may retry the operation.
+    """
+    peers = getattr(error, "peers", None)
+    if peers is None:
+        peers = sorted({int(m) for m in _PEER.findall(str(error))})
+    if rank_of is not None:
+        peers = [rank_of[p] if isinstance(rank_of, Mapping) else rank_of(p) for p in peers]
+    return detector.check(peers) if peers else {}
+
+
+# ------------------------------------------------------------------------ agreement
+
+
+class Membership:
+    """One rank's view of an elastic group's generations, over the shared store."""
+
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        *,
+        namespace: str = "elastic",
+        deadline: float = DEFAULT_DEADLINE,
+    ):
+        self.raw_store = store
+        self.namespace = namespace
+        self.store = _namespaced(store, namespace)
+        self.rank = int(rank)
+        self.deadline = float(deadline)
+        self.generation: int | None = None
+        self.members: list[int] = []
+
+    def key(self, generation: int, name: str) -> str:
+        return generation_key(generation, name)
+
+    def members_of(self, generation: int) -> list[int] | None:
+        """The agreed members of ``generation``, or None when it has not been agreed yet."""
+        key = self.key(generation, "members")
+        return decode_members(self.store.get(key)) if _has(self.store, key) else None
+
+    def propose(self, generation: int, members: Iterable[int]) -> list[int]:
+        """Propose ``generation``'s members; returns the winning list (the first written).
+
+        Idempotent: proposing again, or another list, returns the same winning list.
+        """
+        proposal = encode_members(members)
+        if proposal == b"[]":
+            raise MembershipError(
+                f"rank {self.rank}: cannot propose an empty generation {generation}"
+            )
+        won = self.store.compare_set(self.key(generation, "members"), "", proposal)
+        return decode_members(won)
+
+    def enter(self, generation: int, members: Sequence[int]) -> list[int]:
+        """Adopt an agreed generation; raise ExcludedError when this rank is not in it."""
+        members = list(members)
+        if self.rank not in members:
+            raise ExcludedError(self.rank, generation, members)
+        self.generation, self.members = int(generation), members
+        return members
+
+    def agree(self, generation: int, members: Iterable[int]) -> list[int]:
+        """Propose, read back the winner, and enter it (ExcludedError if left out)."""
+        return self.enter(generation, self.propose(generation, members))
+
+    def wait_for(self, generation: int, timeout: float, period: float = 0.02) -> list[int]:
+        """The members of ``generation`` once someone has written them (bounded wait)."""
+        end = time.monotonic() + timeout
+        while True:
+            members = self.members_of(generation)
+            if members is not None:
+                return members
+            if time.monotonic() >= end:
+                raise MembershipError(
+                    f"rank {self.rank}: generation {generation} was not agreed within {timeout:g} s"
+                )
+            time.sleep(period)
+
+    def latest(self, start: int = 0) -> int | None:
+        """The highest agreed generation at or after ``start`` (None when none is)."""
+        g, found = start, None
+        while self.members_of(g) is not None:
+            found, g = g, g + 1
+        return found
+
+    # ------------------------------------------------------------------- grow
+
+    def request_join(self, generation: int) -> None:
+        """Ask to be admitted into ``generation`` (the next one after the latest agreed)."""
+        index = self.store.add(self.key(generation, "joins"), 1) - 1
+        self.store.set(self.key(generation, f"join/{index}"), str(self.rank).encode())
+
+    def join_requests(self, generation: int) -> list[int]:
+        """The ranks that asked to join ``generation`` so far (coordinator side)."""
+        count = int(self.store.add(self.key(generation, "joins"), 0))
+        ranks = []
+        for i in range(count):
+            key = self.key(generation, f"join/{i}")
+            if _has(self.store, key):  # a request whose rank is not written yet is read next time
+                ranks.append(int(bytes(self.store.get(key)).decode()))
+        return sorted(set(ranks))
+
+    def wait_until_member(
+        self, timeout: float, start: int = 0, period: float = 0.02
+    ) -> tuple[int, list[int]]:
+        """Joiner side: wait for a generation at or after ``start`` that includes this rank."""
+        end = time.monotonic() + timeout
+        g = start
+        while True:
+            members = self.members_of(g)
+            if members is not None:
+                if self.rank in members:
+                    self.generation, self.members = g, members
+                    return g, members
+                g += 1
+                continue
+            if time.monotonic() >= end:
+                raise MembershipError(
+                    f"rank {self.rank}: not admitted into any generation within {timeout:g} s"
+                )
+            time.sleep(period)
+
+    def detector(
+        self,
+        generation: int | None = None,
+        members: Iterable[int] | None = None,
+        deadline: float | None = None,
+        use_exits: bool = True,
+    ) -> FailureDetector:
+        g = self.generation if generation is None else generation
+        if g is None:
+            raise MembershipError(f"rank {self.rank}: no generation entered yet")
+        return FailureDetector(
+            self.raw_store,
+            g,
+            self.members if members is None else members,
+            namespace=self.namespace,
+            deadline=self.deadline if deadline is None else deadline,
+            use_exits=use_exits,
+        )
+
+
+# ------------------------------------------------------------------- launcher side
+
+
+class ExitWatcher:
+    """Launcher side: watches worker processes and sets ``gen{g}/exited/{rank}`` on exit.
+
+    ``processes`` maps job ranks to objects with ``is_alive()`` and ``exitcode``
+    (multiprocessing.Process, or a Popen adapter). The key is written under the latest
+    agreed generation and the one after it (a generation being agreed right now), so
+    detectors of either see it.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        processes: Mapping[int, Any] | Sequence[Any],
+        *,
+        namespace: str = "elastic",
+        period: float = 0.05,
+    ):
+        self.store = _namespaced(store, namespace)
+        self.processes = (
+            dict(processes) if isinstance(processes, Mapping) else dict(enumerate(processes))
+        )
+        self.period = period
+        self.exited: dict[int, int | None] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="elastic-exit-watcher", daemon=True)
+        self._thread.start()
+
+    def _latest(self) -> int:
+        g = 0
+        while _has(self.store, generation_key(g + 1, "members")):
+            g += 1
+        return g
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for rank, process in self.processes.items():
+                if rank in self.exited or process.is_alive():
+                    continue
+                code = getattr(process, "exitcode", None)
+                self.exited[rank] = code
+                g = self._latest()
+                for gen in (g, g + 1):
+                    try:
+                        self.store.set(
+                            generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode()
+                        )
+                    except RuntimeError:  # the store went away: the job is over
+                        return
+
+    def stop(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
