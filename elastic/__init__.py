@@ -37,3 +37,7 @@ __all__ = [
     "failed_peers",
     "generation_key",
 ]
+
+from .remesh import DataLossError, check_recoverable, data_parallel_axes, lost_regions, remesh
+
+__all__ += ["DataLossError", "check_recoverable", "data_parallel_axes", "lost_regions", "remesh"]

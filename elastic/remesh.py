@@ -1,0 +1,415 @@
+"""Remeshing during failure recovery: new layouts after ranks are lost, and loss checks.
+
+Planning only (pure, deterministic, no communication): every survivor computes the same
+new layout from the same old layout and the same agreed set of lost ranks.
+
+:func:`remesh` turns a layout and the lost ranks into the layout of the next generation,
+by a policy:
+
+- ``"drop-replica"``: remove the replica groups that lost a rank along a *data-parallel
+  axis* (an axis on which every tensor is replicated and that no rule fixes as a sub-mesh
+  coordinate); the axis is found, or given with ``axis=``;
+- ``"shrink-axis"``: the same along an axis named with ``axis=`` (any axis: shrinking a
+  sharding axis re-cuts the shards, and a sub-mesh index that falls out of range is an error);
+- ``"fill-spares"``: each lost rank is replaced by a spare rank at the same mesh position;
+- ``"callback"``: ``callback(mesh, lost) -> Mesh`` builds the new mesh.
+
+The new layout keeps the tensors, rules and storages of the old one (they do not depend on
+the mesh's ranks) on the new mesh, and is validated with :meth:`Layout.check`.
+
+:func:`lost_regions` and :func:`check_recoverable` make sure nothing is lost silently:
+a region of a logical tensor is lost when every rank holding it, in every given layout
+(e.g. the inference layout *and* the training layout), is lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from layoutlang.errors import LayoutError, LayoutNameError, LayoutValueError
+from layoutlang.model import Layout, Mesh, Replicate
+
+__all__ = [
+    "POLICIES",
+    "DataLossError",
+    "check_recoverable",
+    "data_parallel_axes",
+    "format_region",
+    "lost_regions",
+    "remesh",
+]
+
+POLICIES = ("drop-replica", "shrink-axis", "fill-spares", "callback")
+
+_GEN = re.compile(r"^(.*)_gen([0-9]+)$")
+
+
+class DataLossError(LayoutError):
+    """Some regions of logical tensors are held by no surviving rank of any given layout.
+
+    ``regions`` lists every lost region as ``(tensor, offsets, sizes)``.
+    """
+
+    kind = "loss"
+
+    def __init__(
+        self,
+        message: str,
+        regions: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+        hint: str | None = None,
+    ):
+        super().__init__(message, None, hint)
+        self.regions = list(regions)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _next_name(name: str, generation: int | None) -> str:
+    m = _GEN.match(name)
+    base, current = (m.group(1), int(m.group(2))) if m else (name, 0)
+    return f"{base}_gen{current + 1 if generation is None else int(generation)}"
+
+
+def _lost_set(lost: Iterable[int]) -> set[int]:
+    try:
+        return {int(r) for r in lost}
+    except TypeError:
+        raise LayoutValueError(
+            f"lost ranks must be an iterable of integers, not {lost!r}"
+        ) from None
+
+
+def _rule_axes(layout: Layout) -> set[str]:
+    """Every axis the layout's rules name (placements, sub-mesh coordinates, orders)."""
+    axes: set[str] = set()
+    for rule in layout.rules:
+        axes.update(a for a, _ in rule.placements)
+        axes.update(a for a, _ in rule.submesh)
+        for _, order in rule.order:
+            axes.update(order)
+    return axes
+
+
+def data_parallel_axes(layout: Layout) -> list[str]:
+    """Axes on which every tensor of ``layout`` is replicated and that no rule fixes as a
+    sub-mesh coordinate: dropping a coordinate of such an axis drops whole replicas."""
+    submesh_axes = {a for rule in layout.rules for a, _ in rule.submesh}
+    names = layout.mesh.axis_names
+    candidates = [a for a in names if a not in submesh_axes]
+    for tensor in layout.tensors:
+        placements = layout.placement(tensor).placements
+        candidates = [a for a in candidates if isinstance(placements[names.index(a)], Replicate)]
+        if not candidates:
+            break
+    return candidates
+
+
+def _shrink(mesh: Mesh, axis: str, lost: set[int], name: str) -> tuple[Mesh, list[int]]:
+    """``mesh`` without the coordinates of ``axis`` that hold a lost rank; also those coordinates."""
+    index = mesh.axis_index(axis)
+    size = mesh.shape[index]
+    dropped = sorted({mesh.coords(r)[axis] for r in lost if r in mesh})
+    kept = [c for c in range(size) if c not in dropped]
+    if not kept:
+        raise LayoutValueError(
+            f"every coordinate of axis '{axis}' (size {size}) of mesh '{mesh.name}' holds a lost rank; "
+            "no intact replica remains",
+            hint="restore from a checkpoint or add spare ranks ('fill-spares')",
+        )
+    shape = list(mesh.shape)
+    shape[index] = len(kept)
+    ranks = []
+    for position in itertools.product(*(range(s) for s in shape)):
+        coords = dict(zip(mesh.axis_names, position))
+        coords[axis] = kept[position[index]]
+        ranks.append(mesh.rank_at(coords))
+    axes = [(a, len(kept) if a == axis else s) for a, s in mesh.axes]
+    return Mesh(name, axes, ranks), dropped
+
+
+def _fill(mesh: Mesh, lost: set[int], spares: Sequence[int], name: str) -> Mesh:
+    hit = [r for r in mesh.ranks if r in lost]
+    spares = [int(s) for s in spares]
+    if len(set(spares)) != len(spares):
+        raise LayoutValueError(f"spare ranks {spares} list a rank twice")
+    for s in spares:
+        if s in lost:
+            raise LayoutValueError(f"spare rank {s} is itself lost")
+        if s in mesh:
+            raise LayoutValueError(f"spare rank {s} is already in mesh '{mesh.name}'")
+    if len(spares) < len(hit):
+        missing = len(hit) - len(spares)
+        raise LayoutValueError(
+            f"fill-spares: mesh '{mesh.name}' lost {len(hit)} rank{'s' if len(hit) != 1 else ''} "
+            f"({', '.join(map(str, hit))}) but only {len(spares)} spare{'s are' if len(spares) != 1 else ' is'} "
+            f"given: {missing} spare{'s' if missing != 1 else ''} missing",
+            hint="add spare ranks, or use 'drop-replica' / 'shrink-axis'",
+        )
+    replace = dict(zip(hit, spares))
+    return Mesh(name, mesh.axes, [replace.get(r, r) for r in mesh.ranks])
+
+
+# ----------------------------------------------------------------------- remesh
+
+
+def remesh(
+    layout: Layout,
+    lost: Iterable[int],
+    policy: str,
+    *,
+    spares: Sequence[int] = (),
+    axis: str | None = None,
+    callback: Callable[[Mesh, frozenset[int]], Mesh] | None = None,
+    name: str | None = None,
+    mesh_name: str | None = None,
+    generation: int | None = None,
+) -> Layout:
+    """The layout of the next generation after ``lost`` ranks are gone (see the module doc).
+
+    The new layout is named ``name``, else the old name with a generation suffix
+    (``infer`` -> ``infer_gen1`` -> ``infer_gen2``, or ``_gen{generation}``); its mesh
+    likewise (``mesh_name``). Raises a LayoutError (with the policy and layout in its message)
+    when the policy cannot apply or the new layout is not valid.
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh infer [dp = 4, tp = 2]
+    ... tensor "w" [8, 4] fp32
+    ... layout serve on infer { "w": tp = shard(0) }
+    ... ''')
+    >>> new = remesh(p.layouts["serve"], {5}, "drop-replica")
+    >>> new.name, new.mesh
+    ('serve_gen1', Mesh('infer_gen1', {'dp': 3, 'tp': 2}, ranks=[0, 1, 2, 3, 6, 7]))
+    """
+    lost_ranks = _lost_set(lost)
+    new_name = name if name is not None else _next_name(layout.name, generation)
+    new_mesh_name = mesh_name if mesh_name is not None else _next_name(layout.mesh.name, generation)
+    mesh = layout.mesh
+    where = f"remesh of layout '{layout.name}' ({policy})"
+
+    if policy in ("drop-replica", "shrink-axis"):
+        if policy == "shrink-axis" and axis is None:
+            raise LayoutValueError(
+                f"{where}: name the axis to shrink with axis=",
+                hint=f"axes of mesh '{mesh.name}': {', '.join(mesh.axis_names)}",
+            )
+        if axis is not None:
+            mesh.axis_index(axis)  # unknown axis -> LayoutNameError with a hint
+        if policy == "drop-replica":
+            candidates = data_parallel_axes(layout)
+            if axis is None:
+                if not candidates:
+                    raise LayoutValueError(
+                        f"{where}: mesh '{mesh.name}' (axes {', '.join(mesh.axis_names)}) has no data-parallel "
+                        "axis: every axis shards some tensor or selects a sub-mesh, so dropping a "
+                        "replica would lose data",
+                        hint="use 'shrink-axis' with axis= to re-cut the shards, or 'fill-spares'",
+                    )
+                if len(candidates) > 1:
+                    # Several replicated axes: the one dropping fewest ranks, first on ties.
+                    def cost(a: str) -> int:
+                        hit = {mesh.coords(r)[a] for r in lost_ranks if r in mesh}
+                        return len(hit) * (mesh.size // mesh.axis_size(a))
+
+                    axis = min(candidates, key=cost)
+                else:
+                    axis = candidates[0]
+            elif axis not in candidates:
+                raise LayoutValueError(
+                    f"{where}: axis '{axis}' of mesh '{mesh.name}' is not data-parallel (some tensor is "
+                    "sharded over it or placed on one of its coordinates)"
+                    + (f"; data-parallel axes: {', '.join(candidates)}" if candidates else ""),
+                    hint="use 'shrink-axis' to shrink it anyway (the shards are re-cut)",
+                )
+        try:
+            new_mesh, _ = _shrink(mesh, axis, lost_ranks, new_mesh_name)
+        except LayoutError as err:
+            raise type(err)(f"{where}: {err.message}", err.span, err.hint) from None
+    elif policy == "fill-spares":
+        try:
+            new_mesh = _fill(mesh, lost_ranks, spares, new_mesh_name)
+        except LayoutError as err:
+            raise type(err)(f"{where}: {err.message}", err.span, err.hint) from None
+    elif policy == "callback":
+        if callback is None:
+            raise LayoutValueError(
+                f"{where}: policy 'callback' needs callback=(mesh, lost) -> Mesh"
+            )
+        new_mesh = callback(mesh, frozenset(lost_ranks))
+        if not isinstance(new_mesh, Mesh):
+            raise LayoutValueError(
+                f"{where}: the callback returned {type(new_mesh).__name__}, not a Mesh"
+            )
+        missing = sorted(_rule_axes(layout) - set(new_mesh.axis_names))
+        if missing:
+            raise LayoutNameError(
+                f"{where}: the callback's mesh '{new_mesh.name}' (axes {', '.join(new_mesh.axis_names)}) "
+                f"lacks axis {', '.join(repr(a) for a in missing)} named by the layout's rules"
+            )
+    else:
+        from layoutlang.errors import did_you_mean
+
+        raise LayoutValueError(
+            f"unknown remesh policy '{policy}' (policies: {', '.join(POLICIES)})",
+            hint=did_you_mean(policy, POLICIES),
+        )
+
+    still = sorted(r for r in new_mesh.ranks if r in lost_ranks)
+    if still:
+        raise LayoutValueError(
+            f"{where}: the new mesh '{new_mesh.name}' still holds lost rank(s) {still}"
+        )
+
+    new = Layout(new_name, new_mesh, layout.tensors, layout.rules, layout.storages, layout.span)
+    try:
+        new.check()
+    except LayoutError as err:
+        raise type(err)(
+            f"{where}, new mesh {_mesh_text(new_mesh)}: {err.message}", err.span, err.hint
+        ) from None
+    return new
+
+
+def _mesh_text(mesh: Mesh) -> str:
+    return f"'{mesh.name}' [" + ", ".join(f"{a} = {s}" for a, s in mesh.axes) + "]"
+
+
+# ------------------------------------------------------------------ data loss
+
+
+def format_region(tensor: str, offsets: Sequence[int], sizes: Sequence[int]) -> str:
+    """``w[0:512, 0:1024]``."""
+    return f"{tensor}[" + ", ".join(f"{o}:{o + s}" for o, s in zip(offsets, sizes)) + "]"
+
+
+def _as_layouts(layouts: Layout | Iterable[Layout]) -> list[Layout]:
+    if isinstance(layouts, Layout):
+        return [layouts]
+    out = list(layouts)
+    for item in out:
+        if not isinstance(item, Layout):
+            raise LayoutValueError(f"expected layouts, got {type(item).__name__}")
+    return out
+
+
+def _merge_cells(
+    free: np.ndarray, bounds: list[np.ndarray]
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Disjoint boxes exactly covering the True cells of a compressed grid (greedy, row-major)."""
+    free = free.copy()
+    out = []
+    ndim = free.ndim
+    for start in zip(*np.nonzero(free)):
+        if not free[start]:
+            continue
+        end = list(start)
+        for d in reversed(range(ndim)):  # grow the last dim first, then earlier dims
+            while end[d] + 1 < free.shape[d]:
+                probe = tuple(
+                    slice(start[k], end[k] + 1) if k != d else slice(end[d] + 1, end[d] + 2)
+                    for k in range(ndim)
+                )
+                if free[probe].all():
+                    end[d] += 1
+                else:
+                    break
+        free[tuple(slice(s, e + 1) for s, e in zip(start, end))] = False
+        offsets = tuple(int(bounds[d][start[d]]) for d in range(ndim))
+        sizes = tuple(int(bounds[d][end[d] + 1] - bounds[d][start[d]]) for d in range(ndim))
+        out.append((offsets, sizes))
+    return out
+
+
+def lost_regions(
+    layouts: Layout | Iterable[Layout], lost: Iterable[int]
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Every region of every logical tensor that no surviving rank of any of ``layouts`` holds.
+
+    Returns ``(tensor, offsets, sizes)`` triples: disjoint boxes, exact for uneven, padded and
+    strided layouts (the tensor is cut at every box boundary and each cell is checked), in
+    the order the tensors are first declared.
+    """
+    layouts = _as_layouts(layouts)
+    lost_ranks = _lost_set(lost)
+    names: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        for tensor, logical in layout.tensors.items():
+            shape = tuple(logical.shape)
+            if names.setdefault(tensor, shape) != shape:
+                raise LayoutValueError(
+                    f"tensor '{tensor}' has shape {list(names[tensor])} in one layout and {list(shape)} in "
+                    f"layout '{layout.name}'"
+                )
+    out: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+    for tensor, shape in names.items():
+        if 0 in shape:
+            continue
+        survivors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        any_lost = False
+        for layout in layouts:
+            if tensor not in layout.tensors:
+                continue
+            for rank in layout.holders(tensor):
+                if rank in lost_ranks:
+                    any_lost = True
+                    continue
+                survivors.extend(
+                    (b.offsets, b.sizes) for b in layout.boxes(tensor, rank) if b.numel
+                )
+        if not any_lost:
+            # Nobody holding the tensor is lost; anything never held at all is not a *loss*.
+            continue
+        ndim = len(shape)
+        cuts = [{0, n} for n in shape]
+        for offsets, sizes in survivors:
+            for d in range(ndim):
+                cuts[d].add(offsets[d])
+                cuts[d].add(offsets[d] + sizes[d])
+        bounds = [np.array(sorted(c), dtype=np.int64) for c in cuts]
+        free = np.ones(tuple(len(b) - 1 for b in bounds), dtype=bool)
+        for offsets, sizes in survivors:
+            index = tuple(
+                slice(
+                    int(np.searchsorted(bounds[d], offsets[d])),
+                    int(np.searchsorted(bounds[d], offsets[d] + sizes[d])),
+                )
+                for d in range(ndim)
+            )
+            free[index] = False
+        if free.any():
+            out.extend((tensor, o, s) for o, s in _merge_cells(free, bounds))
+    return out
+
+
+def check_recoverable(
+    layouts: Layout | Iterable[Layout], lost: Iterable[int], *, limit: int = 10
+) -> None:
+    """Raises :class:`DataLossError` naming the lost tensors and regions (at most ``limit``
+    regions shown, then how many more) when some data is held only by lost ranks."""
+    layouts = _as_layouts(layouts)
+    lost_ranks = sorted(_lost_set(lost))
+    regions = lost_regions(layouts, lost_ranks)
+    if not regions:
+        return
+    tensors = list(dict.fromkeys(t for t, _, _ in regions))
+    elements = sum(int(np.prod(s)) for _, _, s in regions)
+    shown = ", ".join(format_region(*r) for r in regions[:limit])
+    more = len(regions) - limit
+    rs = "rank" if len(lost_ranks) == 1 else "ranks"
+    message = (
+        f"data lost: {rs} {', '.join(map(str, lost_ranks))} held the only copies of {len(regions)} "
+        f"region{'s' if len(regions) != 1 else ''} of {len(tensors)} tensor{'s' if len(tensors) != 1 else ''} "
+        f"({elements} elements) in layout{'s' if len(layouts) != 1 else ''} "
+        f"{', '.join(repr(l.name) for l in layouts)}: {shown}"
+        + (f" and {more} more" if more > 0 else "")
+    )
+    raise DataLossError(
+        message,
+        regions,
+        hint="restore these regions from a checkpoint, or give another layout that still holds them",
+    )
