@@ -142,7 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     apply.add_argument("--json", action="store_true", help="print the report as JSON")
 
-    from . import doctor
+    from . import doctor, simulate, viz
+
+    for module, name in ((simulate, "simulate"), (viz, "viz")):
+        module.add_arguments(commands.add_parser(name, help=module.HELP, description=module.DESCRIPTION))
 
     doctor_parser = commands.add_parser(
         "doctor",
@@ -457,9 +460,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2), format="%(levelname)s %(name)s: %(message)s"
     )
-    from . import doctor
+    from . import doctor, simulate, viz
 
-    commands = {"check": _check, "show": _show, "plan": _plan, "apply": _apply, "doctor": doctor.run}
+    commands = {
+        "check": _check,
+        "show": _show,
+        "plan": _plan,
+        "apply": _apply,
+        "simulate": simulate.run,
+        "viz": viz.run,
+        "doctor": doctor.run,
+    }
     try:
         return int(commands[args.command](args))
     except LayoutError as err:

@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import attrs
+
 from . import syntax as ast
 from .dtypes import DTYPES, canonical_dtype, itemsize
 from .errors import (
@@ -71,7 +73,10 @@ _TOPOLOGY_KEYS = {
     "network_bandwidth": _BANDWIDTH_UNITS,
     "domain_latency": _TIME_UNITS,
     "network_latency": _TIME_UNITS,
+    "copy_bandwidth": _BANDWIDTH_UNITS,
 }
+# ``include "preset:NAME"`` reads NAME.layout, or NAME/model.layout, from the packaged presets
+_PRESET_PREFIX = "preset:"
 
 
 # ------------------------------------------------------------------- expressions
@@ -142,7 +147,8 @@ def _closure(expr: ast.Expr, constants: Mapping[str, int], allowed: set[str]) ->
             return f"(-{source(node.operand)})"
         if node.op in ("//", "%"):
             divisions.append(node)
-            return f"divide({source(node.left)}, {source(node.right)}, {len(divisions) - 1})"
+            which = len(divisions) - 1  # before the operands append their own divisions
+            return f"divide({source(node.left)}, {source(node.right)}, {which})"
         return f"({source(node.left)} {node.op} {source(node.right)})"
 
     def divide(left: int, right: int, which: int) -> int:
@@ -189,8 +195,11 @@ class _Elaborator:
                 self.stack.pop()
 
     def include(self, node: ast.Include, base: str, real_base: str) -> None:
-        real = os.path.realpath(os.path.join(real_base, node.path))
-        display = os.path.normpath(os.path.join(base, node.path))
+        if node.path.startswith(_PRESET_PREFIX):
+            real = display = _preset_file(node.path[len(_PRESET_PREFIX) :], node.span)
+        else:
+            real = os.path.realpath(os.path.join(real_base, node.path))
+            display = os.path.normpath(os.path.join(base, node.path))
         if real in self.stack:
             chain = [os.path.basename(p) for p in self.stack[self.stack.index(real) :]] + [os.path.basename(real)]
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
@@ -234,6 +243,23 @@ class _Elaborator:
         if self.topology is not None:
             raise LayoutNameError(f"a second topology (the first is at {self.topology_span})", node.span)
         values: dict[str, float | int] = {}
+        if node.name is not None:
+            # A known name starts from that preset, which the block may override; any other
+            # name labels a topology of the block's own settings, which must give the domains.
+            from .simulate import TOPOLOGY_PRESETS
+
+            preset = TOPOLOGY_PRESETS.get(node.name)
+            if preset is not None:
+                values.update(attrs.asdict(preset))
+                del values["name"]
+            elif not any(entry.key == "domain_size" for entry in node.entries):
+                raise LayoutNameError(
+                    f"unknown topology '{node.name}' (presets: {', '.join(TOPOLOGY_PRESETS)}); "
+                    "a topology of another name must set domain_size",
+                    node.span,
+                    did_you_mean(node.name, TOPOLOGY_PRESETS),
+                )
+        given: set[str] = set()
         for entry in node.entries:
             if entry.key not in _TOPOLOGY_KEYS:
                 raise LayoutNameError(
@@ -241,8 +267,9 @@ class _Elaborator:
                     entry.span,
                     did_you_mean(entry.key, _TOPOLOGY_KEYS),
                 )
-            if entry.key in values:
+            if entry.key in given:
                 raise LayoutNameError(f"topology setting '{entry.key}' is given twice", entry.span)
+            given.add(entry.key)
             units = _TOPOLOGY_KEYS[entry.key]
             if not math.isfinite(entry.value):
                 raise LayoutValueError(f"'{entry.key}' = {entry.value} is not a finite number", entry.span)
@@ -256,6 +283,9 @@ class _Elaborator:
                         f"'{entry.key}' needs a unit, one of: {', '.join(units)}",
                         entry.span,
                     )
+                if entry.value < 0 or (entry.value == 0 and units is _BANDWIDTH_UNITS):
+                    least = "more than 0" if units is _BANDWIDTH_UNITS else "at least 0"
+                    raise LayoutValueError(f"'{entry.key}' must be {least}", entry.span)
                 values[entry.key] = entry.value * units[entry.unit]
         self.topology = Topology(name=node.name, **values)
         self.topology_span = node.span
@@ -601,6 +631,22 @@ def _pattern_captures(pattern: str, span: Span, allow_star: bool = True) -> list
     if not allow_star and "*" in pattern:
         raise LayoutValueError(f"storage parts name tensors exactly: '*' is not allowed in \"{pattern}\"", span)
     return names
+
+
+def _preset_file(name: str, span: Span) -> str:
+    """The packaged file of ``include "preset:NAME"``: presets/NAME.layout or presets/NAME/model.layout."""
+    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "presets")
+    if name and ".." not in name.split("/") and not os.path.isabs(name):
+        for candidate in (os.path.join(folder, name + ".layout"), os.path.join(folder, name, "model.layout")):
+            if os.path.isfile(candidate):
+                return os.path.realpath(candidate)
+    known = sorted(
+        os.path.relpath(os.path.join(d, f), folder)[: -len(".layout")].removesuffix("/model")
+        for d, _, files in os.walk(folder)
+        for f in files
+        if f.endswith(".layout")
+    )
+    raise LayoutIncludeError(f"unknown preset '{name}' (presets: {', '.join(known)})", span, did_you_mean(name, known))
 
 
 def _layout_files(folder: str) -> list[str]:

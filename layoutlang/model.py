@@ -837,7 +837,12 @@ class Layout:
 
 @attrs.frozen
 class Topology:
-    """How ranks share fast links: ``domain_size`` consecutive ranks form one domain."""
+    """How ranks share fast links: ``domain_size`` consecutive ranks form one domain.
+
+    Bandwidths are per rank and per direction (what one rank can send, and separately
+    receive, per second); ``copy_bandwidth`` is the rate of a copy inside one rank's memory.
+    A named topology starts from the preset of that name (:data:`layoutlang.simulate.TOPOLOGY_PRESETS`).
+    """
 
     domain_size: int = 1
     domain_bandwidth: float | None = None  # bytes per second
@@ -845,6 +850,7 @@ class Topology:
     domain_latency: float | None = None  # seconds
     network_latency: float | None = None  # seconds
     name: str | None = None
+    copy_bandwidth: float | None = None  # bytes copied per second inside one rank (local moves)
 
     def domain_of(self, rank: int) -> int:
         return rank // self.domain_size

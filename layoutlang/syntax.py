@@ -374,6 +374,7 @@ class _Builder(Transformer):
     @v_args(meta=True)
     def topology(self, meta, children):
         name, *entries = children
+        entries = [e for e in entries if e is not None]  # the block is optional after a preset name
         return Topology(str(name) if name is not None else None, tuple(entries), self._meta(meta))
 
     @v_args(meta=True)
