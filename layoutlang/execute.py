@@ -185,6 +185,13 @@ class _Step:
     sends: dict[int, _Message] = attrs.field(factory=dict)
     recvs: dict[int, _Message] = attrs.field(factory=dict)
 
+    def pieces(self) -> Iterable[_Piece]:
+        """Every piece this step reads or writes."""
+        for pair in self.copies:
+            yield from pair
+        for message in list(self.sends.values()) + list(self.recvs.values()):
+            yield from message.pieces
+
     @property
     def sends_read_only_sources(self) -> bool:
         return all(p.space == _SOURCE for m in self.sends.values() for p in m.pieces)
@@ -260,34 +267,20 @@ class Executor:
         self.timeout = timeout
         self.steps = _schedule(plan, rank)
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
-        self._scratch_last_use = self._last_scratch_use()
+        # Scratch buffers (whole tensors) are freed after their last use.
+        self._scratch_last_use = self._last_use(_SCRATCH)
         self.source_storages = plan.source.storages_on(rank) if rank in plan.source.mesh else {}
         self.destination_storages = plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
-        self._complete_after = self._completion_steps()
+        # A destination storage is complete after its last write and its last read (a relay).
+        self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
 
-    def _last_scratch_use(self) -> dict[int, list[str]]:
-        """Step index -> scratch buffers (whole tensors) no later step touches, to free them."""
-        last: dict[str, int] = {}
+    def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
+        """Step index -> storages of ``space`` that no later step touches (``names`` start
+        at -1: storages no step touches are done before the first)."""
+        last = {name: -1 for name in names}
         for n, step in enumerate(self.steps):
-            pieces = [p for pair in step.copies for p in pair]
-            pieces += [p for m in list(step.sends.values()) + list(step.recvs.values()) for p in m.pieces]
-            for p in pieces:
-                if p.space == _SCRATCH:
-                    last[p.storage] = n
-        out: dict[int, list[str]] = defaultdict(list)
-        for name, n in last.items():
-            out[n].append(name)
-        return out
-
-    def _completion_steps(self) -> dict[int, list[str]]:
-        """Step index -> destination storages whose last write and last read are done by then
-        (-1: storages this rank never writes)."""
-        last = {name: -1 for name in self.destination_storages}
-        for n, step in enumerate(self.steps):
-            pieces = [p for pair in step.copies for p in pair]
-            pieces += [p for m in list(step.sends.values()) + list(step.recvs.values()) for p in m.pieces]
-            for p in pieces:
-                if p.space == _DESTINATION:
+            for p in step.pieces():
+                if p.space == space:
                     last[p.storage] = n
         out: dict[int, list[str]] = defaultdict(list)
         for name, n in last.items():
