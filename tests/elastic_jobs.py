@@ -47,6 +47,17 @@ def _barrier(ctl, name, count, timeout=30.0):
         time.sleep(0.01)
 
 
+def _rebuild_without(failures, m, hb, store, g0, out):
+    """Survivors agree on generation 1 without ``failures``, build its group, pass a ring
+    over it, and drop the dead generation-0 group; times go into ``out``."""
+    out.update(detected_at=time.time(), failures={str(k): v for k, v in failures.items()})
+    m.agree(1, [r for r in m.members if r not in failures])
+    hb.set_generation(1)
+    g1 = build_group(store, m, timeout=20)
+    out.update(generation1=m.members, ring1=_ring(g1, 2), rebuilt_at=time.time(), build1=g1.build_seconds)
+    abandon(g0)
+
+
 def _ring(group, tag, timeout=10.0):
     """Every member sends its job rank to the next member and receives from the previous."""
     members, rank = group.members, group.rank
@@ -105,17 +116,7 @@ def sigstop_shrink_and_regrow(namespace, victim, deadline=1.0):
             return out
         detector = m.detector(0)
         failures = detector.wait_for_failure(timeout=20)
-        out.update(detected_at=time.time(), failures={str(k): v for k, v in failures.items()})
-        m.agree(1, [r for r in m.members if r not in failures])
-        hb.set_generation(1)
-        g1 = build_group(store, m, timeout=20)
-        out.update(
-            generation1=m.members,
-            ring1=_ring(g1, 2),
-            rebuilt_at=time.time(),
-            build1=g1.build_seconds,
-        )
-        abandon(g0)
+        _rebuild_without(failures, m, hb, store, g0, out)
         ctl.set(f"rebuilt/{rank}", b"1")
         # grow: the coordinator (lowest survivor) admits the victim into generation 2
         if rank == min(m.members):
@@ -164,17 +165,7 @@ def sigkill_detect_and_rebuild(namespace, victim, deadline=1.0):
         else:
             out["source"] = "heartbeat" if rank == survivors_min else "heartbeat+exit"
             failures = detector.wait_for_failure(timeout=20)
-        out.update(detected_at=time.time(), failures={str(k): v for k, v in failures.items()})
-        m.agree(1, [r for r in m.members if r not in failures])
-        hb.set_generation(1)
-        g1 = build_group(store, m, timeout=20)
-        out.update(
-            generation1=m.members,
-            ring1=_ring(g1, 2),
-            rebuilt_at=time.time(),
-            build1=g1.build_seconds,
-        )
-        abandon(g0)
+        _rebuild_without(failures, m, hb, store, g0, out)
         return out
     finally:
         hb.stop()
