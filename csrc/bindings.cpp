@@ -211,14 +211,14 @@ NB_MODULE(_core, m) {
       .def("__init__",
            [](PlanData* self, I32 region_tensor, I64 region_dims_start, I64 region_offsets, I64 region_sizes,
               I64 region_bytes, I32 move_region, I32 move_src, I32 move_dst, I32 move_bucket, U8 move_kind,
-              U8 move_stage, U8 move_src_space, U8 move_dst_space, int32_t num_buckets, int64_t lower_bound_bytes,
-              int64_t broadcast_payload_bytes) {
+              U8 move_stage, U8 move_src_space, U8 move_dst_space, U8 move_source, int32_t num_buckets,
+              int64_t lower_bound_bytes, int64_t broadcast_payload_bytes) {
              new (self) PlanData{copy(region_tensor), copy(region_dims_start), copy(region_offsets),
                                  copy(region_sizes),  copy(region_bytes),      copy(move_region),
                                  copy(move_src),      copy(move_dst),          copy(move_bucket),
                                  copy(move_kind),     copy(move_stage),        copy(move_src_space),
-                                 copy(move_dst_space), num_buckets,           lower_bound_bytes,
-                                 broadcast_payload_bytes};
+                                 copy(move_dst_space), copy(move_source),     num_buckets,
+                                 lower_bound_bytes,    broadcast_payload_bytes};
            })
       .PLAN_COLUMN(int32_t, region_tensor)
       .PLAN_COLUMN(int64_t, region_dims_start)
@@ -233,6 +233,7 @@ NB_MODULE(_core, m) {
       .PLAN_COLUMN(uint8_t, move_stage)
       .PLAN_COLUMN(uint8_t, move_src_space)
       .PLAN_COLUMN(uint8_t, move_dst_space)
+      .PLAN_COLUMN(uint8_t, move_source)
       .def_ro("num_buckets", &PlanData::num_buckets)
       .def_ro("lower_bound_bytes", &PlanData::lower_bound_bytes)
       .def_ro("broadcast_payload_bytes", &PlanData::broadcast_payload_bytes);
@@ -246,6 +247,27 @@ NB_MODULE(_core, m) {
       },
       nb::arg("source"), nb::arg("destination"), nb::arg("policies"), nb::arg("domain_size"),
       nb::arg("bucket_bytes"), "Compile the plan that turns the source layout into the destination layout.");
+
+  m.def(
+      "build_recovery_plan",
+      [](const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
+         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes) {
+        nb::gil_scoped_release release;
+        return build_recovery_plan(sources, lost, destination, PlanOptions{domain_size, bucket_bytes});
+      },
+      nb::arg("sources"), nb::arg("lost"), nb::arg("destination"), nb::arg("domain_size"), nb::arg("bucket_bytes"),
+      "Compile a recovery plan: each region from the first source layout that holds it on a rank not lost.");
+
+  m.def(
+      "validate_recovery_plan",
+      [](const PlanData& plan, const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
+         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes, std::size_t max_problems) {
+        nb::gil_scoped_release release;
+        return validate_recovery_plan(plan, sources, lost, destination, PlanOptions{domain_size, bucket_bytes},
+                                      max_problems);
+      },
+      nb::arg("plan"), nb::arg("sources"), nb::arg("lost"), nb::arg("destination"), nb::arg("domain_size"),
+      nb::arg("bucket_bytes"), nb::arg("max_problems") = 20);
 
   m.def(
       "plan_totals",

@@ -95,27 +95,55 @@ void cut_at_blocks(std::vector<Piece>& pieces, int64_t block, bool source_side) 
   pieces.swap(out);
 }
 
+// Marks the lost ranks: lost[rank] != 0. Sized to cover every rank of every layout.
+std::vector<char> lost_mask(const std::vector<const LayoutCore*>& sources, const LayoutCore& dst,
+                            const std::vector<int64_t>& lost) {
+  int64_t max_rank = 0;
+  for (const LayoutCore* src : sources) {
+    for (int64_t r : src->ranks()) max_rank = std::max(max_rank, r);
+  }
+  for (int64_t r : dst.ranks()) max_rank = std::max(max_rank, r);
+  std::vector<char> mask(static_cast<std::size_t>(max_rank + 1), 0);
+  for (int64_t r : lost) {
+    if (r >= 0 && r <= max_rank) mask[static_cast<std::size_t>(r)] = 1;
+  }
+  return mask;
+}
+
 class Builder {
  public:
-  Builder(const LayoutCore& src, const LayoutCore& dst, const std::vector<uint8_t>& policies,
-          const PlanOptions& options)
-      : src_(src), dst_(dst), policies_(policies), options_(options), src_groups_(src), dst_groups_(dst) {
-    int64_t max_rank = 0;
-    for (int64_t r : src.ranks()) max_rank = std::max(max_rank, r);
-    for (int64_t r : dst.ranks()) max_rank = std::max(max_rank, r);
-    const auto n = static_cast<std::size_t>(max_rank + 1);
+  Builder(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost, const LayoutCore& dst,
+          const std::vector<uint8_t>& policies, const PlanOptions& options)
+      : srcs_(sources), src_(*sources.at(0)), dst_(dst), policies_(policies), options_(options), dst_groups_(dst),
+        lost_(lost_mask(sources, dst, lost)) {
+    for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
+    const auto n = lost_.size();
     net_send_.assign(n, 0);
     net_recv_.assign(n, 0);
     domain_send_.assign(n, 0);
     root_load_.assign(n, 0);
-    src_group_of_rank_.assign(n, -1);
+    src_group_of_rank_.assign(srcs_.size(), std::vector<int64_t>(n, -1));
+    recovery_ = srcs_.size() > 1 || !lost.empty();
+    if (srcs_.size() > 255) throw CoreValueError("a plan reads from at most 255 source layouts");
     if (options_.domain_size < 1) throw CoreValueError("domain size must be at least 1");
     if (options_.bucket_bytes < 1) throw CoreValueError("bucket size must be at least 1 byte");
   }
 
   PlanData build() {
-    if (src_.num_tensors() != dst_.num_tensors() || policies_.size() != src_.num_tensors()) {
-      throw CoreValueError("source and destination layouts cover different tensors");
+    for (const LayoutCore* src : srcs_) {
+      if (src->num_tensors() != dst_.num_tensors() || policies_.size() != src->num_tensors()) {
+        throw CoreValueError("source and destination layouts cover different tensors");
+      }
+    }
+    for (int64_t r : dst_.ranks()) {
+      if (lost_[static_cast<std::size_t>(r)]) {
+        throw CoreValueError("rank " + std::to_string(r) + " is lost but belongs to the destination layout");
+      }
+    }
+    if (recovery_) {
+      for (uint8_t p : policies_) {
+        if (p != kReshard) throw CoreValueError("recovery plans move exact overlaps: every tensor's policy must be reshard");
+      }
     }
     for (std::size_t t = 0; t < src_.num_tensors(); ++t) {
       const int64_t itemsize = src_.tensor(static_cast<int32_t>(t)).itemsize;
@@ -129,8 +157,10 @@ class Builder {
     std::size_t expected_moves = 0, expected_regions = 0, expected_dims = 0;
     for (std::size_t t = 0; t < src_.num_tensors(); ++t) {
       const auto tid = static_cast<int32_t>(t);
-      if (src_.tensor(tid).shape != dst_.tensor(tid).shape) {
-        throw CoreValueError("tensor " + std::to_string(t) + " has different shapes in the two layouts");
+      for (const LayoutCore* src : srcs_) {
+        if (src->tensor(tid).shape != dst_.tensor(tid).shape) {
+          throw CoreValueError("tensor " + std::to_string(t) + " has different shapes in the two layouts");
+        }
       }
       for (const HoldingGroup& g : dst_groups_.groups(tid)) {
         expected_moves += g.ranks.size();
@@ -149,7 +179,8 @@ class Builder {
 
   void reserve(std::size_t moves, std::size_t regions, std::size_t dims) {
     for (auto* column : {&plan_.move_region, &plan_.move_src, &plan_.move_dst}) column->reserve(moves);
-    for (auto* column : {&plan_.move_kind, &plan_.move_stage, &plan_.move_src_space, &plan_.move_dst_space}) {
+    for (auto* column :
+         {&plan_.move_kind, &plan_.move_stage, &plan_.move_src_space, &plan_.move_dst_space, &plan_.move_source}) {
       column->reserve(moves);
     }
     plan_.region_tensor.reserve(regions);
@@ -252,7 +283,7 @@ class Builder {
   }
 
   void interleave_cuts(int32_t tensor, std::vector<std::vector<Piece>>& pieces, bool cut_src, bool cut_dst) {
-    const std::pair<const LayoutCore*, bool> sides[] = {{&src_, true}, {&dst_, false}};
+    const std::pair<const LayoutCore*, bool> sides[] = {{srcs_[source_], true}, {&dst_, false}};
     for (const auto& [layout, source_side] : sides) {
       if (source_side ? !cut_src : !cut_dst) continue;
       const StorageEntry& storage = layout->storage(layout->tensor(tensor).storage);
@@ -272,6 +303,7 @@ class Builder {
     plan_.move_stage.push_back(stage);
     plan_.move_src_space.push_back(src_space);
     plan_.move_dst_space.push_back(dst_space);
+    plan_.move_source.push_back(source_);
   }
 
   static int64_t least_loaded(const std::vector<int64_t>& candidates, const std::vector<int64_t>& load) {
@@ -332,73 +364,117 @@ class Builder {
 
   // ---------------------------------------------------------------- tensors
   void plan_tensor(int32_t tensor) {
-    const std::vector<HoldingGroup>& sgroups = src_groups_.groups(tensor);
     const std::vector<HoldingGroup>& dgroups = dst_groups_.groups(tensor);
     const TensorEntry& entry = src_.tensor(tensor);
-    const std::size_t ndim = entry.shape.size();
     int64_t numel = 1;
     for (int64_t s : entry.shape) numel *= s;
 
-    // Coverage: the source replica groups must hold every element (their holdings are disjoint).
-    int64_t covered = 0;
-    for (const HoldingGroup& g : sgroups) {
-      int64_t v = 1;
-      for (const auto& runs : g.runs) v *= runs_length(runs);
-      covered += v;
-    }
-    if (covered != numel && !dgroups.empty()) {
-      throw CoreValueError("tensor " + std::to_string(tensor) + ": the source layout holds " +
-                           std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
-    }
-    for (std::size_t gi = 0; gi < sgroups.size(); ++gi) {
-      for (int64_t r : sgroups[gi].ranks) src_group_of_rank_[r] = static_cast<int64_t>(gi);
-    }
-    add_lower_bound(tensor, sgroups, dgroups);
-
-    if (policies_[tensor] == kBroadcast) {
-      plan_broadcast(tensor, sgroups, dgroups, numel * entry.itemsize);
-    } else {
-      for (const HoldingGroup& dg : dgroups) {
-        for (const HoldingGroup& sg : sgroups) {
-          std::vector<std::vector<Piece>> pieces(ndim);
-          bool empty = false;
-          for (std::size_t d = 0; d < ndim && !empty; ++d) {
-            for (const Run& b : dg.runs[d]) {
-              for (const Run& a : sg.runs[d]) {
-                const auto [lo, hi] = intersect(a.global_start, a.global_start + a.length, b.global_start,
-                                                b.global_start + b.length);
-                if (hi <= lo) continue;
-                pieces[d].push_back(Piece{lo, hi - lo, a.local_start + (lo - a.global_start),
-                                          b.local_start + (lo - b.global_start)});
-              }
-            }
-            empty = pieces[d].empty();
-          }
-          if (empty) continue;
-          interleave_cuts(tensor, pieces, true, true);
-          product(tensor, pieces, [&](int32_t region) { deliver(region, sg.ranks, kSource, dg.ranks, kDestination, 0); });
-        }
+    // Coverage: each source's replica groups must hold every element (their holdings are
+    // disjoint); which of them survive is the cascade's business.
+    for (std::size_t k = 0; k < srcs_.size(); ++k) {
+      const std::vector<HoldingGroup>& sgroups = src_groups_[k].groups(tensor);
+      int64_t covered = 0;
+      for (const HoldingGroup& g : sgroups) {
+        int64_t v = 1;
+        for (const auto& runs : g.runs) v *= runs_length(runs);
+        covered += v;
+      }
+      if (covered != numel && !dgroups.empty()) {
+        throw CoreValueError("tensor " + std::to_string(tensor) + ": the source layout holds " +
+                             std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
+      }
+      for (std::size_t gi = 0; gi < sgroups.size(); ++gi) {
+        for (int64_t r : sgroups[gi].ranks) src_group_of_rank_[k][r] = static_cast<int64_t>(gi);
       }
     }
-    for (const HoldingGroup& g : sgroups) {
-      for (int64_t r : g.ranks) src_group_of_rank_[r] = -1;
+    add_lower_bound(tensor, dgroups);
+
+    if (policies_[tensor] == kBroadcast) {
+      plan_broadcast(tensor, src_groups_[0].groups(tensor), dgroups, numel * entry.itemsize);
+    } else {
+      for (const HoldingGroup& dg : dgroups) cascade(tensor, dg.runs, dg.ranks, 0);
+    }
+    source_ = 0;
+    for (std::size_t k = 0; k < srcs_.size(); ++k) {
+      for (const HoldingGroup& g : src_groups_[k].groups(tensor)) {
+        for (int64_t r : g.ranks) src_group_of_rank_[k][r] = -1;
+      }
     }
   }
 
-  void add_lower_bound(int32_t tensor, const std::vector<HoldingGroup>& sgroups,
-                       const std::vector<HoldingGroup>& dgroups) {
+  // Delivers the box `need` (per dim, runs whose local_start is the destination's) to the
+  // destination ranks `needy` from source layout k: each part held by a surviving replica
+  // there is delivered from it; each part whose replicas are all lost falls through to
+  // source k + 1. With one source and no lost rank this is the plain reshard.
+  void cascade(int32_t tensor, const std::vector<std::vector<Run>>& need, const std::vector<int64_t>& needy,
+               std::size_t k) {
+    if (k == srcs_.size()) {
+      std::string box;
+      for (std::size_t d = 0; d < need.size(); ++d) {
+        int64_t lo = INT64_MAX, hi = INT64_MIN;
+        for (const Run& r : need[d]) {
+          lo = std::min(lo, r.global_start);
+          hi = std::max(hi, r.global_start + r.length);
+        }
+        box += (d ? ", " : "") + std::to_string(lo) + ":" + std::to_string(hi);
+      }
+      throw CoreValueError("tensor " + std::to_string(tensor) + ": the region [" + box +
+                           "] has no copy on a surviving rank of any source layout");
+    }
+    const std::size_t ndim = need.size();
+    std::vector<int64_t> alive;
+    for (const HoldingGroup& sg : src_groups_[k].groups(tensor)) {
+      std::vector<std::vector<Piece>> pieces(ndim);
+      bool empty = false;
+      for (std::size_t d = 0; d < ndim && !empty; ++d) {
+        for (const Run& b : need[d]) {
+          for (const Run& a : sg.runs[d]) {
+            const auto [lo, hi] =
+                intersect(a.global_start, a.global_start + a.length, b.global_start, b.global_start + b.length);
+            if (hi <= lo) continue;
+            pieces[d].push_back(
+                Piece{lo, hi - lo, a.local_start + (lo - a.global_start), b.local_start + (lo - b.global_start)});
+          }
+        }
+        empty = pieces[d].empty();
+      }
+      if (empty) continue;
+      alive.clear();
+      for (int64_t r : sg.ranks) {
+        if (!lost_[static_cast<std::size_t>(r)]) alive.push_back(r);
+      }
+      if (alive.empty()) {
+        std::vector<std::vector<Run>> rest(ndim);
+        for (std::size_t d = 0; d < ndim; ++d) {
+          for (const Piece& p : pieces[d]) rest[d].push_back(Run{p.global_start, p.length, p.dst_local});
+        }
+        cascade(tensor, rest, needy, k + 1);
+        continue;
+      }
+      source_ = static_cast<uint8_t>(k);
+      interleave_cuts(tensor, pieces, true, true);
+      product(tensor, pieces, [&](int32_t region) { deliver(region, alive, kSource, needy, kDestination, 0); });
+    }
+  }
+
+  // What no plan can avoid: the bytes each destination rank holds minus what it holds itself
+  // on a surviving rank of a source. Overlaps of several sources are summed (capped at what
+  // the rank holds), so the bound stays a lower bound when a rank holds a box twice.
+  void add_lower_bound(int32_t tensor, const std::vector<HoldingGroup>& dgroups) {
     const int64_t itemsize = src_.tensor(tensor).itemsize;
     for (const HoldingGroup& dg : dgroups) {
       int64_t held = itemsize;
       for (const auto& runs : dg.runs) held *= runs_length(runs);
       for (int64_t rank : dg.ranks) {
-        int64_t overlap = 0;
-        const int64_t gi = src_group_of_rank_[rank];
-        if (gi >= 0) {
-          overlap = itemsize;
+        int64_t own = 0;
+        for (std::size_t k = 0; k < srcs_.size() && !lost_[static_cast<std::size_t>(rank)]; ++k) {
+          const int64_t gi = src_group_of_rank_[k][rank];
+          if (gi < 0) continue;
+          const HoldingGroup& sg = src_groups_[k].groups(tensor)[static_cast<std::size_t>(gi)];
+          int64_t overlap = itemsize;
           for (std::size_t d = 0; d < dg.runs.size(); ++d) {
             int64_t common = 0;
-            for (const Run& a : sgroups[gi].runs[d]) {
+            for (const Run& a : sg.runs[d]) {
               for (const Run& b : dg.runs[d]) {
                 const auto [lo, hi] = intersect(a.global_start, a.global_start + a.length, b.global_start,
                                                 b.global_start + b.length);
@@ -407,8 +483,9 @@ class Builder {
             }
             overlap *= common;
           }
+          own += overlap;
         }
-        plan_.lower_bound_bytes += held - overlap;
+        plan_.lower_bound_bytes += held - std::min(held, own);
       }
     }
   }
@@ -513,36 +590,39 @@ class Builder {
     plan_.num_buckets = n == 0 ? 0 : last + 1;
   }
 
-  const LayoutCore& src_;
+  std::vector<const LayoutCore*> srcs_;
+  const LayoutCore& src_;  // the first source: tensor shapes and item sizes
   const LayoutCore& dst_;
   const std::vector<uint8_t>& policies_;
   PlanOptions options_;
-  GroupCache src_groups_;
+  std::vector<GroupCache> src_groups_;
   GroupCache dst_groups_;
+  std::vector<char> lost_;
+  bool recovery_ = false;
+  uint8_t source_ = 0;  // the source layout of the moves being added
   PlanData plan_;
   std::vector<int64_t> net_send_, net_recv_, domain_send_, root_load_;
-  std::vector<int64_t> src_group_of_rank_;
+  std::vector<std::vector<int64_t>> src_group_of_rank_;  // per source
   std::vector<int64_t> remote_, near_;
 };
 
 // Checks a plan tensor by tensor (moves of one tensor are contiguous, as built).
 class Validator {
  public:
-  Validator(const PlanData& plan, const LayoutCore& src, const LayoutCore& dst, const PlanOptions& options,
-            std::size_t max_problems)
-      : plan_(plan), src_(src), dst_(dst), options_(options), max_(max_problems), src_groups_(src), dst_groups_(dst) {
-    int64_t max_rank = 0;
-    for (int64_t r : src.ranks()) max_rank = std::max(max_rank, r);
-    for (int64_t r : dst.ranks()) max_rank = std::max(max_rank, r);
-    src_group_.assign(static_cast<std::size_t>(max_rank + 1), -1);
-    dst_group_.assign(static_cast<std::size_t>(max_rank + 1), -1);
+  Validator(const PlanData& plan, const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
+            const LayoutCore& dst, const PlanOptions& options, std::size_t max_problems)
+      : plan_(plan), srcs_(sources), src_(*sources.at(0)), dst_(dst), options_(options), max_(max_problems),
+        dst_groups_(dst), lost_(lost_mask(sources, dst, lost)) {
+    for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
+    src_group_.assign(srcs_.size(), std::vector<int64_t>(lost_.size(), -1));
+    dst_group_.assign(lost_.size(), -1);
   }
 
   std::vector<std::string> run() {
     const std::size_t n = plan_.move_region.size();
     const std::size_t columns[] = {plan_.move_src.size(), plan_.move_dst.size(), plan_.move_bucket.size(),
                                    plan_.move_kind.size(), plan_.move_stage.size(), plan_.move_src_space.size(),
-                                   plan_.move_dst_space.size()};
+                                   plan_.move_dst_space.size(), plan_.move_source.size()};
     for (std::size_t c : columns) {
       if (c != n) return {"move columns have different lengths"};
     }
@@ -609,8 +689,8 @@ class Validator {
     }
     for (std::size_t i = 0; i < plan_.move_kind.size() && problems_.size() < max_; ++i) {
       if (plan_.move_kind[i] > kNetwork || plan_.move_src_space[i] > kScratch || plan_.move_dst_space[i] > kScratch ||
-          plan_.move_stage[i] > 3 || plan_.move_bucket[i] < 0) {
-        problem(i, "has a kind, space, stage or bucket out of range");
+          plan_.move_stage[i] > 3 || plan_.move_bucket[i] < 0 || plan_.move_source[i] >= srcs_.size()) {
+        problem(i, "has a kind, space, stage, bucket or source out of range");
       }
     }
     return problems_.empty();
@@ -681,10 +761,12 @@ class Validator {
   }
 
   void check_tensor(int32_t tensor, std::size_t begin, std::size_t end) {
-    const auto& sgroups = src_groups_.groups(tensor);
     const auto& dgroups = dst_groups_.groups(tensor);
-    for (std::size_t g = 0; g < sgroups.size(); ++g)
-      for (int64_t r : sgroups[g].ranks) src_group_[r] = static_cast<int64_t>(g);
+    for (std::size_t k = 0; k < srcs_.size(); ++k) {
+      const auto& sgroups = src_groups_[k].groups(tensor);
+      for (std::size_t g = 0; g < sgroups.size(); ++g)
+        for (int64_t r : sgroups[g].ranks) src_group_[k][r] = static_cast<int64_t>(g);
+    }
     for (std::size_t g = 0; g < dgroups.size(); ++g)
       for (int64_t r : dgroups[g].ranks) dst_group_[r] = static_cast<int64_t>(g);
     const std::vector<int64_t>& shape = src_.tensor(tensor).shape;
@@ -700,13 +782,20 @@ class Validator {
           problem(i, "region lies outside its tensor");
         }
       }
-      if (s < 0 || d < 0 || static_cast<std::size_t>(std::max(s, d)) >= src_group_.size()) {
+      if (s < 0 || d < 0 || static_cast<std::size_t>(std::max(s, d)) >= lost_.size()) {
         problem(i, "rank outside both meshes");
         continue;
       }
+      if (lost_[static_cast<std::size_t>(s)] || lost_[static_cast<std::size_t>(d)]) {
+        problem(i, "moves data from or to rank " + std::to_string(lost_[static_cast<std::size_t>(s)] ? s : d) +
+                       ", which is lost");
+      }
+      const std::size_t k = plan_.move_source[i];
+      const auto& sgroups = src_groups_[k].groups(tensor);
+      const int64_t sgroup = src_group_[k][s];
       const uint8_t expected = s == d ? kLocal : (s / options_.domain_size == d / options_.domain_size ? kDomain : kNetwork);
       if (plan_.move_kind[i] != expected) problem(i, "kind does not match the ranks' domains");
-      if (plan_.move_src_space[i] == kSource && (src_group_[s] < 0 || !inside(region, sgroups[src_group_[s]]))) {
+      if (plan_.move_src_space[i] == kSource && (sgroup < 0 || !inside(region, sgroups[sgroup]))) {
         problem(i, "reads what rank " + std::to_string(s) + " does not hold in the source layout");
       }
       if (plan_.move_src_space[i] == kDestination && (dst_group_[s] < 0 || !inside(region, dgroups[dst_group_[s]]))) {
@@ -716,8 +805,8 @@ class Validator {
         problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
       }
       if (plan_.move_dst_space[i] == kSource) problem(i, "writes into a source storage");
-      if ((plan_.move_src_space[i] == kSource && src_group_[s] >= 0 &&
-           !within_one_block(region, sgroups[src_group_[s]], src_)) ||
+      if ((plan_.move_src_space[i] == kSource && sgroup >= 0 &&
+           !within_one_block(region, sgroups[sgroup], *srcs_[k])) ||
           (plan_.move_dst_space[i] == kDestination && dst_group_[d] >= 0 &&
            !within_one_block(region, dgroups[dst_group_[d]], dst_))) {
         problem(i, "spans two blocks of an interleaved storage");
@@ -760,8 +849,9 @@ class Validator {
       }
     }
     check_writes_cover(tensor, writes);
-    for (const auto& g : sgroups)
-      for (int64_t r : g.ranks) src_group_[r] = -1;
+    for (std::size_t k = 0; k < srcs_.size(); ++k)
+      for (const auto& g : src_groups_[k].groups(tensor))
+        for (int64_t r : g.ranks) src_group_[k][r] = -1;
     for (const auto& g : dgroups)
       for (int64_t r : g.ranks) dst_group_[r] = -1;
   }
@@ -787,12 +877,16 @@ class Validator {
   }
 
   const PlanData& plan_;
-  const LayoutCore& src_;
+  std::vector<const LayoutCore*> srcs_;
+  const LayoutCore& src_;  // the first source: tensor shapes and item sizes
   const LayoutCore& dst_;
   PlanOptions options_;
   std::size_t max_;
-  GroupCache src_groups_, dst_groups_;
-  std::vector<int64_t> src_group_, dst_group_;
+  std::vector<GroupCache> src_groups_;
+  GroupCache dst_groups_;
+  std::vector<char> lost_;
+  std::vector<std::vector<int64_t>> src_group_;  // per source, per rank
+  std::vector<int64_t> dst_group_;
   std::map<std::pair<int32_t, int64_t>, int64_t> staged_;  // (bucket, rank) -> bytes
   std::vector<std::string> problems_;
 };
@@ -801,7 +895,14 @@ class Validator {
 
 PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
                     const std::vector<uint8_t>& policies, const PlanOptions& options) {
-  return Builder(source, destination, policies, options).build();
+  return Builder({&source}, {}, destination, policies, options).build();
+}
+
+PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
+                             const LayoutCore& destination, const PlanOptions& options) {
+  if (sources.empty()) throw CoreValueError("a recovery plan needs at least one source layout");
+  const std::vector<uint8_t> policies(destination.num_tensors(), kReshard);
+  return Builder(sources, lost, destination, policies, options).build();
 }
 
 PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
@@ -831,7 +932,14 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
 std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& source,
                                        const LayoutCore& destination, const PlanOptions& options,
                                        std::size_t max_problems) {
-  return Validator(plan, source, destination, options, max_problems).run();
+  return Validator(plan, {&source}, {}, destination, options, max_problems).run();
+}
+
+std::vector<std::string> validate_recovery_plan(const PlanData& plan, const std::vector<const LayoutCore*>& sources,
+                                                const std::vector<int64_t>& lost, const LayoutCore& destination,
+                                                const PlanOptions& options, std::size_t max_problems) {
+  if (sources.empty()) return {"a recovery plan needs at least one source layout"};
+  return Validator(plan, sources, lost, destination, options, max_problems).run();
 }
 
 }  // namespace layoutlang

@@ -53,6 +53,8 @@ struct PlanData {
   std::vector<uint8_t> move_stage;
   std::vector<uint8_t> move_src_space;
   std::vector<uint8_t> move_dst_space;
+  // Which source layout a move reads from (0 unless the plan is a recovery plan).
+  std::vector<uint8_t> move_source;
 
   int32_t num_buckets = 0;
   // What no plan can avoid: bytes each destination rank holds and does not hold as a source.
@@ -70,6 +72,14 @@ struct HoldingGroup {
 PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
                     const std::vector<uint8_t>& policies, const PlanOptions& options);
 
+// A recovery plan: every destination region is read from the first source layout (in the
+// order given: e.g. the surviving inference replicas, then the training side) that still
+// holds it on a rank not in `lost`; within that source, as build_plan chooses. Only the
+// `reshard` policy. Throws CoreValueError naming the tensor and box when no source holds
+// a region on a surviving rank, or when a lost rank is in the destination.
+PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
+                             const LayoutCore& destination, const PlanOptions& options);
+
 // Totals of a plan: bytes and moves by kind, sent and received per rank by kind, and the
 // number of messages (all moves between one pair of ranks in one bucket and stage).
 struct PlanTotals {
@@ -86,5 +96,11 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks);
 std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& source,
                                        const LayoutCore& destination, const PlanOptions& options,
                                        std::size_t max_problems);
+
+// The same for a recovery plan: reads lie in what the rank holds in the move's source
+// layout, and no move reads from or writes to a lost rank.
+std::vector<std::string> validate_recovery_plan(const PlanData& plan, const std::vector<const LayoutCore*>& sources,
+                                                const std::vector<int64_t>& lost, const LayoutCore& destination,
+                                                const PlanOptions& options, std::size_t max_problems);
 
 }  // namespace layoutlang

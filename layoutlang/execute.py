@@ -158,6 +158,11 @@ class _Piece:
     tensor: int
     dtype: torch.dtype  # the logical dtype: what travels on the wire
     numel: int
+    source: int = 0  # which source layout, for pieces of the source space
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.space, self.source)
 
     @property
     def nbytes(self) -> int:
@@ -235,7 +240,8 @@ def _schedule(plan: Plan, rank: int) -> list[_Step]:
         def piece(space: str, place) -> _Piece:
             storage, offsets = place
             index = tuple(slice(o, o + s) for o, s in zip(offsets, move.sizes))
-            return _Piece(SPACES.index(space), storage, index, tensor, dtypes[tensor], numel)
+            source = move.source if space == "source" else 0
+            return _Piece(SPACES.index(space), storage, index, tensor, dtypes[tensor], numel, source)
 
         src, dst = int(src_cols[i]), int(dst_cols[i])
         if src == dst:
@@ -254,22 +260,29 @@ class Executor:
     """Runs one plan on one rank over a transport. Build once, run every step."""
 
     def __init__(self, plan: Plan, rank: int, transport: Transport, *, timeout: float = 300.0):
-        in_meshes = rank in plan.source.mesh or rank in plan.destination.mesh
-        if not in_meshes:
+        in_meshes = any(rank in layout.mesh for layout in (*plan.sources, plan.destination))
+        if not in_meshes or rank in plan.lost:
             raise ExecutionError(
                 f"rank {rank} belongs to no mesh of plan '{plan.name}' (source ranks "
                 f"{_ranges(plan.source.mesh.ranks)}, destination ranks {_ranges(plan.destination.mesh.ranks)})"
+                if not in_meshes
+                else f"rank {rank} is lost in recovery plan '{plan.name}'; it takes no part"
             )
         self.plan = plan
         self.rank = rank
-        self.participants = sorted(set(plan.source.mesh.ranks) | set(plan.destination.mesh.ranks))
+        # A recovery plan's lost ranks hold source storages nobody reads: they are not asked.
+        ranks = set(plan.destination.mesh.ranks).union(*(layout.mesh.ranks for layout in plan.sources))
+        self.participants = sorted(ranks - plan.lost)
         self.transport = transport
         self.timeout = timeout
         self.steps = _schedule(plan, rank)
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
         # Scratch buffers (whole tensors) are freed after their last use.
         self._scratch_last_use = self._last_use(_SCRATCH)
-        self.source_storages = plan.source.storages_on(rank) if rank in plan.source.mesh else {}
+        self.sources_storages = [
+            layout.storages_on(rank) if rank in layout.mesh else {} for layout in plan.sources
+        ]  # per source layout (one, unless this is a recovery plan)
+        self.source_storages = self.sources_storages[0]
         self.destination_storages = plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
@@ -288,12 +301,29 @@ class Executor:
         return out
 
     # -- checks
-    def _check(self, sources: Mapping[str, torch.Tensor], destinations: Mapping[str, torch.Tensor], cast: bool) -> None:
+    def _per_source(self, sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]) -> list:
+        """One mapping of storages per source layout of the plan."""
+        if isinstance(sources, Mapping):
+            if len(self.plan.sources) > 1:
+                raise ExecutionError(
+                    f"rank {self.rank}: plan '{self.plan.name}' reads from {len(self.plan.sources)} source layouts "
+                    f"({', '.join(repr(l.name) for l in self.plan.sources)}): pass one mapping of storages per "
+                    "source layout, in that order"
+                )
+            return [sources]
+        per = list(sources)
+        if len(per) != len(self.plan.sources):
+            raise ExecutionError(
+                f"rank {self.rank}: {len(per)} mappings of source storages given for the "
+                f"{len(self.plan.sources)} source layouts of plan '{self.plan.name}'"
+            )
+        return per
+
+    def _check(self, sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], cast: bool) -> None:
         plan, rank = self.plan, self.rank
-        for side, wanted, given, layout in (
-            ("source", self.source_storages, sources, plan.source),
-            ("destination", self.destination_storages, destinations, plan.destination),
-        ):
+        sides = [("source", wanted, given, layout) for wanted, given, layout in zip(self.sources_storages, sources, plan.sources)]
+        sides.append(("destination", self.destination_storages, destinations, plan.destination))
+        for side, wanted, given, layout in sides:
             for name, shape in wanted.items():
                 if name not in given:
                     raise ExecutionError(
@@ -317,7 +347,7 @@ class Executor:
     # -- running
     def run(
         self,
-        sources: Mapping[str, torch.Tensor],
+        sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
         destinations: Mapping[str, torch.Tensor],
         *,
         cast: bool = False,
@@ -328,18 +358,26 @@ class Executor:
         """Move every byte this rank sends or receives; destinations are written in place.
 
         All ranks first check their storages and agree that every rank is ready, so a bad
-        storage on one rank stops every rank before any byte moves.
+        storage on one rank stops every rank before any byte moves. A recovery plan takes
+        one mapping of source storages per source layout (``plan.sources``, in order).
         """
         problem = not_ready
+        per_source: list[Mapping[str, torch.Tensor]] = []
+        try:
+            per_source = self._per_source(sources)
+        except ExecutionError as err:
+            problem = problem or err.message
         if problem is None:
             try:
-                self._check(sources, destinations, cast)
+                self._check(per_source, destinations, cast)
             except ExecutionError as err:
                 problem = err.message
         agree(self.transport, self.rank, self.participants, self.plan.fingerprint, problem, self.timeout,
               failure="is not ready")
-        device = _device_of(list(sources.values()) + list(destinations.values()))
-        spaces = {_SOURCE: sources, _DESTINATION: destinations, _SCRATCH: {}}
+        device = _device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
+        spaces = {(_SOURCE, k): given for k, given in enumerate(per_source)}
+        spaces[(_DESTINATION, 0)] = destinations
+        spaces[(_SCRATCH, 0)] = {}
         # A destination storage is complete after the step of its last write, and free for the
         # engine after the step of its last read (a relay forwarding from it) too.
         def announce(step: int) -> None:
@@ -365,7 +403,9 @@ class Executor:
                 tag=(step.bucket * 4 + step.stage) % _AGREEMENT_TAG,  # the same on both ends
             )
             for read, write in step.copies:
-                self._target(spaces, write, device)[write.index].copy_(_view(spaces, read))
+                target, value = self._target(spaces, write, device)[write.index], _view(spaces, read)
+                if not _same_memory(target, value):  # a storage that is its own source stays put
+                    target.copy_(value)
                 sent["local"] += read.nbytes
                 received["local"] += read.nbytes
             # Pipelining: pack the next step while this one is in flight, when it does not
@@ -386,7 +426,7 @@ class Executor:
                 sent[self._kind(peer)] += sum(p.nbytes for p in message.pieces)
             messages += len(step.sends)
             for name in self._scratch_last_use.get(n, ()):
-                spaces[_SCRATCH].pop(name, None)
+                spaces[(_SCRATCH, 0)].pop(name, None)
             announce(n)
             if progress is not None:
                 progress(n + 1, len(self.steps))
@@ -396,7 +436,7 @@ class Executor:
 
     def _target(self, spaces, piece: _Piece, device) -> torch.Tensor:
         """The tensor a piece is written into; scratch buffers (whole tensors) appear on first use."""
-        space = spaces[piece.space]
+        space = spaces[piece.key]
         if piece.space == _SCRATCH and piece.storage not in space:
             space[piece.storage] = torch.empty(self._shapes[piece.tensor], dtype=piece.dtype, device=device)
         return space[piece.storage]
@@ -420,7 +460,11 @@ def _sizes(piece: _Piece) -> tuple[int, ...]:
 
 
 def _view(spaces, piece: _Piece) -> torch.Tensor:
-    return spaces[piece.space][piece.storage][piece.index]
+    return spaces[piece.key][piece.storage][piece.index]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _device_of(tensors: Iterable[torch.Tensor]) -> torch.device:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -43,6 +43,7 @@ __all__ = [
     "PlanStats",
     "compile_plan",
     "plan_layouts",
+    "plan_recovery",
 ]
 
 KINDS = ("local", "domain", "network")
@@ -50,7 +51,7 @@ SPACES = ("source", "destination", "scratch")
 POLICIES = ("reshard", "broadcast")
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
-_MAGIC = b"LAYOUTPLAN\x00\x01"
+_MAGIC = b"LAYOUTPLAN\x00\x02"
 _COLUMNS = (
     ("region_tensor", np.int32),
     ("region_dims_start", np.int64),
@@ -65,6 +66,7 @@ _COLUMNS = (
     ("move_stage", np.uint8),
     ("move_src_space", np.uint8),
     ("move_dst_space", np.uint8),
+    ("move_source", np.uint8),
 )
 
 
@@ -84,6 +86,7 @@ class Move:
     src_space: str
     dst_space: str
     nbytes: int
+    source: int = 0  # which source layout a "source" read uses (recovery plans have several)
 
     @property
     def is_relay(self) -> bool:
@@ -96,6 +99,8 @@ class Move:
     def __str__(self) -> str:
         region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
         notes = [f"bucket {self.bucket}", f"stage {self.stage}"]
+        if self.source:
+            notes.append(f"source {self.source}")
         if self.is_relay:
             notes.append("relay")
         if "scratch" in (self.src_space, self.dst_space):
@@ -160,9 +165,24 @@ class Plan:
     Build one with :func:`compile_plan`. Columns are read-only numpy arrays (``arrays``);
     :meth:`moves` yields readable :class:`Move` records; :meth:`validate` checks that every
     destination byte is written exactly once and every read lies in what its rank holds.
+
+    A *recovery plan* (:func:`plan_recovery`) reads from several source layouts in order of
+    preference, never from a ``lost`` rank: ``sources`` lists them (``source`` is the first)
+    and each move's ``source`` says which one it reads.
     """
 
-    __slots__ = ("source", "destination", "name", "policies", "domain_size", "bucket_bytes", "arrays", "_cache")
+    __slots__ = (
+        "source",
+        "sources",
+        "lost",
+        "destination",
+        "name",
+        "policies",
+        "domain_size",
+        "bucket_bytes",
+        "arrays",
+        "_cache",
+    )
 
     def __init__(
         self,
@@ -173,8 +193,13 @@ class Plan:
         domain_size: int,
         bucket_bytes: int,
         arrays: Any,
+        *,
+        sources: Sequence[Layout] | None = None,
+        lost: Iterable[int] = (),
     ):
         object.__setattr__(self, "source", source)
+        object.__setattr__(self, "sources", tuple(sources) if sources is not None else (source,))
+        object.__setattr__(self, "lost", frozenset(int(r) for r in lost))
         object.__setattr__(self, "destination", destination)
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "policies", policies)
@@ -191,6 +216,11 @@ class Plan:
             f"Plan({self.name!r}: {self.source.name} -> {self.destination.name}, {self.num_moves} moves "
             f"in {self.num_buckets} buckets, fingerprint {self.fingerprint[:12]})"
         )
+
+    @property
+    def is_recovery(self) -> bool:
+        """Whether the plan reads from several source layouts or avoids lost ranks."""
+        return len(self.sources) > 1 or bool(self.lost)
 
     # -- sizes
     @property
@@ -236,6 +266,7 @@ class Plan:
             SPACES[a.move_src_space[index]],
             SPACES[a.move_dst_space[index]],
             int(a.region_bytes[region]),
+            int(a.move_source[index]),
         )
 
     def moves(self, tensor: str | None = None) -> Iterator[Move]:
@@ -278,7 +309,7 @@ class Plan:
         def locate(rank: int, space: str):
             if space == "scratch":
                 return (move.tensor, move.offsets)
-            layout = self.source if space == "source" else self.destination
+            layout = self.sources[move.source] if space == "source" else self.destination
             index = layout.resolved.index[move.tensor]
             offsets = layout.core.locate(index, rank, list(move.offsets))
             storage = layout.resolved.storages[layout.resolved.storage_of[index]].name
@@ -291,9 +322,19 @@ class Plan:
         """Raises LayoutValueError unless every destination byte is written exactly once,
         every read lies in what its rank holds (or received in an earlier stage or bucket),
         and every move's kind matches its ranks' domains."""
-        problems = _core.validate_plan(
-            self.arrays, self.source.core, self.destination.core, self.domain_size, self.bucket_bytes
-        )
+        if self.is_recovery:
+            problems = _core.validate_recovery_plan(
+                self.arrays,
+                [layout.core for layout in self.sources],
+                sorted(self.lost),
+                self.destination.core,
+                self.domain_size,
+                self.bucket_bytes,
+            )
+        else:
+            problems = _core.validate_plan(
+                self.arrays, self.source.core, self.destination.core, self.domain_size, self.bucket_bytes
+            )
         if problems:
             raise LayoutValueError(f"plan '{self.name}' is invalid: " + "; ".join(problems))
 
@@ -305,7 +346,7 @@ class Plan:
         return self._cache["stats"]
 
     def _compute_stats(self) -> PlanStats:
-        ranks = sorted(set(self.source.mesh.ranks) | set(self.destination.mesh.ranks))
+        ranks = sorted(set(self.destination.mesh.ranks).union(*(s.mesh.ranks for s in self.sources)))
         totals = _core.plan_totals(self.arrays, max(ranks) + 1)
         sent = np.asarray(totals["sent"], dtype=np.int64).reshape(-1, 3)
         received = np.asarray(totals["received"], dtype=np.int64).reshape(-1, 3)
@@ -331,7 +372,16 @@ class Plan:
 
     # -- serialization
     def _header(self) -> dict[str, Any]:
-        return {
+        recovery = (
+            {
+                "recovery_sources": [layout.name for layout in self.sources],
+                "recovery_source_digests": [_layout_digest(layout) for layout in self.sources],
+                "lost": sorted(self.lost),
+            }
+            if self.is_recovery
+            else {}
+        )
+        return recovery | {
             "format": "layoutlang-plan",
             "version": 1,
             "reshard": self.name,
@@ -397,6 +447,13 @@ class Plan:
 
     @classmethod
     def _from_header(cls, header: dict[str, Any], columns: dict[str, np.ndarray], program: Program) -> Plan:
+        if "recovery_sources" in header:
+            raise LayoutValueError(
+                "this is a recovery plan (sources "
+                + ", ".join(repr(n) for n in header["recovery_sources"])
+                + f", lost ranks {header['lost']}): survivors compile recovery plans themselves "
+                "from the agreed layouts; they are not read back from files"
+            )
         source = program.layout(header["source"])
         destination = program.layout(header["destination"])
         for side, layout in (("source", source), ("destination", destination)):
@@ -453,6 +510,7 @@ class Plan:
                     "dst_space": m.dst_space,
                     "bytes": m.nbytes,
                 }
+                | ({"source": self.sources[m.source].name} if self.is_recovery else {})
                 for m in self.moves()
             ]
         return out
@@ -471,9 +529,9 @@ def _layout_digest(layout: Layout) -> str:
     return h.hexdigest()
 
 
-def _check_pair(source: Layout, destination: Layout) -> None:
-    """Both layouts must place the same logical tensors, and a rank in both meshes must not
-    give one storage name two different meanings."""
+def _check_pair(source: Layout, destination: Layout, storages: bool = True) -> None:
+    """Both layouts must place the same logical tensors, and (with ``storages``) a rank in
+    both meshes must not give one storage name two different meanings."""
     src_names, dst_names = list(source.tensors), list(destination.tensors)
     if source.tensors is destination.tensors:
         pass  # layouts of one program share its tensors
@@ -496,7 +554,7 @@ def _check_pair(source: Layout, destination: Layout) -> None:
                 f"{list(b.shape)} {b.dtype} in layout '{destination.name}'",
                 destination.span,
             )
-    shared = sorted(set(source.mesh.ranks) & set(destination.mesh.ranks))
+    shared = sorted(set(source.mesh.ranks) & set(destination.mesh.ranks)) if storages else []
     if not shared:
         return
     src_storages = {s.name: s for s in source.resolved.storages}
@@ -566,6 +624,92 @@ def plan_layouts(
         domain_size,
         bucket_bytes,
         arrays,
+    )
+
+
+def _in_order(layout: Layout, names: Sequence[str]) -> Layout:
+    """``layout`` with its tensors in the order of ``names`` (the core numbers tensors by
+    declaration order, so every layout of one plan must declare them alike)."""
+    if list(layout.tensors) == list(names):
+        return layout
+    ordered = {name: layout.tensors[name] for name in names}
+    return Layout(layout.name, layout.mesh, ordered, layout.rules, layout.storages, layout.span)
+
+
+def plan_recovery(
+    sources: Sequence[Layout],
+    destination: Layout,
+    lost: Iterable[int],
+    *,
+    name: str | None = None,
+    domain_size: int = 1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Plan:
+    """Compile a recovery plan: ``destination`` from the surviving ranks of ``sources``.
+
+    Each region of the destination is read from the first layout of ``sources`` that holds
+    it on a rank not in ``lost`` (e.g. the inference replicas that survived, then the
+    training side), within it as :func:`plan_layouts` would (local copy, then the same
+    domain, then the least loaded rank over the network, once per domain). Every tensor
+    moves by exact overlap. Source storages are passed apart from destination storages, so
+    a rank may hold storages of the same name in a source and in the destination.
+
+    Raises :class:`~elastic.remesh.DataLossError`-style :class:`LayoutValueError` subclasses:
+    a lost rank in ``destination``, or a region with no surviving copy in any source (the
+    message lists every lost tensor and box).
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh infer [dp = 2, tp = 2]
+    ... mesh regrown_mesh [dp = 2, tp = 2] on ranks [0, 1, 4, 3]
+    ... tensor "w" [8, 4] fp32
+    ... layout serve on infer { "w": tp = shard(0) }
+    ... layout regrown on regrown_mesh { "w": tp = shard(0) }
+    ... ''')
+    >>> plan = plan_recovery([p.layouts["serve"]], p.layouts["regrown"], lost={2})
+    >>> sorted((m.src, m.dst, m.kind) for m in plan.moves())
+    [(0, 0, 'local'), (0, 4, 'network'), (1, 1, 'local'), (3, 3, 'local')]
+    """
+    sources = list(sources)
+    if not sources:
+        raise LayoutValueError("a recovery plan needs at least one source layout")
+    lost_ranks = sorted({int(r) for r in lost})
+    for source in sources:
+        _check_pair(source, destination, storages=False)
+    in_destination = sorted(set(lost_ranks) & set(destination.mesh.ranks))
+    if in_destination:
+        raise LayoutValueError(
+            f"lost rank{'s' if len(in_destination) > 1 else ''} {', '.join(map(str, in_destination))} "
+            f"still belong{'s' if len(in_destination) == 1 else ''} to the destination layout '{destination.name}'",
+            destination.span,
+            "remesh the destination first (elastic.remesh)",
+        )
+    from elastic.remesh import check_recoverable  # the never-silent-loss check names every lost box
+
+    check_recoverable(sources, lost_ranks)
+    if bucket_bytes < 1:
+        raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
+    if domain_size < 1:
+        raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
+    names = list(sources[0].tensors)
+    sources = [_in_order(layout, names) for layout in sources]
+    destination = _in_order(destination, names)
+    try:
+        arrays = _core.build_recovery_plan(
+            [layout.core for layout in sources], lost_ranks, destination.core, domain_size, bucket_bytes
+        )
+    except LayoutError as err:
+        raise LayoutValueError(_name_tensor(err.message, sources[0].resolved.names), destination.span) from None
+    return Plan(
+        sources[0],
+        destination,
+        name or f"recover {destination.name} from {', '.join(layout.name for layout in sources)}",
+        ("reshard",) * len(names),
+        domain_size,
+        bucket_bytes,
+        arrays,
+        sources=sources,
+        lost=lost_ranks,
     )
 
 

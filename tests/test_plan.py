@@ -110,7 +110,7 @@ def point_to_point_transfers(plan: Plan) -> int:
 def column_at(data: bytes, column: str) -> int:
     """Where the values of ``column`` start in a plan's binary form (magic, header length,
     header, then per column a 64-bit count and the values)."""
-    pos = data.index(b"\x00\x01") + 2
+    pos = len(layoutlang.plan._MAGIC)
     pos += 8 + int.from_bytes(data[pos : pos + 8], "little")
     for name, dtype in _COLUMNS:
         count = int.from_bytes(data[pos : pos + 8], "little")
