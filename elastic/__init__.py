@@ -6,7 +6,7 @@ deadlines) and agrees on each generation's members; ``elastic.groups`` builds th
 group of a generation at once under its own store prefix, and a Transport over it.
 """
 
-from .groups import ElasticGroup, GlooTransport, abandon, admit, build_group
+from .groups import ElasticGroup, GlooGenerations, GlooTransport, abandon, admit, build_group
 from .membership import (
     ExcludedError,
     ExitWatcher,
@@ -23,6 +23,7 @@ from .membership import (
 __all__ = [
     "ElasticGroup",
     "ExcludedError",
+    "GlooGenerations",
     "ExitWatcher",
     "FailureDetector",
     "GlooTransport",
@@ -41,3 +42,17 @@ __all__ = [
 from .remesh import DataLossError, check_recoverable, data_parallel_axes, lost_regions, remesh
 
 __all__ += ["DataLossError", "check_recoverable", "data_parallel_axes", "lost_regions", "remesh"]
+
+from .nccl_backend import NcclGenerations, NcclGroup
+from .session import Change, ElasticSession, GenerationChanged, MemberFailure, Recovery, StepReport
+
+__all__ += [
+    "Change",
+    "ElasticSession",
+    "GenerationChanged",
+    "MemberFailure",
+    "NcclGenerations",
+    "NcclGroup",
+    "Recovery",
+    "StepReport",
+]

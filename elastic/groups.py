@@ -18,9 +18,10 @@ member builds the group of that generation.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -30,7 +31,7 @@ from layoutlang.execute import ExecutionError
 
 from .membership import Membership, MembershipError, generation_key
 
-__all__ = ["ElasticGroup", "GlooTransport", "abandon", "admit", "build_group"]
+__all__ = ["ElasticGroup", "GlooGenerations", "GlooTransport", "abandon", "admit", "build_group"]
 
 _abandoned: list[
     Any
@@ -59,14 +60,38 @@ class ElasticGroup:
         return {m: i for i, m in enumerate(self.members)}
 
     def transport(
-        self, rank_map: Mapping[int, int] | None = None, rank: int | None = None
+        self,
+        rank_map: Mapping[int, int] | None = None,
+        rank: int | None = None,
+        watch: Callable[[], None] | None = None,
     ) -> GlooTransport:
-        """A Transport over this group; program ranks are job ranks unless ``rank_map`` says otherwise."""
+        """A Transport over this group; program ranks are job ranks unless ``rank_map`` says
+        otherwise. ``watch`` is called while waiting (see :class:`GlooTransport`)."""
         return GlooTransport(
             self.pg,
             self.rank if rank is None else rank,
             self.rank_map() if rank_map is None else rank_map,
+            watch=watch,
         )
+
+
+class GlooGenerations:
+    """The gloo generation backend of :class:`elastic.ElasticSession`: every generation's
+    group is built afresh under its own store prefix (:func:`build_group`), whatever the
+    previous one was; a dead generation's group is abandoned, never waited on."""
+
+    name = "gloo"
+
+    def __init__(self, *, timeout: float = 30.0):
+        self.timeout = timeout
+
+    def build(
+        self, store: Any, membership: Membership, previous: ElasticGroup | None, *, timeout: float | None = None
+    ) -> ElasticGroup:
+        return build_group(store, membership, timeout=self.timeout if timeout is None else timeout)
+
+    def abandon(self, group: ElasticGroup | None) -> None:
+        abandon(group)
 
 
 def build_group(store: Any, membership: Membership, *, timeout: float = 30.0) -> ElasticGroup:
@@ -143,11 +168,32 @@ def admit(
 
 
 class _GlooPending:
-    def __init__(self, rank: int, works: list, labels: list[str], peers: list[int]):
-        self.rank, self.works, self.labels, self.peers = rank, works, labels, peers
+    def __init__(self, transport: GlooTransport, works: list, labels: list[str], peers: list[int]):
+        self.transport, self.works, self.labels, self.peers = transport, works, labels, peers
+        self.rank = transport.rank
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        if self.transport.watch is None:
+            self._wait(deadline, timeout)
+        else:
+            # Gloo's point-to-point works complete only inside wait(), so a helper thread
+            # waits while this one watches: a failure anywhere in the group (not only of this
+            # exchange's peers) ends the wait when watch() raises.
+            future = self.transport._waiter().submit(self._wait, deadline, timeout)
+            pause = 0.001
+            while True:
+                try:
+                    future.result(timeout=pause)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self.transport.watch()
+                    pause = min(pause * 2, 0.02)
+        self.transport.completed += 1
+        if self.transport.first_completed_at is None:
+            self.transport.first_completed_at = time.time()
+
+    def _wait(self, deadline: float, timeout: float) -> None:
         for work, label, peer in zip(self.works, self.labels, self.peers):
             remaining = max(0.001, deadline - time.monotonic())
             try:
@@ -165,13 +211,28 @@ class _GlooPending:
 
 
 class GlooTransport:
-    """layoutlang's Transport over a ProcessGroupGloo, with program rank -> group rank map."""
+    """layoutlang's Transport over a ProcessGroupGloo, with program rank -> group rank map.
 
-    def __init__(self, pg: Any, rank: int, rank_map: Mapping[int, int]):
+    ``watch``, when given, is called every few milliseconds while an exchange is waited on;
+    it raises to end the wait (an elastic session raises when any member has failed or a
+    newer generation was agreed). ``completed`` counts the exchanges waited to completion;
+    ``first_completed_at`` is the ``time.time()`` of the first.
+    """
+
+    def __init__(self, pg: Any, rank: int, rank_map: Mapping[int, int], *, watch: Callable[[], None] | None = None):
         self.pg = pg
         self.rank = rank
         self._map = dict(rank_map)
         self.device = torch.device("cpu")
+        self.watch = watch
+        self.completed = 0
+        self.first_completed_at: float | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _waiter(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"gloo-wait-{self.rank}")
+        return self._pool
 
     def _peer(self, rank: int) -> int:
         try:
@@ -183,12 +244,16 @@ class GlooTransport:
 
     def exchange(self, sends, recvs, tag):
         works, labels, peers = [], [], []
-        for peer, buf in recvs:
-            works.append(self.pg.recv([buf], self._peer(peer), tag))
-            labels.append(f"receiving {buf.numel() * buf.element_size()} bytes from rank {peer}")
+        posts = [(peer, buf, self.pg.recv, "receiving", "from") for peer, buf in recvs]
+        posts += [(peer, buf, self.pg.send, "sending", "to") for peer, buf in sends]
+        for peer, buf, post, verb, preposition in posts:
+            label = f"{verb} {buf.numel() * buf.element_size()} bytes {preposition} rank {peer}"
+            try:
+                works.append(post([buf], self._peer(peer), tag))
+            except RuntimeError as err:  # gloo refuses at once when the peer's connection is gone
+                exc = ExecutionError(f"rank {self.rank}: {label} failed: {str(err).splitlines()[0]}")
+                exc.peers = [peer]
+                raise exc from None
+            labels.append(label)
             peers.append(peer)
-        for peer, buf in sends:
-            works.append(self.pg.send([buf], self._peer(peer), tag))
-            labels.append(f"sending {buf.numel() * buf.element_size()} bytes to rank {peer}")
-            peers.append(peer)
-        return _GlooPending(self.rank, works, labels, peers)
+        return _GlooPending(self, works, labels, peers)

@@ -283,6 +283,11 @@ class Executor:
             layout.storages_on(rank) if rank in layout.mesh else {} for layout in plan.sources
         ]  # per source layout (one, unless this is a recovery plan)
         self.source_storages = self.sources_storages[0]
+        # A recovery plan's fallback sources are asked only for the storages it reads here.
+        read = {(p.source, p.storage) for step in self.steps for p in step.pieces() if p.space == _SOURCE}
+        for k in range(1, len(plan.sources)):
+            self.sources_storages[k] = {n: s for n, s in self.sources_storages[k].items() if (k, n) in read}
+        self._sources_read = {k for k, _ in read}
         self.destination_storages = plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
@@ -301,6 +306,10 @@ class Executor:
         return out
 
     # -- checks
+    def reads_source(self, index: int) -> bool:
+        """Whether this rank reads anything from source layout ``index`` of the plan."""
+        return index in self._sources_read
+
     def _per_source(self, sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]) -> list:
         """One mapping of storages per source layout of the plan."""
         if isinstance(sources, Mapping):

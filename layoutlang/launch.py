@@ -40,7 +40,7 @@ class WorkerError(RuntimeError):
 worker_context: dict[str, Any] = {}
 
 
-def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results) -> None:
+def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results, default_group: bool = True) -> None:
     import torch
     import torch.distributed as dist
 
@@ -48,9 +48,10 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
-    dist.init_process_group(
-        "gloo", store=dist.PrefixStore("layoutlang", store), rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
-    )
+    if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("layoutlang", store), rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+        )
     worker_context.update(rank=rank, size=size, port=port, store=store)
     while True:
         task = tasks.get()
@@ -63,7 +64,8 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results
             results.put((rank, False, (type(err).__name__, str(err), err.kind)))
         except BaseException as err:  # report everything: the parent decides what it means
             results.put((rank, False, (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal")))
-    dist.destroy_process_group()
+    if default_group:
+        dist.destroy_process_group()
 
 
 class LocalWorkers:
@@ -89,8 +91,31 @@ class LocalWorkers:
             )
             for rank in range(size)
         ]
+        self._ctx = ctx
         for p in self.processes:
             p.start()
+
+    def respawn(self, ranks=None) -> list[int]:
+        """Replace dead (or stopped: they are killed first) workers by fresh processes with
+        the same ranks; returns the ranks replaced. A respawned worker has the store but no
+        default process group (its peers built that at the start): elastic jobs need none."""
+        import signal
+
+        ranks = [r for r in range(self.size) if not self.processes[r].is_alive()] if ranks is None else list(ranks)
+        for rank in ranks:
+            old = self.processes[rank]
+            if old.is_alive():
+                os.kill(old.pid, signal.SIGKILL)
+                old.join(timeout=10)
+            self._tasks[rank] = self._ctx.SimpleQueue()
+            self.processes[rank] = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.size, self.store.port, self.timeout, self._tasks[rank], self._results, False),
+                daemon=True,
+                name=f"layoutlang-worker-{rank}",
+            )
+            self.processes[rank].start()
+        return ranks
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; returns the results by rank.

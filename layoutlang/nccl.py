@@ -36,7 +36,8 @@ import itertools
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -431,6 +432,9 @@ class Communicator:
 
 _MOCK_STREAMS = itertools.count(1)
 
+#: Seconds between calls of a transport's ``watch`` while a wait is pending.
+WATCH_SLICE = 0.05
+
 
 def _ranks_phrase(ranks: Sequence[int]) -> str:
     ranks = sorted(set(ranks))
@@ -444,16 +448,10 @@ class _NcclPending:
 
     def wait(self, timeout: float) -> None:
         t = self.transport
-        try:
-            done = t.communicator.wait(self.ticket, timeout)
-        except (NcclError, CudaError) as err:
-            action = t._fail()
-            raise NcclError(
-                f"rank {t.rank}: the NCCL exchange with {_ranks_phrase(self.peers)} failed "
-                f"({'; '.join(self.labels)}): {err.message}; the communicator was {action}",
-                call=err.call,
-                code=err.code if isinstance(err, NcclError) else None,
-            ) from None
+        if t.watch is None:
+            done = self._wait_core(timeout)
+        else:
+            done = self._wait_watched(timeout, t.watch)
         if not done:
             action = t._fail()
             raise NcclTimeoutError(
@@ -467,6 +465,42 @@ class _NcclPending:
             host.copy_(device)
         self._keep = self._back = []
 
+    def _wait_core(self, timeout: float) -> bool:
+        """One wait on the core (False: not done within ``timeout``, with no side effect)."""
+        t = self.transport
+        try:
+            return t.communicator.wait(self.ticket, timeout)
+        except (NcclError, CudaError) as err:
+            action = t._fail()
+            raise NcclError(
+                f"rank {t.rank}: the NCCL exchange with {_ranks_phrase(self.peers)} failed "
+                f"({'; '.join(self.labels)}): {err.message}; the communicator was {action}",
+                call=err.call,
+                code=err.code if isinstance(err, NcclError) else None,
+            ) from None
+
+    def _wait_watched(self, timeout: float, watch: Callable[[], None]) -> bool:
+        """Wait in slices of at most WATCH_SLICE seconds, calling ``watch()`` between them.
+
+        A slice that ends unfinished leaves the exchange pending (the core's wait has no
+        side effect on a timeout), so only the overall deadline gives up. When ``watch``
+        raises (a member that is not a peer of this exchange has failed), the failure
+        policy is applied, since the exchange can no longer be trusted to finish, and the
+        watch's exception propagates unchanged.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._wait_core(min(WATCH_SLICE, max(remaining, 0.0))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            try:
+                watch()
+            except BaseException:
+                self.transport._fail()
+                raise
+
 
 class NcclTransport:
     """The executor's transport over NCCL (the interface of
@@ -479,6 +513,12 @@ class NcclTransport:
     fly). ``on_failure`` is what a failure or timeout does to the communicator:
     ``"abort"`` (nothing survives) or ``"revoke"`` (it can be shrunk afterwards).
     CPU tensors (the executor's agreement messages) are staged through the device.
+
+    ``watch``, when given, is called between slices of at most :data:`WATCH_SLICE` seconds
+    while a wait is pending: it raises to give up on the exchange (an elastic session's
+    failure detector uses it to notice a failed member that is not a peer of the exchange,
+    whose failure would otherwise only show as a timeout). The failure policy is then
+    applied and the watch's exception propagates unchanged.
     """
 
     def __init__(
@@ -490,12 +530,14 @@ class NcclTransport:
         on_failure: str = "abort",
         device: Any = None,
         side_stream: bool = False,
+        watch: Callable[[], None] | None = None,
     ):
         if on_failure not in ("abort", "revoke"):
             raise ValueError(f"on_failure must be 'abort' or 'revoke', not {on_failure!r}")
         self.rank = rank
         self.communicator = communicator
         self.on_failure = on_failure
+        self.watch = watch
         self._map = dict(rank_map) if rank_map is not None else None
         mock = type(communicator.cuda).__name__ == "CudaMock"
         if device is None:

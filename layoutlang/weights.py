@@ -57,8 +57,9 @@ def _modulus(dtype: str) -> int:
     return {"bool": 2, "fp8_e4m3": 17, "fp8_e5m2": 17, "uint8": 251}.get(dtype, 251)
 
 
-def synthetic_box(tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes) -> torch.Tensor:
-    """The synthetic values of a box of a logical tensor (same on every rank)."""
+def synthetic_box(tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int = 0) -> torch.Tensor:
+    """The synthetic values of a box of a logical tensor (same on every rank); each
+    ``version`` (a training step) gives other values."""
     index = torch.zeros((), dtype=torch.int64)
     stride = 1
     for d in reversed(range(len(shape))):
@@ -67,21 +68,23 @@ def synthetic_box(tensor_index: int, shape: tuple[int, ...], dtype: str, offsets
         stride *= shape[d]
     index = index.expand(tuple(sizes)) if sizes else index
     m = _modulus(dtype)
-    values = (index * 40503 + (tensor_index + 1) * 12345) % m
+    values = (index * 40503 + (tensor_index + 1) * 12345 + version * 7919) % m
     if dtype not in ("uint8", "bool"):
         values = values - m // 2
     return values.to(_torch_dtype(dtype))
 
 
-def fill_synthetic(layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], tensors: Iterable[str] | None = None) -> int:
-    """Write the synthetic values of every box ``rank`` holds into its storages; returns bytes."""
+def fill_synthetic(
+    layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], tensors: Iterable[str] | None = None, version: int = 0
+) -> int:
+    """Write the synthetic values (of ``version``) of every box ``rank`` holds into its storages; returns bytes."""
     names = layout.resolved.names
     written = 0
     for name in tensors or names:
         tensor = layout.tensors[name]
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
-            values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes)
+            values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
             storages[box.storage][box.storage_slices()] = values.to(storages[box.storage].device)
             written += values.numel() * values.element_size()
     return written
@@ -101,10 +104,13 @@ class Verification:
         return not self.mismatches
 
 
-def verify(layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], truth=None, limit: int = 10) -> Verification:
+def verify(
+    layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], truth=None, limit: int = 10, version: int = 0
+) -> Verification:
     """Compare every box ``rank`` holds with the truth, bit for bit.
 
-    ``truth(name, index, box)`` gives a box's expected values (default: the synthetic ones).
+    ``truth(name, index, box)`` gives a box's expected values (default: the synthetic ones
+    of ``version``).
     When a destination storage has another dtype than the logical tensor (a cast on arrival),
     the expected values are cast the same way.
     """
@@ -115,7 +121,7 @@ def verify(layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], trut
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
             got = storages[box.storage][box.storage_slices()]
-            expected = truth(name, index, box) if truth else synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes)
+            expected = truth(name, index, box) if truth else synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
             expected = expected.to(device=got.device, dtype=got.dtype)
             boxes += 1
             nbytes += got.numel() * got.element_size()
