@@ -80,7 +80,15 @@ def refit_job(
                 mark_and_die(how)
 
     if "signal" in mine:
-        threading.Thread(target=lambda: (ctl.wait(["signal"]), mark_and_die("kill")), daemon=True).start()
+
+        def wait_for_signal() -> None:
+            # a store client of its own: a client is not shared between threads
+            own = dist.PrefixStore(f"{namespace}-ctl", dist.TCPStore("127.0.0.1", port, is_master=False))
+            own.wait(["signal"])
+            own.set(f"killed/{rank}", str(time.time()).encode())
+            _die("kill")
+
+        threading.Thread(target=wait_for_signal, daemon=True).start()
 
     shrinks: list[int] = []
     grows: list[int] = []
