@@ -7,6 +7,7 @@ prefixed by its *generation* (one membership epoch)::
     {namespace}/gen{g}/members        JSON list of job ranks, written once (compare_set)
     {namespace}/gen{g}/hb/{rank}      heartbeat counter of a member, advanced every interval
     {namespace}/gen{g}/exited/{rank}  set by the launcher when the rank's process exited
+    {namespace}/gen{g}/exits          counter of those notifications (read on every poll)
     {namespace}/gen{g}/joins          counter of join requests for generation g
     {namespace}/gen{g}/join/{i}       the job rank of the i-th join request
     {namespace}/gen{g}/pg/...         the process group of generation g (elastic.groups)
@@ -205,9 +206,18 @@ class FailureDetector:
         namespace: str = "elastic",
         deadline: float = DEFAULT_DEADLINE,
         use_exits: bool = True,
+        self_rank: int | None = None,
+        previous: int | None = None,
+        startup: float | None = None,
     ):
         self.store = _namespaced(store, namespace)
+        # A member still busy in the previous generation beats only its keys: it is alive.
+        self.previous = previous
+        # A member never heard from may still be starting (importing torch): it has longer.
+        self.startup = max(float(deadline), float(startup or 0))
         self.use_exits = use_exits
+        self.self_rank = self_rank
+        self._exits_seen = 0
         self.generation = int(generation)
         self.members = sorted(int(m) for m in members)
         self.deadline = float(deadline)
@@ -215,30 +225,46 @@ class FailureDetector:
         self.failures: dict[int, str] = {}  # rank -> reason, once failed always failed
 
     def _counter(self, rank: int) -> int | None:
-        key = generation_key(self.generation, f"hb/{rank}")
-        if not _has(self.store, key):
-            return None
-        return int(self.store.add(key, 0))
+        # add(0) is one request; a counter that was never advanced reads 0 (a beat makes it 1)
+        value = int(self.store.add(generation_key(self.generation, f"hb/{rank}"), 0))
+        if self.previous is not None:
+            value += int(self.store.add(generation_key(self.previous, f"hb/{rank}"), 0))
+        return value or None
 
     def poll(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
-        """Read the store once; returns every failed member (rank -> reason) so far."""
+        """Read the store once; returns every failed member (rank -> reason) so far.
+
+        Exit notifications are read only when the generation's exit counter moved. When the
+        detector's own rank (``self_rank``) looks silent too, this process or the store was
+        stalled (an overloaded machine): silence then proves nothing, and every member's
+        clock starts again instead of declaring them all failed.
+        """
         now = time.monotonic()
-        for rank in self.members if ranks is None else ranks:
-            if rank in self.failures:
-                continue
-            if self.use_exits and _has(
-                self.store, generation_key(self.generation, f"exited/{rank}")
-            ):
-                code = bytes(
-                    self.store.get(generation_key(self.generation, f"exited/{rank}"))
-                ).decode()
-                self.failures[rank] = f"its process exited ({code})"
+        ranks = self.members if ranks is None else list(ranks)
+        exits_moved = False
+        if self.use_exits:
+            exits = int(self.store.add(generation_key(self.generation, "exits"), 0))
+            exits_moved, self._exits_seen = exits != self._exits_seen, exits
+        if self.self_rank is not None:
+            own = self._counter(self.self_rank)
+            last = self._seen.get(self.self_rank)
+            if last is not None and own == last[0] and now - last[1] > self.deadline / 2:
+                self._seen = {r: (v, now) for r, (v, _) in self._seen.items()}
+                return dict(self.failures)
+            if last is None or own != last[0]:
+                self._seen[self.self_rank] = (own, now)
+        for rank in self.members if exits_moved else ():
+            key = generation_key(self.generation, f"exited/{rank}")
+            if rank not in self.failures and _has(self.store, key):
+                self.failures[rank] = f"its process exited ({bytes(self.store.get(key)).decode()})"
+        for rank in ranks:
+            if rank in self.failures or rank == self.self_rank:
                 continue
             value = self._counter(rank)
             last = self._seen.get(rank)
             if last is None or value != last[0]:
                 self._seen[rank] = (value, now)
-            elif now - last[1] > self.deadline:
+            elif now - last[1] > (self.deadline if value is not None else self.startup):
                 what = "no heartbeat" if value is None else f"heartbeat stuck at {value}"
                 self.failures[rank] = (
                     f"{what} for {now - last[1]:.2f} s (deadline {self.deadline:g} s)"
@@ -420,6 +446,8 @@ class Membership:
         members: Iterable[int] | None = None,
         deadline: float | None = None,
         use_exits: bool = True,
+        previous: int | None = None,
+        startup: float | None = None,
     ) -> FailureDetector:
         g = self.generation if generation is None else generation
         if g is None:
@@ -431,6 +459,9 @@ class Membership:
             namespace=self.namespace,
             deadline=self.deadline if deadline is None else deadline,
             use_exits=use_exits,
+            self_rank=self.rank,
+            previous=previous,
+            startup=startup,
         )
 
 
@@ -483,6 +514,7 @@ class ExitWatcher:
                         self.store.set(
                             generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode()
                         )
+                        self.store.add(generation_key(gen, "exits"), 1)
                     except RuntimeError:  # the store went away: the job is over
                         return
 

@@ -69,7 +69,10 @@ __all__ = ["Change", "ElasticSession", "GenerationChanged", "MemberFailure", "Re
 StepFn = Callable[[int, "ElasticSession"], Mapping[str, torch.Tensor]]
 
 _COMMITTED, _ABORTED = "committed", "aborted"
-_ENTRY = "entry"  # the commit record of a generation's recovery plan
+_ENTRY = "entry"  # the commit record of entering a generation
+# How often a waiting rank reads the store for failures: a tenth of the default deadline,
+# few enough requests that the store stays responsive with hundreds of waiting ranks.
+_WATCH_PERIOD = 0.1
 
 
 class MemberFailure(ExecutionError):
@@ -358,7 +361,7 @@ class ElasticSession:
     def _watch(self) -> None:
         """Raised into every wait: a failed member, a newer generation, an aborted record."""
         now = time.monotonic()
-        if now - self._last_watch < 0.02:
+        if now - self._last_watch < _WATCH_PERIOD:
             return
         self._last_watch = now
         failures = self.detector.poll()
@@ -386,6 +389,7 @@ class ElasticSession:
         done = self.membership.key(self.generation, f"done/{name}")
         store.add(done, 1)
         end = time.monotonic() + self.timeout
+        pause = 0.001
         while True:
             record = self._record(name)
             if record is not None:
@@ -396,7 +400,8 @@ class ElasticSession:
             if time.monotonic() > end:
                 raise MemberFailure(self.rank, self.generation, {})
             self._watch()
-            time.sleep(0.002)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
 
     # ---------------------------------------------------------------------- steps
     def _run_step(self, step: int, step_fn: StepFn, progress) -> int:
@@ -618,7 +623,10 @@ class ElasticSession:
         check_recoverable([state.destination, state.source] if state.valid else [state.source], gone)
         source, destination = self._layouts(g)
         agreed = time.time()
-        self.detector = self.membership.detector()
+        self.detector = self.membership.detector(
+            previous=state.generation if state.generation >= 0 else None,
+            startup=self.timeout if first or joined else None,  # ranks still starting up
+        )
         previous_group = self.group
         self.group = self._build(previous_group)
         if previous_group is not None:

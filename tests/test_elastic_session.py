@@ -1,0 +1,197 @@
+"""Elastic sessions on 9 local gloo workers: refits that survive failures without restarts.
+
+One pool serves every test: workers that a test killed (or stopped) are replaced by fresh
+processes before the next test, which uses a namespace of its own in the shared store. In
+every test the refit completes on the new layout with every destination byte of every
+committed step verified (``tests/elastic_session_jobs.py``), and the survivors are the same
+processes that started (their pids do not change: nothing restarted).
+
+The program: training on ranks 0..3 (``dp = 2`` replicas of ``tp = 2``), inference on ranks
+4..7 (``dp = 2`` replicas of ``tp = 2``, a fused ``qk`` storage), domains of 2 ranks; rank 8
+is a spare or a joiner, or idle.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+from itertools import count
+
+import pytest
+from elastic_session_jobs import refit_job
+
+from elastic import ExitWatcher
+from layoutlang.launch import LocalWorkers
+
+pytestmark = pytest.mark.timeout(180)
+
+PROGRAM = """
+topology { domain_size = 2 }
+mesh train [dp = 2, tp = 2]
+mesh infer [dp = 2, tp = 2] on ranks 4..7
+tensor "embed" [96, 32] fp32
+tensor "layers.{l}.q" [64, 32] fp32 for l in 0..1
+tensor "layers.{l}.k" [32, 32] fp32 for l in 0..1
+tensor "layers.{l}.norm" [32] fp32 for l in 0..1
+layout fsdp on train {
+    "embed": tp = shard(0)
+    "layers.{l}.q": tp = shard(0)
+    "layers.{l}.k": tp = shard(1)
+    default: replicate
+}
+layout serve on infer {
+    "embed": tp = shard(0)
+    "layers.{l}.q": tp = shard(0)
+    "layers.{l}.k": tp = shard(0)
+    default: replicate
+    storage "layers.{l}.qk" = "layers.{l}.q" | "layers.{l}.k"
+}
+reshard refit: fsdp -> serve
+"""
+# the same without training replicas: a training rank holds the only copy of its shards
+NO_REPLICA = PROGRAM.replace("mesh train [dp = 2, tp = 2]", "mesh train [tp = 4]")
+
+STEPS = 4
+_namespaces = count()
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with LocalWorkers(9, timeout=60) as workers:
+        yield workers
+
+
+def drain(pool, wait: float = 1.0) -> None:
+    """Take the results of ranks outside ``expect`` (idle ones) off the queue."""
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            pool._results.get(timeout=0.1)
+        except queue.Empty:
+            pass
+
+
+def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **options):
+    """Run the refit job on every worker; returns the results of the ranks in ``expect``
+    (which must all report), and checks that they are the processes that started."""
+    pool.respawn()
+    pool.run(os.getpid)  # every worker is up (a respawned one imports torch first)
+    pids = {r: p.pid for r, p in enumerate(pool.processes)}
+    namespace = f"session{next(_namespaces)}"
+    try:
+        with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace):
+            pool.submit(refit_job, text, STEPS, namespace=namespace, kills=kills, **options)
+            results: dict[int, dict] = {}
+            end = time.monotonic() + timeout
+            while not set(expect) <= set(results) and time.monotonic() < end:
+                try:
+                    rank, ok, value = pool._results.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                assert ok, f"rank {rank} failed: {value[1]}"
+                if rank in expect:
+                    results[rank] = value
+            assert set(expect) <= set(results), f"ranks {sorted(set(expect) - set(results))} did not finish"
+        for rank in expect:  # no survivor restarted: the same process reported
+            assert pool.processes[rank].pid == pids[rank] and pool.processes[rank].is_alive()
+        for rank, _, how in kills:
+            if how in ("kill", "on-shrink", "signal"):
+                pool.processes[rank].join(timeout=10)
+                assert pool.processes[rank].exitcode == -signal.SIGKILL
+        return results
+    finally:
+        pool.respawn(stopped)  # killed, then replaced
+        pool.respawn()
+        drain(pool)
+
+
+def check_refits(results, *, destination_ranks, generation, destination):
+    """Every step committed once on every survivor, with every destination byte verified."""
+    for rank, result in results.items():
+        assert "error" not in result, f"rank {rank}: {result.get('error')}"
+        steps = [c["step"] for c in result["checked"]]
+        assert steps == list(range(steps[0], STEPS)), (rank, steps)  # joiners start later
+        assert result["generation"] == generation, (rank, result["generation"])
+        assert result["destination"] == destination
+    for rank in destination_ranks:
+        checked = results[rank]["checked"]
+        last = [c for c in checked if c["generation"] == generation]
+        assert last and all(c["ok"] for c in last), (rank, checked)
+        assert all(c.get("ok", True) for c in checked), (rank, checked)
+        assert sum(c["bytes"] for c in last) > 0
+
+
+def test_a_refit_without_failures_commits_every_step(pool):
+    results = run(pool, expect=range(8), idle=(8,))
+    check_refits(results, destination_ranks=range(4, 8), generation=0, destination="serve")
+    assert all(r["recoveries"] == [] and [c["step"] for c in r["checked"]] == [0, 1, 2, 3] for r in results.values())
+
+
+def test_sigkill_of_an_inference_rank_mid_transfer(pool):
+    results = run(pool, expect=[0, 1, 2, 3, 4, 6, 7], kills=((5, 1, "kill"),), idle=(8,))
+    # drop-replica: the replica of rank 5 (ranks 4, 5) leaves the inference layout
+    check_refits(results, destination_ranks=[6, 7], generation=1, destination="serve_gen1")
+    for rank, result in results.items():
+        assert [c["step"] for c in result["checked"]] == [0, 1, 2, 3]
+        recovery = result["recoveries"][0]
+        assert recovery["lost"] == [5] and recovery["generation"] == 1
+        assert recovery["agreed_at"] - recovery["noticed_at"] < 5
+        assert result["shrinks"] == [1]
+    assert results[4]["checked"][-1].get("ok") is None  # rank 4 holds nothing any more
+
+
+def test_sigkill_of_a_training_rank_whose_shards_have_a_replica(pool):
+    results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), idle=(8,))
+    check_refits(results, destination_ranks=range(4, 8), generation=1, destination="serve")
+    assert {r["source"] for r in results.values()} == {"fsdp_gen1"}  # the dp = 1 replica only
+
+
+def test_sigstop_a_hung_rank_is_excluded_after_the_deadline(pool):
+    results = run(pool, expect=[0, 1, 2, 3, 4, 5, 7], kills=((6, 1, "stop"),), stopped=[6], idle=(8,))
+    check_refits(results, destination_ranks=[4, 5], generation=1, destination="serve_gen1")
+    reasons = results[4]["recoveries"][0]["reasons"]
+    assert "6" in reasons and "heartbeat" in reasons["6"]
+
+
+def test_sigkill_of_a_rank_that_is_no_peer_of_any_transfer(pool):
+    # rank 8 is a member in no layout: it exchanges nothing with anyone
+    results = run(
+        pool, expect=range(8), kills=((8, 1, "signal"),), kill_trigger=4, members=list(range(9))
+    )
+    check_refits(results, destination_ranks=range(4, 8), generation=1, destination="serve")
+    assert all(r["recoveries"][0]["lost"] == [8] for r in results.values())
+
+
+def test_a_second_failure_during_recovery(pool):
+    # rank 5 dies mid-transfer; rank 2 dies in the shrink hook of generation 1
+    results = run(pool, expect=[0, 1, 3, 4, 6, 7], kills=((5, 1, "kill"), (2, 0, "on-shrink")), idle=(8,))
+    check_refits(results, destination_ranks=[6, 7], generation=2, destination="serve_gen2")
+    for result in results.values():
+        assert result["recoveries"][-1]["lost"] == [2, 5]
+        assert result["source"] == "fsdp_gen2"
+
+
+def test_a_replacement_rank_joins_and_receives_its_shards_from_replicas(pool):
+    results = run(pool, expect=[0, 1, 2, 3, 4, 6, 7, 8], kills=((5, 1, "kill"),), joiners=(8,))
+    check_refits(results, destination_ranks=[4, 6, 7, 8], generation=2, destination="serve_gen2")
+    joiner = results[8]
+    # the recovery plan gave it the last committed step's weights, from inference replicas
+    assert joiner["joined"]["ok"] and joiner["joined"]["bytes"] > 0 and joiner["joined"]["step"] == 1
+    grow = joiner["recoveries"][0]
+    assert grow["joined"] == [8] and grow["recovered_bytes"] > 0
+    assert [c["step"] for c in joiner["checked"]] == [2, 3]
+    for rank in (0, 1, 2, 3):  # the training side sent nothing in the recovery
+        assert results[rank]["recoveries"][-1]["recovered_bytes"] == 0
+    assert all(r["grows"] == [2] for r in results.values())
+
+
+def test_a_failure_that_leaves_no_copy_is_a_clear_error(pool):
+    results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), text=NO_REPLICA, idle=(8,))
+    for rank, result in results.items():
+        assert result["kind"] == "loss", result
+        assert "data lost: rank 1 held the only copies" in result["error"]
+        assert ["embed", [24, 0], [24, 32]] in result["regions"]
+        assert {t for t, _, _ in result["regions"]} == {"embed", "layers.0.q", "layers.1.q", "layers.0.k", "layers.1.k"}
+        assert [c["step"] for c in result["checked"]] == [0]  # step 1 never reported as done
