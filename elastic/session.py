@@ -239,6 +239,7 @@ class ElasticSession:
         self.committed_step: int | None = None  # the step whose weights the destination holds
         self.next_step = 0
         self.recoveries: list[Recovery] = []
+        self.last_report: StepReport | None = None
         self._open: str | None = None  # the commit record being worked on: "commit/{s}" or "entry"
         self._step_fn: StepFn | None = None
         self._last_watch = 0.0
@@ -338,6 +339,7 @@ class ElasticSession:
             step, self.generation, attempts, time.perf_counter() - begin, received, tuple(self.members),
             self.source.name, self.destination.name, tuple(self.recoveries[first_recovery:]),
         )
+        self.last_report = report
         if joiners:
             self._grow(joiners)
         return report

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from . import __version__
 from .elaborate import load
-from .errors import LayoutError, LayoutNameError, did_you_mean
+from .errors import LayoutError, LayoutNameError, LayoutValueError, did_you_mean
 from .model import Layout, Program, compile_pattern
 from .plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
 from .dtypes import DTYPES
@@ -141,6 +141,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
     )
     apply.add_argument("--json", action="store_true", help="print the report as JSON")
+    elastic = apply.add_argument_group(
+        "elastic refits",
+        "With --elastic, the refit runs --steps times in an elastic session: ranks that fail are "
+        "excluded, the layouts are remeshed, and the refit goes on without restarting anyone "
+        "(docs: guides/failure-recovery).",
+    )
+    elastic.add_argument("--elastic", action="store_true", help="repeated refits that survive rank loss and replacement")
+    elastic.add_argument("--steps", type=int, default=4, metavar="N", help="refits to run (default 4)")
+    elastic.add_argument(
+        "--kill", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        help="SIGKILL RANK halfway through the transfer of refit STEP (repeatable)",
+    )
+    elastic.add_argument(
+        "--stop", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        help="SIGSTOP RANK halfway through refit STEP: a hung rank, excluded after the deadline",
+    )
+    elastic.add_argument("--replace", action="store_true", help="start a replacement rank for every rank killed or stopped")
+    elastic.add_argument("--deadline", type=float, default=1.0, metavar="S",
+                         help="seconds of silence after which a rank counts as failed (default 1)")
+    elastic.add_argument("--source-policy", default="drop-replica", metavar="POLICY",
+                         help="remesh policy of the source layout when it loses ranks (default drop-replica)")
+    elastic.add_argument("--destination-policy", default="drop-replica", metavar="POLICY",
+                         help="remesh policy of the destination layout (default drop-replica; shrink-axis needs --destination-axis)")
+    elastic.add_argument("--source-axis", metavar="AXIS", help="the axis the source policy shrinks")
+    elastic.add_argument("--destination-axis", metavar="AXIS", help="the axis the destination policy shrinks")
 
     from . import doctor, simulate, viz
 
@@ -159,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _rank_at_step(text: str) -> tuple[int, int]:
+    rank, at, step = text.partition("@")
+    if not at or not rank.strip().isdigit() or not step.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected RANK@STEP (e.g. 5@1), not {text!r}")
+    return int(rank), int(step)
 
 
 def parse_size(text: str) -> int:
@@ -354,6 +386,11 @@ def _plan(args: argparse.Namespace) -> int:
 def _apply(args: argparse.Namespace) -> int:
     from . import apply as job
 
+    if args.elastic:
+        return _apply_elastic(args)
+    if args.kill or args.stop or args.replace:
+        raise LayoutValueError("--kill, --stop and --replace need --elastic")
+
     options = job.ApplyOptions(
         path=args.file,
         reshard=args.reshard,
@@ -394,6 +431,112 @@ def _apply(args: argparse.Namespace) -> int:
     else:
         print("\n".join(_apply_report(args, summary, launcher)))
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def _apply_elastic(args: argparse.Namespace) -> int:
+    from elastic import job
+
+    from .apply import environment_is_torchrun, participants_of
+
+    refused = [
+        flag
+        for flag, given in (
+            ("--compare", args.compare), ("--from", args.from_dir), ("--to", args.to_dir), ("--cast", args.cast),
+            ("--policy", args.policy), ("--repeat", args.repeat != 1), ("--transport nccl", args.transport == "nccl"),
+        )
+        if given
+    ]
+    if refused:
+        raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
+    if args.steps < 1:
+        raise LayoutValueError(f"--steps must be at least 1, not {args.steps}")
+    participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+    faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
+    for rank, step, how in faults:
+        if rank not in participants:
+            raise LayoutValueError(
+                f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: "
+                f"{participants[0]}..{participants[-1]})" if participants == list(range(participants[0], participants[-1] + 1))
+                else f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: {participants})"
+            )
+        if step >= args.steps:
+            raise LayoutValueError(f"--{how} {rank}@{step}: there are only {args.steps} steps (0..{args.steps - 1})")
+    options = job.ElasticOptions(
+        path=args.file, steps=args.steps, reshard=args.reshard, faults=tuple(faults), replace=args.replace,
+        memory_budget=args.memory_budget, timeout=min(args.timeout, 120.0), deadline=args.deadline,
+        source_policy=args.source_policy, destination_policy=args.destination_policy,
+        source_axis=args.source_axis, destination_axis=args.destination_axis,
+    )
+    if environment_is_torchrun():
+        summary = job.run_torchrun(options)
+        if summary is None:
+            return ExitCode.OK
+        launcher = "torchrun"
+    else:
+        summary = job.run_local(options)
+        launcher = "local gloo workers"
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join(_elastic_report(args, summary, launcher)))
+    if any(e["kind"] == "internal" for e in summary["errors"].values()):
+        return ExitCode.INTERNAL
+    return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
+    program = load(args.file)
+    statement = program.reshard(args.reshard)
+    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    lines = [
+        f"elastic refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
+        f"({destination.mesh.size} ranks), {args.steps} steps, "
+        f"{len(summary['participants']) + len(summary['joiners'])} processes ({launcher})",
+    ]
+    for rank, fault in sorted(summary["failed"].items(), key=lambda kv: kv[1]["at"]):
+        lines.append(f"  rank {rank}: {'SIGSTOP' if fault['how'] == 'stop' else 'SIGKILL'} (injected)")
+    lines.append("")
+    rows = []
+    for step in summary["steps"]:
+        verified = "ok" if not step["mismatches"] else f"{len(step['mismatches'])} MISMATCHES"
+        rows.append([step["step"], step["generation"], step["destination"], step["ranks"],
+                     f"{verified} ({human_bytes(step['verified_bytes'])})"])
+    if rows:
+        lines += table(rows, ["step", "generation", "destination layout", "ranks", "verified"], right={0, 1, 3})
+    for rec in summary["recoveries"]:
+        what = []
+        if rec["lost"]:
+            what.append(f"lost {', '.join(map(str, rec['lost']))}")
+        if rec["joined"]:
+            what.append(f"joined {', '.join(map(str, rec['joined']))}")
+        lines += ["", f"generation {rec['generation']} ({'; '.join(what)}), times from the {rec['from']}:"]
+        for key, label in (("noticed_s", "noticed by the first survivor"), ("agreed_s", "members agreed"),
+                           ("group_s", "new group built"), ("first_byte_s", "first byte moved on the new group")):
+            if rec[key] is not None:
+                lines.append(f"  {rec[key]:7.3f} s  {label}")
+        for rank, why in sorted(rec["reasons"].items()):
+            lines.append(f"           rank {rank}: {why}")
+        if rec["recovered_bytes"]:
+            lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
+    for rank, error in sorted(summary["errors"].items()):
+        lines += ["", f"rank {rank}: {error['message']}"]
+        break  # every survivor reports the same error
+    if summary["ok"]:
+        lines += ["", f"all {args.steps} refits committed and verified; final generation {summary['generation']}: "
+                      f"{summary['source']} -> {summary['destination']}, members {_compact(summary['members'])}"]
+    return lines
+
+
+def _compact(ranks: list[int]) -> str:
+    """``[0, 1, 2, 4]`` -> ``0..2, 4``."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}..{r}" if r - start > 1 else ", ".join(map(str, range(start, r + 1))))
+            start = None
+    return ", ".join(out)
 
 
 def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:

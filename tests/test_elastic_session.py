@@ -3,7 +3,7 @@
 One pool serves every test: workers that a test killed (or stopped) are replaced by fresh
 processes before the next test, which uses a namespace of its own in the shared store. In
 every test the refit completes on the new layout with every destination byte of every
-committed step verified (``tests/elastic_session_jobs.py``), and the survivors are the same
+committed step verified (:func:`elastic.job.refit_job`), and the survivors are the same
 processes that started (their pids do not change: nothing restarted).
 
 The program: training on ranks 0..3 (``dp = 2`` replicas of ``tp = 2``), inference on ranks
@@ -20,7 +20,7 @@ import time
 from itertools import count
 
 import pytest
-from elastic_session_jobs import refit_job
+from elastic.job import refit_job
 
 from elastic import ExitWatcher
 from layoutlang.launch import LocalWorkers
@@ -82,7 +82,7 @@ def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **opt
     namespace = f"session{next(_namespaces)}"
     try:
         with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace):
-            pool.submit(refit_job, text, STEPS, namespace=namespace, kills=kills, **options)
+            pool.submit(refit_job, text, STEPS, namespace=namespace, faults=kills, **options)
             results: dict[int, dict] = {}
             end = time.monotonic() + timeout
             while not set(expect) <= set(results) and time.monotonic() < end:
@@ -158,7 +158,7 @@ def test_sigstop_a_hung_rank_is_excluded_after_the_deadline(pool):
 def test_sigkill_of_a_rank_that_is_no_peer_of_any_transfer(pool):
     # rank 8 is a member in no layout: it exchanges nothing with anyone
     results = run(
-        pool, expect=range(8), kills=((8, 1, "signal"),), kill_trigger=4, members=list(range(9))
+        pool, expect=range(8), kills=((8, 1, "signal"),), trigger=4, members=list(range(9))
     )
     check_refits(results, destination_ranks=range(4, 8), generation=1, destination="serve")
     assert all(r["recoveries"][0]["lost"] == [8] for r in results.values())
