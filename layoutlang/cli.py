@@ -12,6 +12,7 @@ import enum
 import itertools
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -468,7 +469,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         source_axis=args.source_axis, destination_axis=args.destination_axis,
     )
     if environment_is_torchrun():
-        summary = job.run_torchrun(options)
+        summary = job.run_torchrun(options, namespace=f"apply-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}")
         if summary is None:
             return ExitCode.OK
         launcher = "torchrun"
