@@ -10,8 +10,9 @@ load from other processes on the machine does not fall on one path only:
 
 ``shrink`` (layoutlang elastic)
     a pool of worker processes (:class:`layoutlang.launch.LocalWorkers`) runs
-    :class:`elastic.ElasticSession` refits (``tests/elastic_session_jobs.refit_job``, the
-    job of the elastic session tests; the parent runs an :class:`elastic.ExitWatcher`).
+    :class:`elastic.ElasticSession` refits (:func:`elastic.job.refit_job`, the job of
+    ``layoutlang apply --elastic`` and of the elastic session tests; the parent runs an
+    :class:`elastic.ExitWatcher`).
     The survivors notice the failure, agree on the next generation without the victim,
     derive the new layouts (``drop-replica``: the victim's inference replica leaves the
     destination), build the new generation's gloo group, compile the new plan and retry the
@@ -21,8 +22,12 @@ load from other processes on the machine does not fall on one path only:
 ``torchrun`` (restart-all)
     ``python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N
     --max-restarts 1 benchmarks/recovery_torchrun_job.py`` with ``OMP_NUM_THREADS=1`` and
-    torchrun's defaults otherwise (``--monitor-interval`` 0.1 s). Each worker joins the
-    default gloo group, loads the program, builds a ``layoutlang.Resharder`` (plan compile
+    torchrun's defaults otherwise (``--monitor-interval`` 0.1 s, the agent's shared
+    TCPStore). Each worker joins the default gloo group on torchrun's store, its keys under
+    a prefix of the attempt (``TORCHELASTIC_RESTART_COUNT``): with plain ``env://``
+    (``--torchrun-env-init``) the restarted workers of torch 2.13 can read their peers'
+    gloo addresses of the failed attempt from the shared store and time out connecting to
+    them (pytorch/pytorch#135712). It then loads the program, builds a ``layoutlang.Resharder`` (plan compile
     and agreement over the group) and refits. When the victim dies, torchrun's agent tears
     down every worker and starts them all again; the restarted job re-initialises the
     process group, loads the program, compiles the plan and agrees on it (its first
@@ -54,7 +59,6 @@ import argparse
 import json
 import os
 import queue
-import re
 import shutil
 import signal
 import statistics
@@ -68,41 +72,25 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
-# the elastic session tests' job (module-level, so spawned workers can import it: they
-# inherit this sys.path)
-sys.path.insert(0, str(ROOT / "tests"))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-import layoutlang  # noqa: E402
+import layoutlang
 
 SHRINK_TARGET_RATIO = 5.0  # shrink must be at least this many times faster than restart-all
 SHRINK_TARGET_SECONDS = 1.0
 KiB = 1024
 
 
-def _absolute_includes(text: str, base: Path) -> str:
-    """The program text with relative includes made absolute (``layoutlang.loads``, which the
-    elastic job calls, resolves includes against the current directory)."""
-
-    def repl(m: re.Match[str]) -> str:
-        target = m.group(1)
-        if target.startswith("preset:") or os.path.isabs(target):
-            return m.group(0)
-        return f'include "{(base / target).resolve()}"'
-
-    return re.sub(r'include\s+"([^"]+)"', repl, text)
-
-
 # ------------------------------------------------------------------------ shrink path
 
 
-def run_shrink(pool, text: str, *, world: int, steps: int, victim: int, kill_step: int,
+def run_shrink(pool, layout: Path, *, world: int, steps: int, victim: int, kill_step: int,
                memory_budget: int, namespace: str, timeout: float) -> dict[str, Any]:
     """One elastic run: every worker runs the refit job; the victim kills itself mid-transfer."""
     from elastic import ExitWatcher
-    from elastic_session_jobs import refit_job
+    from elastic.job import refit_job
 
     pool.respawn()
     pool.run(os.getpid)  # every worker is up (a respawned one imports torch first)
@@ -113,7 +101,7 @@ def run_shrink(pool, text: str, *, world: int, steps: int, victim: int, kill_ste
     started = time.perf_counter()
     try:
         with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace):
-            pool.submit(refit_job, text, steps, namespace=namespace, kills=((victim, kill_step, "kill"),),
+            pool.submit(refit_job, str(layout), steps, namespace=namespace, faults=((victim, kill_step, "kill"),),
                         memory_budget=memory_budget)
             end = time.monotonic() + timeout
             while not set(expect) <= set(results) and time.monotonic() < end and not errors:
@@ -128,7 +116,9 @@ def run_shrink(pool, text: str, *, world: int, steps: int, victim: int, kill_ste
             if not set(expect) <= set(results) and not errors:
                 errors.append(f"ranks {sorted(set(expect) - set(results))} did not finish within {timeout:g} s")
         ctl = dist.PrefixStore(f"{namespace}-ctl", pool.store)
-        killed = float(bytes(ctl.get(f"killed/{victim}")).decode()) if ctl.check([f"killed/{victim}"]) else None
+        # the victim's own time.time() right before its SIGKILL ("<time> kill")
+        failed = bytes(ctl.get(f"failed/{victim}")).decode() if ctl.check([f"failed/{victim}"]) else None
+        killed = float(failed.split()[0]) if failed else None
     finally:
         wall = time.perf_counter() - started
         pool.respawn()  # the victim (and any worker that failed), replaced for the next run
@@ -156,9 +146,9 @@ def run_shrink(pool, text: str, *, world: int, steps: int, victim: int, kill_ste
         if recovery is None or recovery["lost"] != [victim]:
             errors.append(f"rank {rank}: recoveries {result['recoveries']}")
             continue
-        for key in stamps:
+        for key, values in stamps.items():
             if recovery[key] is not None:
-                stamps[key].append(recovery[key] - killed)
+                values.append(recovery[key] - killed)
     first = stamps["first_byte_at"]
     if not first:
         errors.append("no survivor completed an exchange on the new group")
@@ -180,7 +170,7 @@ def run_shrink(pool, text: str, *, world: int, steps: int, victim: int, kill_ste
 
 
 def run_torchrun(layout: Path, *, world: int, steps: int, victim: int, kill_step: int, memory_budget: int,
-                 timeout: float, tmp: str | None) -> dict[str, Any]:
+                 timeout: float, tmp: str | None, env_init: bool = False) -> dict[str, Any]:
     """One torchrun run with --max-restarts 1; the victim kills itself on the first attempt."""
     folder = Path(tempfile.mkdtemp(prefix="bench_recovery_torchrun_", dir=tmp))  # fresh: no stale files
     out_dir = folder / "times"
@@ -192,7 +182,7 @@ def run_torchrun(layout: Path, *, world: int, steps: int, victim: int, kill_step
         str(HERE / "recovery_torchrun_job.py"), "--layout", str(layout), "--out", str(out_dir),
         "--steps", str(steps), "--victim", str(victim), "--kill-step", str(kill_step),
         "--memory-budget", str(memory_budget),
-    ]
+    ] + (["--env-init"] if env_init else [])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     errors: list[str] = []
@@ -262,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
                              "so a refit has several executor steps and the kill falls mid-transfer)")
     parser.add_argument("--only", default=None, help="comma-separated paths: shrink,torchrun")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run of a path may take")
+    parser.add_argument("--torchrun-env-init", action="store_true",
+                        help="torchrun workers call plain init_process_group('gloo') (env://) without a "
+                             "per-attempt store prefix: on torch 2.13 their restart then fails "
+                             "(pytorch/pytorch#135712)")
     parser.add_argument("--tmp", default=None, help="folder for torchrun's time files (default: the temp dir)")
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
@@ -279,7 +273,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.victim not in destination.mesh.ranks:
         print(f"rank {args.victim} is not an inference (destination) rank", file=sys.stderr)
         return 2
-    text = _absolute_includes(layout_path.read_text("utf-8"), layout_path.parent)
     logical = sum(t.nbytes for t in source.tensors.values())
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # read by the pool's workers at their start
 
@@ -296,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {args.steps} refits per run; rank {args.victim} SIGKILLs itself halfway through refit {args.kill_step}'s "
           f"transfer; memory_budget {args.memory_budget // KiB} KiB; {args.repeats} runs of each path, alternately")
     print(f"  shrink: ElasticSession (deadline 1 s, drop-replica) on a pool of {world} workers; "
-          f"torchrun: --standalone --nproc-per-node {world} --max-restarts 1, OMP_NUM_THREADS=1", flush=True)
+          f"torchrun: --standalone --nproc-per-node {world} --max-restarts 1, OMP_NUM_THREADS=1, "
+          f"{'env:// as is' if args.torchrun_env_init else 'group keys scoped by attempt'}", flush=True)
 
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     failed = False
@@ -312,13 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.repeats):
             for path in paths:
                 if path == "shrink":
-                    result = run_shrink(pool, text, world=world, steps=args.steps, victim=args.victim,
+                    result = run_shrink(pool, layout_path, world=world, steps=args.steps, victim=args.victim,
                                         kill_step=args.kill_step, memory_budget=args.memory_budget,
                                         namespace=f"bench-recovery-{os.getpid()}-{n}", timeout=args.timeout)
                 else:
                     result = run_torchrun(layout_path, world=world, steps=args.steps, victim=args.victim,
                                           kill_step=args.kill_step, memory_budget=args.memory_budget,
-                                          timeout=args.timeout, tmp=args.tmp)
+                                          timeout=args.timeout, tmp=args.tmp, env_init=args.torchrun_env_init)
                 runs[path].append(result)
                 bad = result["errors"] or result.get("mismatches")
                 failed |= bool(bad)

@@ -6,7 +6,9 @@ Launched by ``bench_recovery.py`` as::
         --nproc-per-node N --max-restarts 1 benchmarks/recovery_torchrun_job.py \\
         --layout FILE --out DIR --steps 3 --victim 6 --kill-step 1 --memory-budget BYTES
 
-Every worker joins the default gloo group (``env://``, from torchrun's environment), loads
+Every worker joins the default gloo group (torchrun's store and environment: ``MASTER_ADDR``,
+``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``; the group's keys under a prefix of the attempt,
+see ``main``; ``--env-init``: plain ``env://``), loads
 the program, builds a ``layoutlang.Resharder`` (compiles the plan and agrees on it with
 every rank over the default group: that agreement is the job's first exchange) and refits
 ``--steps`` times with synthetic source weights (version = step), verifying every
@@ -14,7 +16,7 @@ destination byte after each step.
 
 On the first attempt (``TORCHELASTIC_RESTART_COUNT == 0``) rank ``--victim`` writes
 ``time.time()`` to ``DIR/killed`` and SIGKILLs itself halfway through the executor's steps
-of refit ``--kill-step``, in the middle of a transfer (what ``tests/elastic_session_jobs.py``
+of refit ``--kill-step``, in the middle of a transfer (what :func:`elastic.job.refit_job`
 does on the elastic path). torchrun's agent then tears down every worker and starts them all
 again. A restarted worker writes ``DIR/restart.{rank}`` (JSON): the time the process started
 (first statement of this script), the process group was up, the program was loaded, and
@@ -29,21 +31,21 @@ import time
 
 STARTED = time.time()  # before any import: close to when torchrun started this process
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-from datetime import timedelta  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 IMPORTED = time.time()
 
-import layoutlang  # noqa: E402
-from layoutlang.execute import Resharder  # noqa: E402
-from layoutlang.weights import fill_synthetic, verify  # noqa: E402
+import layoutlang
+from layoutlang.execute import Resharder
+from layoutlang.weights import fill_synthetic, verify
 
 
 def main() -> int:
@@ -55,6 +57,8 @@ def main() -> int:
     parser.add_argument("--kill-step", type=int, default=1)
     parser.add_argument("--memory-budget", type=int, default=512 * 1024)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--env-init", action="store_true",
+                        help="plain init_process_group('gloo') (env://), without a per-attempt store prefix")
     args = parser.parse_args()
 
     rank = int(os.environ["RANK"])
@@ -65,7 +69,20 @@ def main() -> int:
     # attempt can write): this attempt resumes at the next one
     done = [int(p.read_text()) for p in out.glob("done.*")] if attempt > 0 else []
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+    timeout = timedelta(seconds=args.timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not args.env_init:
+        # torchrun's agent hosts one TCPStore for every attempt (its default since torch 2.5),
+        # and env:// adds no per-attempt prefix: a restarted worker may read a peer's gloo
+        # address from the failed attempt before the peer's new process overwrites it, and
+        # its connectFullMesh then times out on a dead port (pytorch/pytorch#135712). Scope
+        # the group's keys by attempt, as torch asks of users of the shared store.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store = dist.PrefixStore(f"bench_recovery/attempt_{attempt}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)  # env://
     group_up = time.time()
     program = layoutlang.load(args.layout)
     loaded = time.time()

@@ -538,9 +538,16 @@ class ElasticSession:
         self.committed_step = self.next_step - 1
         previous = requested - 1
         source, destination = self._layouts(previous)
+        # the members' committed state: this rank holds nothing of it yet
+        self.committed = _State(previous, source, destination, {}, True)
         self.membership.enter(requested, members)
         self.heartbeat.set_generation(requested)
-        self._enter(_State(previous, source, destination, {}, True), noticed=time.time(), reasons={})
+        try:
+            self._enter(self.committed, noticed=time.time(), reasons={})
+        except ExecutionError as err:  # a failure while this rank was being admitted
+            if isinstance(err, (ExcludedError, AgreementError)):
+                raise
+            self._recover(err, None)
 
     # ------------------------------------------------------------ layouts, groups
     def _replacements(self, generation: int) -> dict[int, int]:
