@@ -27,13 +27,14 @@ load from other processes on the machine does not fall on one path only:
     a prefix of the attempt (``TORCHELASTIC_RESTART_COUNT``): with plain ``env://``
     (``--torchrun-env-init``) the restarted workers of torch 2.13 can read their peers'
     gloo addresses of the failed attempt from the shared store and time out connecting to
-    them (pytorch/pytorch#135712). It then loads the program, builds a ``layoutlang.Resharder`` (plan compile
-    and agreement over the group) and refits. When the victim dies, torchrun's agent tears
-    down every worker and starts them all again; the restarted job re-initialises the
-    process group, loads the program, compiles the plan and agrees on it (its first
-    exchange), then resumes at the refit that failed. Figure: from the victim's kill to the
-    first restarted worker whose Resharder returned, i.e. whose plan agreement (an exchange
-    over the new group) completed (the last such worker is printed too).
+    them (pytorch/pytorch#135712). It then loads the program, builds a
+    ``layoutlang.Resharder`` (plan compile and agreement over the group) and refits. When
+    the victim dies, torchrun's agent tears down every worker and starts them all again;
+    the restarted job re-initialises the process group, loads the program, compiles the
+    plan and agrees on it (its first exchange), then resumes at the refit that failed.
+    Figure: from the victim's kill to the first restarted worker whose Resharder returned,
+    i.e. whose plan agreement (an exchange over the new group) completed (the last such
+    worker is printed too).
 
 Both paths verify every destination byte of every committed refit against the synthetic
 truth (exit status 1 if any differs, a path fails, or torchrun does not finish within
@@ -48,9 +49,10 @@ byte (from ``elastic.Recovery``). Restart: process started (torchrun noticed the
 tore down the survivors, re-ran its rendezvous and started new workers), torch imported,
 process group up, program loaded, first byte (plan compiled and agreed).
 
-    python benchmarks/bench_recovery.py              # --repeats 3: about 3 to 5 minutes here
+    python benchmarks/bench_recovery.py              # --repeats 3: about 2 minutes here
     python benchmarks/bench_recovery.py --repeats 1  # a smoke test
-    # --layout FILE --victim R --kill-step S --steps N --memory-budget BYTES --timeout S --json FILE
+    # --layout FILE --victim R --kill-step S --steps N --memory-budget BYTES --only shrink,torchrun
+    # --torchrun-env-init --timeout S --tmp DIR --json FILE
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import argparse
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import statistics
@@ -210,7 +213,10 @@ def run_torchrun(layout: Path, *, world: int, steps: int, victim: int, kill_step
         if len(restarts) != world:
             errors.append(f"{len(restarts)} of {world} workers wrote their restart times")
         if errors:
-            tail = log_path.read_text(errors="replace").splitlines()[-25:]
+            lines = log_path.read_text(errors="replace").splitlines()
+            # the workers' errors (first of each kind), then torchrun's summary
+            causes = list(dict.fromkeys(line.strip() for line in lines if re.search(r"\w(Error|Exception): ", line)))
+            tail = causes[:6] + ["..."] + lines[-12:]
             return {"wall": wall, "errors": errors, "log_tail": tail, "killed": killed}
         stamps = {k: [r[k] - killed for r in restarts] for k in ("started", "imported", "group", "loaded", "first_byte")}
         mismatches, verified_bytes = [], 0

@@ -8,11 +8,11 @@ Launched by ``bench_recovery.py`` as::
 
 Every worker joins the default gloo group (torchrun's store and environment: ``MASTER_ADDR``,
 ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``; the group's keys under a prefix of the attempt,
-see ``main``; ``--env-init``: plain ``env://``), loads
-the program, builds a ``layoutlang.Resharder`` (compiles the plan and agrees on it with
-every rank over the default group: that agreement is the job's first exchange) and refits
-``--steps`` times with synthetic source weights (version = step), verifying every
-destination byte after each step.
+see ``main``; ``--env-init``: plain ``env://``), loads the program, builds a
+``layoutlang.Resharder`` (compiles the plan and agrees on it with every rank over the
+default group: that agreement is the job's first exchange) and refits ``--steps`` times
+with synthetic source weights (version = step), verifying every destination byte after
+each step.
 
 On the first attempt (``TORCHELASTIC_RESTART_COUNT == 0``) rank ``--victim`` writes
 ``time.time()`` to ``DIR/killed`` and SIGKILLs itself halfway through the executor's steps
