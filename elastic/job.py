@@ -150,7 +150,7 @@ def refit_job(
 
     def on_step(step: int, session: ElasticSession) -> None:
         committed = session.last_report  # the generation the step committed in (a grow may follow)
-        result = {"step": step, "generation": committed.generation, "destination": session.destination.name}
+        result = {"step": step, "generation": committed.generation, "destination": committed.destination}
         if rank in session.destination.mesh:
             v = verify(session.destination, rank, session.destinations, version=step)
             result.update(ok=v.ok, bytes=v.bytes, mismatches=list(v.mismatches))
@@ -339,14 +339,20 @@ def summarize(
             out[f"{key}_s"] = (min(entry[key]) - origin) if entry[key] and origin is not None else None
         out["from"] = "failure" if failures else "decision"
         timeline.append(out)
-    ok = not errors and bool(steps) and all(not s["mismatches"] for s in steps.values()) and (
-        max(steps) == options.steps - 1
+    joined = {str(r): v["joined"] for r, v in done.items() if v.get("joined")}
+    ok = (
+        not errors
+        and bool(steps)
+        and all(not s["mismatches"] for s in steps.values())
+        and max(steps) == options.steps - 1
+        and all(j["ok"] for j in joined.values())
     )
     final = next(iter(done.values()), {})
     return {
         "ok": ok,
         "steps": [steps[s] for s in sorted(steps)],
         "recoveries": timeline,
+        "joined": joined,  # what each replacement received by the recovery plan, verified
         "failed": {str(r): {"at": t, "how": how} for r, (t, how) in failed.items()},
         "errors": {str(r): {"kind": v.get("kind"), "message": v["error"]} for r, v in errors.items()},
         "generation": final.get("generation"),

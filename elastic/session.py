@@ -169,7 +169,8 @@ def _same_holdings(old: Layout, new: Layout, rank: int) -> bool:
 
 
 class ElasticSession:
-    """Repeated refits of one reshard over an elastic group (see the module doc).
+    """Repeated refits of one reshard over an elastic group (the recovery sequence is
+    described in :mod:`elastic.session` and in the failure-recovery guide).
 
     ``program`` and ``reshard`` name the refit: its source layout is the training side, its
     destination the inference side. ``rank`` is this process's job rank; ``store`` is a
@@ -312,7 +313,7 @@ class ElasticSession:
         return reports
 
     def refit(self, step: int, step_fn: StepFn, *, progress: Callable[[int, int, int], None] | None = None) -> StepReport:
-        """One refit that commits on every member of some generation (see the module doc)."""
+        """One refit that commits on every member of some generation (the recovery sequence of :mod:`elastic.session`)."""
         begin = time.perf_counter()
         first_recovery = len(self.recoveries)
         attempts, received, joiners = 0, 0, []

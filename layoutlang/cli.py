@@ -519,6 +519,11 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
             lines.append(f"           rank {rank}: {why}")
         if rec["recovered_bytes"]:
             lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
+        for rank in rec["joined"]:
+            got = summary["joined"].get(str(rank))
+            if got:
+                verdict = "ok" if got["ok"] else f"{len(got['mismatches'])} MISMATCHES"
+                lines.append(f"  rank {rank} received step {got['step']}'s weights: {verdict} ({human_bytes(got['bytes'])})")
     for rank, error in sorted(summary["errors"].items()):
         lines += ["", f"rank {rank}: {error['message']}"]
         break  # every survivor reports the same error

@@ -99,7 +99,7 @@ class Move:
     def __str__(self) -> str:
         region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
         notes = [f"bucket {self.bucket}", f"stage {self.stage}"]
-        if self.source:
+        if self.source and self.src_space == "source":
             notes.append(f"source {self.source}")
         if self.is_relay:
             notes.append("relay")
@@ -654,9 +654,9 @@ def plan_recovery(
     moves by exact overlap. Source storages are passed apart from destination storages, so
     a rank may hold storages of the same name in a source and in the destination.
 
-    Raises :class:`~elastic.remesh.DataLossError`-style :class:`LayoutValueError` subclasses:
-    a lost rank in ``destination``, or a region with no surviving copy in any source (the
-    message lists every lost tensor and box).
+    Raises :class:`LayoutValueError` when a lost rank is in ``destination``, and
+    :class:`~elastic.remesh.DataLossError` (a :class:`~layoutlang.errors.LayoutError`) when a
+    region has no surviving copy in any source: its message lists every lost tensor and box.
 
     >>> import layoutlang
     >>> p = layoutlang.loads('''

@@ -17,7 +17,8 @@
 
 - (c) ``sphinx-build -W --keep-going -b html`` and ``-b doctest`` succeed;
 - (d) the ``layout`` Pygments lexer of the docs reads every snippet and example without an
-  error token, and every snippet and output file is shown by some page.
+  error token, and every snippet, output file, example run (``.out``) and example script
+  (``.py``) in ``docs/snippets`` is shown by some page.
 
 After a deliberate change of the language or of the CLI's output, re-make the outputs with
 ``python tests/test_docs.py --update`` and read the diff. To add an output, create the
@@ -213,7 +214,7 @@ def test_lexer_token_kinds():
 def test_every_snippet_and_output_is_shown():
     pages = "\n".join(p.read_text("utf-8") for p in DOCS.rglob("*.rst"))
     shown = {Path(m).name for m in re.findall(r"literalinclude:: (\S+)", pages)}
-    files = [p for p in SNIPPETS.rglob("*") if p.suffix in {".layout", ".txt"}]
+    files = [p for p in SNIPPETS.rglob("*") if p.suffix in {".layout", ".txt", ".out", ".py"}]
     missing = sorted(_id(p) for p in files if p.name not in shown and "models" not in p.parts)
     assert not missing, f"snippets no page shows: {missing}"
 

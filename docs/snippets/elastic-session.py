@@ -106,7 +106,7 @@ def main() -> None:
         with ExitWatcher(pool.store, dict(enumerate(pool.processes))):
             pool.submit(worker, PROGRAM)
             results = pool.results_by_rank()
-    print(f"rank {VICTIM} was killed during refit {KILL_STEP}: {VICTIM not in results}")
+    print(f"rank {VICTIM} died during refit {KILL_STEP}" if VICTIM not in results else f"rank {VICTIM} did not die")
     done = {rank: value for rank, (ok, value) in sorted(results.items()) if ok}
     assert sorted(done) == [0, 1, 2, 4, 5, 6], results
 
@@ -114,8 +114,9 @@ def main() -> None:
     for rank, value in done.items():
         for line in value["hooks"]:
             seen.setdefault(line, []).append(rank)
+    print("hooks, and the ranks that ran them:")
     for line, ranks in seen.items():
-        print(f"  {line}  (ranks {ranks})")
+        print(f"  {line}: ranks {ranks}")
     print(f"rank {JOINER} was admitted with the weights of the last committed refit: "
           f"{'verified' if done[JOINER]['joined'] else 'WRONG'}")
     original = [value for rank, value in done.items() if rank != JOINER]
