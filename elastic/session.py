@@ -223,6 +223,7 @@ class ElasticSession:
         self.bucket_bytes = max(1, memory_budget // 2)
         self.rank = int(rank)
         self.store = store
+        self.host, self.port = host, port
         self.policies = {"source": (source_policy, source_axis), "destination": (destination_policy, destination_axis)}
         self.deadline = deadline
         self.timeout = timeout
@@ -416,7 +417,7 @@ class ElasticSession:
         )
         last = self.recoveries[-1] if self.recoveries else None
         if last is not None and last.first_byte_at is None and last.generation == self.generation:
-            self.recoveries[-1] = attrs.evolve(last, first_byte_at=self.transport.first_completed_at)
+            self.recoveries[-1] = attrs.evolve(last, first_byte_at=getattr(self.transport, "first_completed_at", None))
         return sum(report.received.values()) - report.received["local"]
 
     def _committed_step(self, step: int) -> None:
@@ -593,24 +594,42 @@ class ElasticSession:
 
     def _build(self, previous_group: Any) -> Any:
         """Build the generation's group while watching its members: a member that fails
-        during the rendezvous ends it at once instead of after the group's timeout."""
+        during the rendezvous ends it at once instead of after the group's timeout.
+
+        The build runs in a thread with a store client of its own: a client holds its lock
+        for the whole of a blocking wait, so a shared one would stop the watch until the
+        rendezvous timed out. A build given up on is abandoned when it finishes."""
+        import torch.distributed as dist
+
         result: dict[str, Any] = {}
+        given_up = threading.Event()
+        membership = self.membership
 
         def target() -> None:
             try:
-                result["group"] = self.backend.build(self.store, self.membership, previous_group, timeout=self.timeout)
+                client = dist.TCPStore(self.host, self.port, is_master=False, timeout=_timedelta(self.timeout))
+                group = self.backend.build(client, membership, previous_group, timeout=self.timeout)
+                result["group"] = group
+                if given_up.is_set():
+                    self.backend.abandon(group)
             except BaseException as err:  # handed to the waiting thread
                 result["error"] = err
 
         thread = threading.Thread(target=target, name=f"elastic-build-{self.rank}", daemon=True)
         thread.start()
         end = time.monotonic() + self.timeout
-        while thread.is_alive():
-            thread.join(0.01)
-            if thread.is_alive():
-                self._watch()
-                if time.monotonic() > end:
-                    raise MemberFailure(self.rank, self.generation, {})
+        try:
+            while thread.is_alive():
+                thread.join(0.01)
+                if thread.is_alive():
+                    self._watch()
+                    if time.monotonic() > end:
+                        raise MemberFailure(self.rank, self.generation, {})
+        except BaseException:
+            given_up.set()
+            if "group" in result:  # finished just now: abandoning twice is harmless
+                self.backend.abandon(result["group"])
+            raise
         if "error" in result:
             raise result["error"]
         return result["group"]

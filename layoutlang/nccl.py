@@ -464,6 +464,8 @@ class _NcclPending:
         for host, device in self._back:
             host.copy_(device)
         self._keep = self._back = []
+        if t.first_completed_at is None:
+            t.first_completed_at = time.time()
 
     def _wait_core(self, timeout: float) -> bool:
         """One wait on the core (False: not done within ``timeout``, with no side effect)."""
@@ -538,6 +540,7 @@ class NcclTransport:
         self.communicator = communicator
         self.on_failure = on_failure
         self.watch = watch
+        self.first_completed_at: float | None = None  # time.time() of the first exchange waited to completion
         self._map = dict(rank_map) if rank_map is not None else None
         mock = type(communicator.cuda).__name__ == "CudaMock"
         if device is None:
