@@ -1,9 +1,12 @@
-"""Elastic communicators: membership, shrink and grow, and remeshing during failure recovery.
+"""Elastic communicators: refits that survive the loss and return of ranks.
 
-The package is built on layoutlang's layouts and plans; see the design notes in the docs.
-``elastic.membership`` detects failures (heartbeats, exit notifications, per-operation
-deadlines) and agrees on each generation's members; ``elastic.groups`` builds the process
-group of a generation at once under its own store prefix, and a Transport over it.
+:class:`ElasticSession` runs repeated refits and recovers from failures without restarting
+anyone (``elastic.session``). It is built from: ``elastic.membership`` (heartbeats, exit
+notifications, per-operation deadlines; compare-and-set agreement on each generation's
+members), ``elastic.groups`` and ``elastic.nccl_backend`` (each generation's group: a new
+gloo group under its own store prefix, or an NCCL communicator shrunk and grown),
+``elastic.remesh`` (the layouts after a loss, and the never-silent-loss check) and
+layoutlang's recovery plans. ``elastic.job`` is ``layoutlang apply --elastic``.
 """
 
 from .groups import ElasticGroup, GlooGenerations, GlooTransport, abandon, admit, build_group

@@ -271,6 +271,14 @@ class FailureDetector:
                 )
         return dict(self.failures)
 
+    def forgive(self, ranks: Iterable[int]) -> None:
+        """Take back failures of ``ranks`` (their silence was not confirmed): they are
+        watched again from now."""
+        now = time.monotonic()
+        for rank in ranks:
+            self.failures.pop(rank, None)
+            self._seen[rank] = (self._counter(rank), now)
+
     def wait_for_failure(self, timeout: float, period: float = 0.05) -> dict[int, str]:
         """Poll until some member fails or ``timeout`` passes; returns the failures (maybe none)."""
         end = time.monotonic() + timeout

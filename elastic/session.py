@@ -7,7 +7,8 @@ it *commits* only when every member of the generation has finished it. When a me
 deadline, the survivors
 
 1. notice: every transport wait watches all members' heartbeats and exit notifications,
-   so a survivor that is no peer of the failed rank notices as fast as one that is;
+   so a survivor that is no peer of the failed rank notices as fast as one that is (an
+   exit is final; a silent rank is confirmed by one more deadline of silence);
 2. settle the step: the first survivor to act writes ``aborted`` into the step's commit
    record (compare-and-set; a step that every member finished stays ``committed``, and
    then the next step is the one aborted, so every survivor ends in the same state);
@@ -39,6 +40,7 @@ of lost ranks to fill.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -181,7 +183,8 @@ class ElasticSession:
 
     ``source_policy`` / ``destination_policy`` (and ``source_axis`` / ``destination_axis``)
     are the remesh policies applied when ranks are lost; ``deadline`` is how long a member
-    may stay silent before it counts as failed; ``timeout`` bounds every wait.
+    may stay silent before it is suspected (a second deadline of silence confirms it);
+    ``timeout`` bounds every wait.
     ``on_shrink(change)`` / ``on_grow(change)`` run on every member of a new generation once
     its group is built. ``backend`` builds each generation's group:
     :class:`~elastic.GlooGenerations` (default) or :class:`~elastic.NcclGenerations`.
@@ -232,6 +235,10 @@ class ElasticSession:
         self.device = torch.device(device)
         self.membership = Membership(store, self.rank, namespace=namespace, deadline=deadline)
         self.heartbeat = Heartbeat(host, port, self.rank, namespace=namespace, interval=heartbeat_interval)
+        # Store clients for group builds, opened ahead: connecting a client can take seconds
+        # (a TCPStore connection now and then stalls), which must not fall inside a recovery.
+        self._build_clients: queue.SimpleQueue = queue.SimpleQueue()
+        self._build_clients.put(self._connect())
         self.group: Any = None
         self.transport: Any = None
         self.detector: FailureDetector | None = None
@@ -242,6 +249,7 @@ class ElasticSession:
         self.next_step = 0
         self.recoveries: list[Recovery] = []
         self.last_report: StepReport | None = None
+        self._confirmed: set[int] = set()  # ranks whose silence a second look confirmed
         self._open: str | None = None  # the commit record being worked on: "commit/{s}" or "entry"
         self._step_fn: StepFn | None = None
         self._last_watch = 0.0
@@ -370,7 +378,10 @@ class ElasticSession:
         self._last_watch = now
         failures = self.detector.poll()
         if failures:
-            raise MemberFailure(self.rank, self.generation, failures)
+            confirmed = self._confirm(set(failures), failures)
+            self.detector.forgive(set(failures) - confirmed)
+            if confirmed:
+                raise MemberFailure(self.rank, self.generation, {r: failures[r] for r in confirmed})
         if self.membership.members_of(self.generation + 1) is not None:
             raise GenerationChanged(f"rank {self.rank}: generation {self.generation + 1} was agreed")
         if self._open is not None and (self._record(self._open) or {}).get("state") == _ABORTED:
@@ -500,8 +511,29 @@ class ElasticSession:
             time.sleep(0.02)
         for rank, why in self.detector.failures.items():
             reasons.setdefault(rank, why)
+        failed = self._confirm(failed, reasons)
         # Nobody found failed (a transient error): the next generation keeps every member.
         return self.membership.propose(generation, [m for m in self.members if m not in failed])
+
+    def _confirm(self, suspects: set[int], reasons: dict[int, str]) -> set[int]:
+        """The suspects that really failed. An exit is final; silence is not: on a machine
+        stalled for a moment (an overloaded host) every heartbeat pauses at once, so a rank
+        suspected for silence is watched afresh for one more deadline, and stays a member
+        if its heartbeat advances."""
+        final = {
+            r for r in suspects
+            if r in self._confirmed
+            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance"))
+        }  # an exit, or silence that a check already confirmed
+        silent = sorted(r for r in suspects - final if r in self.members)
+        if not silent:
+            return final
+        fresh = self.membership.detector(**self._detector_options)
+        still = fresh.check(silent)
+        for rank in set(silent) - set(still):
+            reasons.pop(rank, None)
+        self._confirmed |= set(still)
+        return final | set(still)
 
     def _grow(self, joiners: list[int]) -> None:
         """Admit ``joiners`` after the committed step (every member does this at the same step)."""
@@ -592,22 +624,33 @@ class ElasticSession:
             out.append(layout)
         return out[0], out[1]
 
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=_timedelta(self.timeout))
+
+    def _refill(self) -> None:
+        """Open a build client in the background, for the next build."""
+        threading.Thread(target=lambda: self._build_clients.put(self._connect()), daemon=True).start()
+
     def _build(self, previous_group: Any) -> Any:
         """Build the generation's group while watching its members: a member that fails
         during the rendezvous ends it at once instead of after the group's timeout.
 
         The build runs in a thread with a store client of its own: a client holds its lock
         for the whole of a blocking wait, so a shared one would stop the watch until the
-        rendezvous timed out. A build given up on is abandoned when it finishes."""
-        import torch.distributed as dist
-
+        rendezvous timed out. A build given up on is abandoned when it finishes, and its
+        client (perhaps still waiting) is replaced."""
         result: dict[str, Any] = {}
         given_up = threading.Event()
         membership = self.membership
+        try:
+            client = self._build_clients.get_nowait()
+        except queue.Empty:
+            client = self._connect()
 
         def target() -> None:
             try:
-                client = dist.TCPStore(self.host, self.port, is_master=False, timeout=_timedelta(self.timeout))
                 group = self.backend.build(client, membership, previous_group, timeout=self.timeout)
                 result["group"] = group
                 if given_up.is_set():
@@ -629,7 +672,9 @@ class ElasticSession:
             given_up.set()
             if "group" in result:  # finished just now: abandoning twice is harmless
                 self.backend.abandon(result["group"])
+            self._refill()
             raise
+        self._build_clients.put(client)
         if "error" in result:
             raise result["error"]
         return result["group"]
@@ -652,10 +697,11 @@ class ElasticSession:
         check_recoverable([state.destination, state.source] if state.valid else [state.source], gone)
         source, destination = self._layouts(g)
         agreed = time.time()
-        self.detector = self.membership.detector(
-            previous=state.generation if state.generation >= 0 else None,
-            startup=self.timeout if first or joined else None,  # ranks still starting up
-        )
+        self._detector_options = {
+            "previous": state.generation if state.generation >= 0 else None,
+            "startup": self.timeout if first or joined else None,  # ranks still starting up
+        }
+        self.detector = self.membership.detector(**self._detector_options)
         previous_group = self.group
         self.group = self._build(previous_group)
         if previous_group is not None:

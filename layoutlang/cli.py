@@ -156,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     elastic.add_argument(
         "--stop", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
-        help="SIGSTOP RANK halfway through refit STEP: a hung rank, excluded after the deadline",
+        help="SIGSTOP RANK halfway through refit STEP: a hung rank, excluded after about two deadlines",
     )
     elastic.add_argument("--replace", action="store_true", help="start a replacement rank for every rank killed or stopped")
     elastic.add_argument("--deadline", type=float, default=1.0, metavar="S",
