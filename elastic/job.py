@@ -202,6 +202,17 @@ def _ranks(options: ElasticOptions) -> tuple[list[int], list[int]]:
     return participants, list(range(first, first + len(killed))) if options.replace else []
 
 
+def _job_arguments(options: ElasticOptions, namespace: str, joiners: Sequence[int], idle: Sequence[int]) -> dict:
+    """The keyword arguments of :func:`refit_job` that ``options`` decides."""
+    return {
+        "namespace": namespace, "reshard": options.reshard, "joiners": joiners, "faults": options.faults,
+        "idle": idle, "deadline": options.deadline, "memory_budget": options.memory_budget,
+        "timeout": options.timeout, "source_policy": options.source_policy,
+        "destination_policy": options.destination_policy, "source_axis": options.source_axis,
+        "destination_axis": options.destination_axis,
+    }
+
+
 def _failed_times(store, namespace: str, ranks: Sequence[int]) -> dict[int, tuple[float, str]]:
     import torch.distributed as dist
 
@@ -226,13 +237,7 @@ def run_local(options: ElasticOptions, namespace: str = "apply") -> dict:
     failing = {r for r, _, how in options.faults}
     with LocalWorkers(size, timeout=options.timeout) as pool:
         with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace):
-            pool.submit(
-                refit_job, options.path, options.steps, namespace=namespace, reshard=options.reshard,
-                joiners=joiners, faults=options.faults, idle=idle, deadline=options.deadline,
-                memory_budget=options.memory_budget, timeout=options.timeout,
-                source_policy=options.source_policy, destination_policy=options.destination_policy,
-                source_axis=options.source_axis, destination_axis=options.destination_axis,
-            )
+            pool.submit(refit_job, options.path, options.steps, **_job_arguments(options, namespace, joiners, idle))
             results: dict[int, dict] = {}
             end = time.monotonic() + options.timeout * (options.steps + 2)
             expected = set(participants + joiners) - failing
@@ -271,11 +276,8 @@ def run_torchrun(options: ElasticOptions, namespace: str = "apply") -> dict | No
     world = int(os.environ["WORLD_SIZE"])
     idle = [r for r in range(world) if r not in participants and r not in joiners]
     result = refit_job(
-        options.path, options.steps, namespace=namespace, rank=rank, store=store, port=port, host=host,
-        reshard=options.reshard, joiners=joiners, faults=options.faults, idle=idle, deadline=options.deadline,
-        memory_budget=options.memory_budget, timeout=options.timeout,
-        source_policy=options.source_policy, destination_policy=options.destination_policy,
-        source_axis=options.source_axis, destination_axis=options.destination_axis,
+        options.path, options.steps, rank=rank, store=store, port=port, host=host,
+        **_job_arguments(options, namespace, joiners, idle),
     )
     reports = dist.PrefixStore(f"{namespace}-reports", store)
     reports.set(str(rank), json.dumps(result).encode())

@@ -250,6 +250,8 @@ class ElasticSession:
         self.recoveries: list[Recovery] = []
         self.last_report: StepReport | None = None
         self._confirmed: set[int] = set()  # ranks whose silence a second look confirmed
+        self._pending: _State | None = None  # the state a generation's entry commits
+        self._detector_options: dict[str, Any] = {}
         self._open: str | None = None  # the commit record being worked on: "commit/{s}" or "entry"
         self._step_fn: StepFn | None = None
         self._last_watch = 0.0

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _core
 from .errors import LayoutError, LayoutNameError, LayoutValueError, did_you_mean
+from .loss import check_recoverable
 from .model import Layout, Program, Reshard, compile_pattern
 
 __all__ = [
@@ -655,7 +656,7 @@ def plan_recovery(
     a rank may hold storages of the same name in a source and in the destination.
 
     Raises :class:`LayoutValueError` when a lost rank is in ``destination``, and
-    :class:`~elastic.remesh.DataLossError` (a :class:`~layoutlang.errors.LayoutError`) when a
+    :class:`~layoutlang.loss.DataLossError` (a :class:`~layoutlang.errors.LayoutError`) when a
     region has no surviving copy in any source: its message lists every lost tensor and box.
 
     >>> import layoutlang
@@ -684,9 +685,7 @@ def plan_recovery(
             destination.span,
             "remesh the destination first (elastic.remesh)",
         )
-    from elastic.remesh import check_recoverable  # the never-silent-loss check names every lost box
-
-    check_recoverable(sources, lost_ranks)
+    check_recoverable(sources, lost_ranks)  # never silent loss: names every lost box
     if bucket_bytes < 1:
         raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
     if domain_size < 1:

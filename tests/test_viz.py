@@ -14,7 +14,6 @@ from layoutlang import viz
 from layoutlang.errors import LayoutNameError, LayoutValueError
 from layoutlang.plan import compile_plan
 
-pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parent.parent
