@@ -6,8 +6,12 @@ notifications, per-operation deadlines; compare-and-set agreement on each genera
 members), ``elastic.groups`` and ``elastic.nccl_backend`` (each generation's group: a new
 gloo group under its own store prefix, or an NCCL communicator shrunk and grown),
 ``elastic.remesh`` (the layouts after a loss, and the never-silent-loss check) and
-layoutlang's recovery plans. ``elastic.job`` is ``layoutlang apply --elastic``.
+layoutlang's recovery plans. ``layoutlang apply --elastic`` is
+:mod:`layoutlang.cli.elastic_job`; elastic never imports the command line.
 """
+
+from layoutlang.errors import DataLossError, MembershipError
+from layoutlang.plan.loss import check_recoverable, lost_regions
 
 from .groups import ElasticGroup, GlooGenerations, GlooTransport, abandon, admit, build_group
 from .membership import (
@@ -16,46 +20,43 @@ from .membership import (
     FailureDetector,
     Heartbeat,
     Membership,
-    MembershipError,
     decode_members,
     encode_members,
     failed_peers,
     generation_key,
 )
-
-__all__ = [
-    "ElasticGroup",
-    "ExcludedError",
-    "GlooGenerations",
-    "ExitWatcher",
-    "FailureDetector",
-    "GlooTransport",
-    "Heartbeat",
-    "Membership",
-    "MembershipError",
-    "abandon",
-    "admit",
-    "build_group",
-    "decode_members",
-    "encode_members",
-    "failed_peers",
-    "generation_key",
-]
-
-from .remesh import DataLossError, check_recoverable, data_parallel_axes, lost_regions, remesh
-
-__all__ += ["DataLossError", "check_recoverable", "data_parallel_axes", "lost_regions", "remesh"]
-
 from .nccl_backend import NcclGenerations, NcclGroup
+from .remesh import data_parallel_axes, remesh
 from .session import Change, ElasticSession, GenerationChanged, MemberFailure, Recovery, StepReport
 
-__all__ += [
+__all__ = [
     "Change",
+    "DataLossError",
+    "ElasticGroup",
     "ElasticSession",
+    "ExcludedError",
+    "ExitWatcher",
+    "FailureDetector",
     "GenerationChanged",
+    "GlooGenerations",
+    "GlooTransport",
+    "Heartbeat",
     "MemberFailure",
+    "Membership",
+    "MembershipError",
     "NcclGenerations",
     "NcclGroup",
     "Recovery",
     "StepReport",
+    "abandon",
+    "admit",
+    "build_group",
+    "check_recoverable",
+    "data_parallel_axes",
+    "decode_members",
+    "encode_members",
+    "failed_peers",
+    "generation_key",
+    "lost_regions",
+    "remesh",
 ]

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from layoutlang.execute import ExecutionError
+from layoutlang.errors import ExecutionError, MembershipError
 
-from .membership import Membership, MembershipError, generation_key
+from .membership import Membership, generation_key
 
 __all__ = ["ElasticGroup", "GlooGenerations", "GlooTransport", "abandon", "admit", "build_group"]
 

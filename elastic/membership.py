@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from layoutlang.execute import ExecutionError
+from layoutlang.errors import MembershipError
 
 __all__ = [
     "ExcludedError",
@@ -59,12 +59,6 @@ __all__ = [
 
 DEFAULT_INTERVAL = 0.2  # seconds between heartbeats
 DEFAULT_DEADLINE = 1.0  # seconds without an advancing heartbeat before a member counts as failed
-
-
-class MembershipError(ExecutionError):
-    """Membership could not be established: no agreement in time, or an unknown generation."""
-
-    kind = "membership"
 
 
 class ExcludedError(MembershipError):

@@ -46,9 +46,10 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from layoutlang.nccl import Communicator, CudaError, NcclError, NcclTransport
+from layoutlang.errors import CudaError, MembershipError, NcclError
+from layoutlang.transport.nccl import Communicator, NcclTransport
 
-from .membership import Membership, MembershipError, generation_key
+from .membership import Membership, generation_key
 
 __all__ = ["NcclGenerations", "NcclGroup"]
 

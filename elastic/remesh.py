@@ -17,7 +17,7 @@ by a policy:
 The new layout keeps the tensors, rules and storages of the old one (they do not depend on
 the mesh's ranks) on the new mesh, and is validated with :meth:`Layout.check`.
 
-:func:`lost_regions` and :func:`check_recoverable` (from :mod:`layoutlang.loss`, the
+:func:`lost_regions` and :func:`check_recoverable` (from :mod:`layoutlang.plan.loss`, the
 model's side: the planner's recovery plans use them too) make sure nothing is lost
 silently: a region of a logical tensor is lost when every rank holding it, in every given
 layout (e.g. the inference layout *and* the training layout), is lost.
@@ -29,9 +29,15 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-from layoutlang.errors import LayoutError, LayoutNameError, LayoutValueError
-from layoutlang.loss import DataLossError, check_recoverable, format_region, lost_regions, rank_set
+from layoutlang.errors import (
+    DataLossError,
+    LayoutError,
+    LayoutNameError,
+    LayoutValueError,
+    did_you_mean,
+)
 from layoutlang.model import Layout, Mesh, Replicate
+from layoutlang.plan.loss import check_recoverable, lost_regions, rank_set
 
 __all__ = [
     "POLICIES",
@@ -225,8 +231,6 @@ def remesh(
                 f"lacks axis {', '.join(repr(a) for a in missing)} named by the layout's rules"
             )
     else:
-        from layoutlang.errors import did_you_mean
-
         raise LayoutValueError(
             f"unknown remesh policy '{policy}' (policies: {', '.join(POLICIES)})",
             hint=did_you_mean(policy, POLICIES),

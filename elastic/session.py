@@ -49,9 +49,11 @@ from typing import Any
 import attrs
 import torch
 
-from layoutlang.execute import DEFAULT_BUCKET_BYTES, AgreementError, ExecutionError, Executor, torch_dtype
+from layoutlang.errors import AgreementError, ExecutionError
 from layoutlang.model import Layout, Program
-from layoutlang.plan import Plan, plan_layouts, plan_recovery
+from layoutlang.model.dtypes import torch_dtype
+from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
+from layoutlang.runtime import Executor
 
 from .groups import GlooGenerations
 from .membership import (

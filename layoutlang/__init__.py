@@ -14,15 +14,20 @@ Python (:class:`Mesh`, :class:`Shard`, :class:`Replicate`, :class:`Layout`).
 [Box(tensor='w', offsets=(0, 3), sizes=(4, 3), storage='w', storage_offsets=(0, 0))]
 """
 
-from .elaborate import load, loads
 from .errors import (
+    AgreementError,
+    DataLossError,
+    ExecutionError,
+    ExitCode,
     LayoutError,
     LayoutIncludeError,
     LayoutNameError,
     LayoutSyntaxError,
     LayoutValueError,
     ModelDescriptionError,
+    RuntimeFailure,
 )
+from .lang import load, loads
 from .model import (
     Box,
     Layout,
@@ -39,17 +44,14 @@ from .model import (
     Topology,
     shard_boxes,
 )
-
 from .plan import Plan, compile_plan, plan_layouts
 
 __version__ = "0.1.0"
 
 # Execution needs torch; import it only when it is used, so the language stays light.
 _LAZY = {
-    "Resharder": ("layoutlang.execute", "Resharder"),
-    "ExecutionError": ("layoutlang.execute", "ExecutionError"),
-    "AgreementError": ("layoutlang.execute", "AgreementError"),
-    "redistribute": ("layoutlang.interop.dtensor", "redistribute"),
+    "Resharder": ("layoutlang.runtime", "Resharder"),
+    "redistribute": ("layoutlang.runtime", "redistribute"),
 }
 
 
@@ -64,7 +66,9 @@ def __getattr__(name: str):
 __all__ = [
     "AgreementError",
     "Box",
+    "DataLossError",
     "ExecutionError",
+    "ExitCode",
     "Plan",
     "Resharder",
     "compile_plan",
@@ -82,6 +86,7 @@ __all__ = [
     "Program",
     "Replicate",
     "Reshard",
+    "RuntimeFailure",
     "Rule",
     "Shard",
     "Storage",

@@ -1,37 +1,69 @@
-"""The one error family users see.
+"""Errors by who must act.
 
-Every mistake a user can make (in a ``.layout`` file, in the Python API, on the command
-line) raises a :class:`LayoutError`. When the mistake has a place in a source file the
-error carries a :class:`Span`, and ``str(error)`` shows the file, line and column, the
-source line, and a caret under the offending text::
+Two families, and nothing else crosses the public API:
+
+- **A user's mistake** raises a :class:`LayoutError` (a ``ValueError``): bad syntax, an
+  unknown name, a value that cannot be right, in a ``.layout`` file, in the Python API or
+  on the command line. The command line exits with :attr:`ExitCode.BAD_INPUT` (2).
+- **A failure at run time** raises a :class:`RuntimeFailure` (a ``RuntimeError``): a peer
+  that died or hung, ranks that compiled different plans, NCCL or CUDA failing, a
+  membership change that cannot complete, data that no surviving rank holds. The input
+  was fine; the job was not. The command line exits with :attr:`ExitCode.FAILURE` (1).
+
+Both carry typed fields (``peers``, ``tensor``, ``rank``, ``regions``...) instead of
+facts written only into their message. When a user's mistake has a place in a source
+file the error carries a :class:`Span`, and ``str(error)`` shows the file, line and
+column, the source line, and a caret under the offending text::
 
     examples/broken.layout:7:41: error: unknown axis 'tpp' in mesh 'train' (axes: pp, tp)
         7 |     "layers.{l}.self_attn.q_proj.weight": tpp = shard(0)
           |                                           ^~~
       hint: did you mean 'tp'?
 
-The command line prints exactly this text (or, with ``--json``, :meth:`LayoutError.to_json`)
-and exits with status 2; it never shows a Python traceback for a user's mistake.
+The command line prints exactly this text (or, with ``--json``, ``error.to_json()``); it
+never shows a Python traceback for a user's mistake.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+import enum
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
 
+from .core import _core
+
 __all__ = [
-    "Span",
+    "AgreementError",
+    "CudaError",
+    "DataLossError",
+    "ExecutionError",
+    "ExitCode",
     "LayoutError",
-    "LayoutSyntaxError",
-    "LayoutNameError",
-    "LayoutValueError",
     "LayoutIncludeError",
+    "LayoutNameError",
+    "LayoutSyntaxError",
+    "LayoutValueError",
+    "MembershipError",
     "ModelDescriptionError",
+    "NcclError",
+    "NcclTimeoutError",
+    "NcclUnavailableError",
+    "RuntimeFailure",
+    "Span",
     "did_you_mean",
 ]
+
+
+class ExitCode(enum.IntEnum):
+    """The command line's exit status: who must act."""
+
+    OK = 0  #: success
+    FAILURE = 1  #: a failure at run time (:class:`RuntimeFailure`, a verification mismatch): the input was fine
+    BAD_INPUT = 2  #: a user's mistake (:class:`LayoutError`): usage, a bad .layout file, an unknown name
+    INTERNAL = 3  #: a bug in layoutlang; please report it
 
 
 @attrs.frozen
@@ -61,11 +93,14 @@ class Span:
 class LayoutError(ValueError):
     """A user's mistake: bad syntax, an unknown name, a value that cannot be right.
 
+    The command line exits with :attr:`ExitCode.BAD_INPUT`.
+
     ``message`` says what is wrong and names the offending mesh, axis, tensor or rule;
     ``span`` (optional) says where; ``hint`` (optional) says what was probably meant.
     """
 
     kind = "error"
+    exit_code = ExitCode.BAD_INPUT
 
     def __init__(self, message: str, span: Span | None = None, hint: str | None = None):
         super().__init__(message)
@@ -138,3 +173,136 @@ def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
     """A hint naming the closest candidate, or None when nothing is close."""
     close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else None
+
+
+# ------------------------------------------------------------- failures at run time
+
+
+class RuntimeFailure(RuntimeError):
+    """A failure at run time: the input was right, the job went wrong.
+
+    ``message`` says what happened; ``rank`` (optional) is the rank that reports it;
+    ``peers`` the ranks it was exchanging with when it failed (empty when unknown);
+    ``hint`` (optional) says what to do. The command line exits with :attr:`ExitCode.FAILURE`.
+    """
+
+    kind = "failure"
+    exit_code = ExitCode.FAILURE
+
+    def __init__(
+        self, message: str, *, rank: int | None = None, peers: Sequence[int] = (), hint: str | None = None
+    ):
+        super().__init__(message)
+        self.message = message
+        self.rank = rank
+        self.peers: list[int] = sorted(set(peers))
+        self.hint = hint
+
+    def __str__(self) -> str:
+        head = f"error: {self.message}"
+        return f"{head}\n  hint: {self.hint}" if self.hint else head
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSON-ready object, as the command line prints with ``--json``."""
+        out: dict[str, Any] = {"error": self.kind, "message": self.message}
+        if self.rank is not None:
+            out["rank"] = self.rank
+        if self.peers:
+            out["peers"] = self.peers
+        if self.hint:
+            out["hint"] = self.hint
+        return out
+
+
+class ExecutionError(RuntimeFailure):
+    """Running a plan failed: bad storages, a peer that died or hung, a transport error."""
+
+    kind = "execution"
+
+
+class AgreementError(ExecutionError):
+    """Ranks compiled different plans (or some could not compile one); nothing was moved."""
+
+    kind = "agreement"
+
+
+class NcclError(ExecutionError):
+    """An NCCL call failed: ``call`` names it, ``code`` is its ``ncclResult_t``."""
+
+    kind = "nccl"
+
+    def __init__(
+        self,
+        message: str,
+        call: str | None = None,
+        code: int | None = None,
+        hint: str | None = None,
+        *,
+        rank: int | None = None,
+        peers: Sequence[int] = (),
+    ):
+        super().__init__(message, rank=rank, peers=peers, hint=hint)
+        self.call = call
+        self.code = code
+
+    @property
+    def result(self) -> str | None:
+        """The name of the result (``ncclRemoteError``)."""
+        return None if self.code is None else _core.nccl.result_name(self.code)
+
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        out.update(call=self.call, code=self.code)
+        return out
+
+
+class NcclTimeoutError(NcclError):
+    """An NCCL operation did not complete before its deadline."""
+
+    kind = "nccl-timeout"
+
+
+class NcclUnavailableError(NcclError):
+    """No NCCL library could be loaded, or it lacks a function (``symbol``, new in ``introduced``)."""
+
+    kind = "nccl-unavailable"
+
+    def __init__(self, message: str, symbol: str | None = None, introduced: str | None = None):
+        super().__init__(message, call=symbol)
+        self.symbol = symbol
+        self.introduced = introduced or None
+
+
+class CudaError(ExecutionError):
+    """A CUDA runtime call failed (``code`` -1: the runtime could not be loaded)."""
+
+    kind = "cuda"
+
+    def __init__(self, message: str, call: str | None = None, code: int | None = None):
+        super().__init__(message)
+        self.call = call
+        self.code = code
+
+
+class MembershipError(ExecutionError):
+    """Membership could not be established: no agreement in time, or an unknown generation."""
+
+    kind = "membership"
+
+
+class DataLossError(RuntimeFailure):
+    """Some regions of logical tensors are held by no surviving rank of any given layout.
+
+    ``regions`` lists every lost region as ``(tensor, offsets, sizes)``.
+    """
+
+    kind = "loss"
+
+    def __init__(
+        self,
+        message: str,
+        regions: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+        hint: str | None = None,
+    ):
+        super().__init__(message, hint=hint)
+        self.regions = list(regions)

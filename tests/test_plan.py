@@ -529,7 +529,7 @@ def test_binary_form_round_trips_with_the_same_fingerprint(refit):
     and header fields, for a plan of several buckets."""
     plan = compile_plan(refit, bucket_bytes=50_000)
     data = plan.to_bytes()
-    again = Plan.from_bytes(data, refit)
+    again = load_plan(data, refit)
     assert again.to_bytes() == data
     assert again.fingerprint == plan.fingerprint
     assert len(plan.fingerprint) == 64 and re.fullmatch(r"[0-9a-f]+", plan.fingerprint)
@@ -552,7 +552,7 @@ def test_binary_form_is_refused_for_a_program_with_a_changed_layout(tp_to_dp):
         .replace("{ default: replicate }", '{ "w": dp = shard(1) }')
     )
     with pytest.raises(layoutlang.LayoutValueError, match="different destination layout 'dp'"):
-        Plan.from_bytes(data, changed)
+        load_plan(data, changed)
 
 
 def test_damaged_binary_forms_are_refused(tp_to_dp):
@@ -560,21 +560,21 @@ def test_damaged_binary_forms_are_refused(tp_to_dp):
     plan = compile_plan(tp_to_dp)
     data = plan.to_bytes()
     with pytest.raises(layoutlang.LayoutValueError, match="magic"):
-        Plan.from_bytes(b"X" + data[1:], tp_to_dp)
+        load_plan(b"X" + data[1:], tp_to_dp)
     for cut in (len(data) - 1, len(data) // 2, 30):
         with pytest.raises(layoutlang.LayoutValueError):
-            Plan.from_bytes(data[:cut], tp_to_dp)
+            load_plan(data[:cut], tp_to_dp)
     # move_dst of the first move: 8 -> 12 (a rank in no mesh)
     assert data[column_at(data, "move_dst")] == 8
     damaged = bytearray(data)
     damaged[column_at(data, "move_dst")] = 12
     with pytest.raises(layoutlang.LayoutValueError, match="invalid"):
-        Plan.from_bytes(bytes(damaged), tp_to_dp)
+        load_plan(bytes(damaged), tp_to_dp)
     assert data[column_at(data, "move_kind")] == 2
     damaged = bytearray(data)
     damaged[column_at(data, "move_kind")] = 1  # a network move labelled domain
     with pytest.raises(layoutlang.LayoutValueError, match="kind does not match"):
-        Plan.from_bytes(bytes(damaged), tp_to_dp)
+        load_plan(bytes(damaged), tp_to_dp)
 
 
 def test_damaged_header_key_is_refused_as_a_layout_value_error(tp_to_dp):
@@ -584,7 +584,7 @@ def test_damaged_header_key_is_refused_as_a_layout_value_error(tp_to_dp):
     damaged = data.replace(b'"num_buckets"', b'"num_buckeTs"', 1)
     assert len(damaged) == len(data) and damaged != data
     with pytest.raises(layoutlang.LayoutValueError):
-        Plan.from_bytes(damaged, tp_to_dp)
+        load_plan(damaged, tp_to_dp)
 
 
 def test_damaged_region_coordinates_are_refused_without_crashing():
@@ -599,7 +599,7 @@ data = compile_plan(program).to_bytes()
 damaged = bytearray(data)
 damaged[{at}] ^= 0x40  # a high byte of the second region's start: 2 -> 2 + 2**54
 try:
-    Plan.from_bytes(bytes(damaged), program)
+    load_plan(bytes(damaged), program)
     print("accepted")
 except layoutlang.LayoutValueError:
     print("refused")
@@ -627,7 +627,7 @@ def test_damaged_header_statistics_are_refused(tp_to_dp, field, value):
     assert data.count(before) == 1 and len(before) == len(after)
     damaged = data.replace(before, after)
     with pytest.raises(layoutlang.LayoutValueError):
-        Plan.from_bytes(damaged, tp_to_dp)
+        load_plan(damaged, tp_to_dp)
 
 
 def test_json_form_lists_every_move_and_the_statistics(refit):

@@ -1,0 +1,211 @@
+"""``layoutlang apply``: run a reshard for real (local gloo workers or torchrun), plain or elastic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .._text import human_bytes, rank_ranges, table
+from ..errors import ExitCode, LayoutValueError
+from ..lang import load
+
+
+def run(args: argparse.Namespace) -> int:
+    # The jobs import torch: here, so that the other commands start without it.
+    from . import apply_job as job
+    from .launch import WorkerError
+
+    if args.elastic:
+        return _apply_elastic(args)
+    if args.kill or args.stop or args.replace:
+        raise LayoutValueError("--kill, --stop and --replace need --elastic")
+
+    options = job.ApplyOptions(
+        path=args.file,
+        reshard=args.reshard,
+        policy=args.policy,
+        compare=args.compare,
+        memory_budget=args.memory_budget,
+        timeout=args.timeout,
+        from_dir=args.from_dir,
+        to_dir=args.to_dir,
+        cast=args.cast,
+        repeat=args.repeat,
+        transport=args.transport,
+    )
+    if job.environment_is_torchrun():
+        reports = job.run_torchrun(options, args.device)
+        if reports is None:
+            return ExitCode.OK
+        launcher = "torchrun"
+    else:
+        job.participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+        try:
+            reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
+        except WorkerError as err:
+            if err.kind in ("internal", "died"):
+                raise
+            # A user's mistake found on a worker: its message already has its place and caret.
+            if args.json:
+                print(json.dumps({"error": err.kind, "message": err.message}), file=sys.stderr)
+            else:
+                print(err.message, file=sys.stderr)
+            return ExitCode.BAD_INPUT
+        launcher = "local gloo workers"
+    summary = job.summarize(reports)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join(_apply_report(args, summary, launcher)))
+    return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def _apply_elastic(args: argparse.Namespace) -> int:
+    # The jobs import torch: here, so that the other commands start without it.
+    from . import elastic_job as job
+    from .apply_job import environment_is_torchrun, participants_of
+
+    refused = [
+        flag
+        for flag, given in (
+            ("--compare", args.compare), ("--from", args.from_dir), ("--to", args.to_dir), ("--cast", args.cast),
+            ("--policy", args.policy), ("--repeat", args.repeat != 1), ("--transport nccl", args.transport == "nccl"),
+        )
+        if given
+    ]
+    if refused:
+        raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
+    if args.steps < 1:
+        raise LayoutValueError(f"--steps must be at least 1, not {args.steps}")
+    participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+    faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
+    for rank, step, how in faults:
+        if rank not in participants:
+            raise LayoutValueError(
+                f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: "
+                f"{participants[0]}..{participants[-1]})" if participants == list(range(participants[0], participants[-1] + 1))
+                else f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: {participants})"
+            )
+        if step >= args.steps:
+            raise LayoutValueError(f"--{how} {rank}@{step}: there are only {args.steps} steps (0..{args.steps - 1})")
+    options = job.ElasticOptions(
+        path=args.file, steps=args.steps, reshard=args.reshard, faults=tuple(faults), replace=args.replace,
+        memory_budget=args.memory_budget, timeout=min(args.timeout, 120.0), deadline=args.deadline,
+        source_policy=args.source_policy, destination_policy=args.destination_policy,
+        source_axis=args.source_axis, destination_axis=args.destination_axis,
+    )
+    if environment_is_torchrun():
+        summary = job.run_torchrun(options, namespace=f"apply-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}")
+        if summary is None:
+            return ExitCode.OK
+        launcher = "torchrun"
+    else:
+        summary = job.run_local(options)
+        launcher = "local gloo workers"
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join(_elastic_report(args, summary, launcher)))
+    if any(e["kind"] == "internal" for e in summary["errors"].values()):
+        return ExitCode.INTERNAL
+    return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
+    program = load(args.file)
+    statement = program.reshard(args.reshard)
+    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    lines = [
+        f"elastic refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
+        f"({destination.mesh.size} ranks), {args.steps} steps, "
+        f"{len(summary['participants']) + len(summary['joiners'])} processes ({launcher})",
+    ]
+    for rank, fault in sorted(summary["failed"].items(), key=lambda kv: kv[1]["at"]):
+        lines.append(f"  rank {rank}: {'SIGSTOP' if fault['how'] == 'stop' else 'SIGKILL'} (injected)")
+    lines.append("")
+    rows = []
+    for step in summary["steps"]:
+        verified = "ok" if not step["mismatches"] else f"{len(step['mismatches'])} MISMATCHES"
+        rows.append([step["step"], step["generation"], step["destination"], step["ranks"],
+                     f"{verified} ({human_bytes(step['verified_bytes'])})"])
+    if rows:
+        lines += table(rows, ["step", "generation", "destination layout", "ranks", "verified"], right={0, 1, 3})
+    for rec in summary["recoveries"]:
+        what = []
+        if rec["lost"]:
+            what.append(f"lost {', '.join(map(str, rec['lost']))}")
+        if rec["joined"]:
+            what.append(f"joined {', '.join(map(str, rec['joined']))}")
+        lines += ["", f"generation {rec['generation']} ({'; '.join(what)}), times from the {rec['from']}:"]
+        for key, label in (("noticed_s", "noticed by the first survivor"), ("agreed_s", "members agreed"),
+                           ("group_s", "new group built"), ("first_byte_s", "first byte moved on the new group")):
+            if rec[key] is not None:
+                lines.append(f"  {rec[key]:7.3f} s  {label}")
+        for rank, why in sorted(rec["reasons"].items()):
+            lines.append(f"           rank {rank}: {why}")
+        if rec["recovered_bytes"]:
+            lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
+        for rank in rec["joined"]:
+            got = summary["joined"].get(str(rank))
+            if got:
+                verdict = "ok" if got["ok"] else f"{len(got['mismatches'])} MISMATCHES"
+                lines.append(f"  rank {rank} received step {got['step']}'s weights: {verdict} ({human_bytes(got['bytes'])})")
+    for rank, error in sorted(summary["errors"].items()):
+        lines += ["", f"rank {rank}: {error['message']}"]
+        break  # every survivor reports the same error
+    if summary["ok"]:
+        lines += ["", f"all {args.steps} refits committed and verified; final generation {summary['generation']}: "
+                      f"{summary['source']} -> {summary['destination']}, members {rank_ranges(summary['members'])}"]
+    return lines
+
+
+def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
+    program = load(args.file)
+    statement = program.reshard(args.reshard)
+    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    lines = [
+        f"refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
+        f"({destination.mesh.size} ranks), {summary['ranks']} processes ({launcher})",
+        "",
+    ]
+    rows = []
+    for policy, run in summary["runs"].items():
+        verified = "ok" if not run["mismatches"] else f"{len(run['mismatches'])} MISMATCHES"
+        rows.append(
+            [
+                policy,
+                f"{run['seconds']:.3f} s",
+                human_bytes(run["bytes"]["local"]),
+                human_bytes(run["bytes"]["domain"]),
+                human_bytes(run["bytes"]["network"]),
+                human_bytes(run["moved_bytes"]),
+                f"{run['messages']:,}",
+                f"{human_bytes(run['bandwidth_bytes_per_second'])}/s",
+                f"{human_bytes(run['peak_staging_bytes'])}",
+                f"{verified} ({human_bytes(run['verified_bytes'])})",
+            ]
+        )
+    lines += table(
+        rows,
+        ["policy", "time", "local", "domain", "network", "moved", "messages", "bandwidth", "peak staging", "verified"],
+        right={1, 2, 3, 4, 5, 6, 7, 8},
+    )
+    runs = summary["runs"]
+    if "reshard" in runs and "broadcast" in runs:
+        r, b = runs["reshard"], runs["broadcast"]
+        lines.append("")
+        lines.append(
+            f"gather-and-broadcast took {b['seconds'] / max(r['seconds'], 1e-9):.1f}x the time of reshard and moved "
+            f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x its bytes "
+            f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x over the network)"
+        )
+    for run in runs.values():
+        for mismatch in run["mismatches"][:10]:
+            lines.append(f"MISMATCH {mismatch}")
+    if args.to_dir:
+        lines.append(f"destination storages written to {args.to_dir}/rankNNNNN.safetensors")
+    return lines
+
+

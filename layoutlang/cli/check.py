@@ -1,0 +1,39 @@
+"""``layoutlang check``: parse, elaborate and resolve programs; report every mistake."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..errors import ExitCode, LayoutError
+from ..lang import load
+from .report import print_error
+
+
+def run(args: argparse.Namespace) -> int:
+    results = []
+    status = ExitCode.OK
+    for path in args.files:
+        try:
+            program = load(path)
+            program.check()
+        except LayoutError as err:
+            status = ExitCode.BAD_INPUT
+            print_error(err, args.json)
+            results.append({"file": path, "ok": False, **err.to_json()})
+            continue
+        counts = {
+            "meshes": len(program.meshes),
+            "tensors": len(program.tensors),
+            "layouts": len(program.layouts),
+            "reshards": len(program.reshards),
+        }
+        results.append({"file": path, "ok": True, **counts})
+        if not args.json:
+            singular = {"meshes": "mesh", "tensors": "tensor", "layouts": "layout", "reshards": "reshard"}
+            described = ", ".join(f"{v} {k if v != 1 else singular[k]}" for k, v in counts.items())
+            print(f"{path}: ok ({described})")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return status
+

@@ -1,0 +1,196 @@
+"""Local worker processes joined in one gloo group: what ``layoutlang apply`` starts when it
+is not launched by torchrun, and what the tests use.
+
+The parent process hosts the TCPStore (so the store outlives any worker) and hands tasks to
+every worker: a module-level function and its arguments, run on all ranks at once. A pool
+is kept for many tasks, since each worker pays about 1.7 s to import torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from ..errors import LayoutError
+
+__all__ = ["LocalWorkers", "WorkerError", "worker_context"]
+
+
+class WorkerError(RuntimeError):
+    """A task failed on a worker (or a worker died); the message names the rank.
+
+    ``kind`` is the LayoutError kind when the task failed on a user's mistake (a bad
+    program, storage or checkpoint), ``internal`` for anything else, ``died`` for a worker
+    that exited; ``message`` is the worker's error message without the rank prefix.
+    """
+
+    def __init__(self, text: str, kind: str = "internal", message: str = ""):
+        super().__init__(text)
+        self.kind = kind
+        self.message = message or text
+
+
+#: set in each worker: its rank, the world size and the store's port
+worker_context: dict[str, Any] = {}
+
+
+def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results, default_group: bool = True) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # Several workers share this machine's cores: one intra-op thread each, as torchrun does.
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+    store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
+    if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("layoutlang", store), rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+        )
+    worker_context.update(rank=rank, size=size, port=port, store=store)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except LayoutError as err:
+            results.put((rank, False, (type(err).__name__, str(err), err.kind)))
+        except BaseException as err:  # report everything: the parent decides what it means
+            results.put((rank, False, (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal")))
+    if default_group:
+        dist.destroy_process_group()
+
+
+class LocalWorkers:
+    """``size`` worker processes on this machine, ranks 0..size-1 of one gloo group."""
+
+    def __init__(self, size: int, *, timeout: float = 120.0, start_timeout: float = 180.0):
+        import torch.distributed as dist
+
+        self.size = size
+        self.timeout = timeout
+        self.store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=start_timeout))
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers, read at their start
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(size)]
+        self.processes = [
+            ctx.Process(
+                target=_worker_main,
+                args=(rank, size, self.store.port, timeout, self._tasks[rank], self._results),
+                daemon=True,
+                name=f"layoutlang-worker-{rank}",
+            )
+            for rank in range(size)
+        ]
+        self._ctx = ctx
+        for p in self.processes:
+            p.start()
+
+    def respawn(self, ranks=None) -> list[int]:
+        """Replace dead (or stopped: they are killed first) workers by fresh processes with
+        the same ranks; returns the ranks replaced. A respawned worker has the store but no
+        default process group (its peers built that at the start): elastic jobs need none."""
+        import signal
+
+        ranks = [r for r in range(self.size) if not self.processes[r].is_alive()] if ranks is None else list(ranks)
+        for rank in ranks:
+            old = self.processes[rank]
+            if old.is_alive():
+                os.kill(old.pid, signal.SIGKILL)
+                old.join(timeout=10)
+            self._tasks[rank] = self._ctx.SimpleQueue()
+            self.processes[rank] = self._ctx.Process(
+                target=_worker_main,
+                args=(rank, self.size, self.store.port, self.timeout, self._tasks[rank], self._results, False),
+                daemon=True,
+                name=f"layoutlang-worker-{rank}",
+            )
+            self.processes[rank].start()
+        return ranks
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every worker; returns the results by rank.
+
+        Raises WorkerError naming the first failing rank (its LayoutError message, or the
+        traceback of anything else), or a worker that died.
+        """
+        for rank in range(self.size):
+            self._tasks[rank].put((fn, args, kwargs))
+        return self.collect(timeout)
+
+    def collect(self, timeout: float | None = None) -> list[Any]:
+        deadline = time.monotonic() + (timeout or self.timeout + 60)
+        results: dict[int, tuple[bool, Any]] = {}
+        while len(results) < self.size:
+            try:
+                rank, ok, value = self._results.get(timeout=0.2)
+                results[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
+            if dead:
+                raise WorkerError(
+                    f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})", "died"
+                )
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.size)) - set(results))
+                raise WorkerError(f"workers {missing} did not finish in time")
+        failed = sorted(r for r, (ok, _) in results.items() if not ok)
+        if failed:
+            # Prefer a user's mistake over the consequences it had on other ranks.
+            first = min(failed, key=lambda r: (results[r][1][2] == "internal", r))
+            name, message, kind = results[first][1]
+            raise WorkerError(f"rank {first}: {name}: {message}", kind, message)
+        return [results[r][1] for r in range(self.size)]
+
+    def results_by_rank(self, timeout: float | None = None) -> dict[int, tuple[bool, Any]]:
+        """Every worker's (ok, value) without raising: for tests of failures."""
+        deadline = time.monotonic() + (timeout or self.timeout + 60)
+        results: dict[int, tuple[bool, Any]] = {}
+        while len(results) < self.size and time.monotonic() < deadline:
+            try:
+                rank, ok, value = self._results.get(timeout=0.2)
+                results[rank] = (ok, value)
+            except queue.Empty:
+                if all(not p.is_alive() or i in results for i, p in enumerate(self.processes)):
+                    break
+        return results
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Start ``fn`` on every worker without waiting (collect with results_by_rank)."""
+        for rank in range(self.size):
+            self._tasks[rank].put((fn, args, kwargs))
+
+    def close(self) -> None:
+        for rank, p in enumerate(self.processes):
+            if p.is_alive():
+                try:
+                    self._tasks[rank].put(None)
+                except (OSError, ValueError):
+                    pass
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self) -> LocalWorkers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def os_exit(code: int = 1) -> None:
+    """Kill the calling worker at once (failure tests)."""
+    os._exit(code)

@@ -1,0 +1,97 @@
+"""What the command line prints: plan statistics, errors."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .._text import human_bytes, table
+from ..errors import LayoutError, RuntimeFailure
+from ..plan import KINDS, Plan, PlanStats
+
+
+def print_error(err: LayoutError | RuntimeFailure, as_json: bool) -> None:
+    """An error on stderr: its text with place and caret, or one JSON object."""
+    if as_json:
+        print(json.dumps(err.to_json()), file=sys.stderr)
+    else:
+        print(err, file=sys.stderr)
+
+__all__ = ["human_bytes", "table", "plan_report"]
+
+
+def _ratio(a: float, b: float) -> str:
+    if not b:
+        return "1.000" if not a else "inf"
+    return f"{a / b:.3f}"
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _largest(pair: tuple[int, int]) -> str:
+    nbytes, rank = pair
+    return f"{human_bytes(nbytes)} (rank {rank})" if nbytes else "none"
+
+
+def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False) -> list[str]:
+    """The statistics of a plan (and of the gather-and-broadcast baseline) as text lines."""
+    stats: PlanStats = plan.stats
+    src, dst = plan.source, plan.destination
+    lines = [
+        f"plan {plan.name}: {src.name} on {src.mesh.name} ({_ranks(src.mesh.size)}) -> "
+        f"{dst.name} on {dst.mesh.name} ({_ranks(dst.mesh.size)})",
+        f"  domains of {plan.domain_size} ranks, buckets of {human_bytes(plan.bucket_bytes)}, "
+        f"fingerprint {plan.fingerprint[:16]}",
+        "",
+    ]
+    plans = [("reshard" if set(plan.policies) == {"reshard"} else "this plan", stats)]
+    if baseline is not None:
+        plans.append(("gather-and-broadcast", baseline.stats))
+    rows = []
+    for label, s in plans:
+        rows.append(
+            [
+                label,
+                human_bytes(s.bytes["local"]),
+                human_bytes(s.bytes["domain"]),
+                human_bytes(s.bytes["network"]),
+                human_bytes(s.moved),
+                f"{sum(s.moves.values()):,}",
+                f"{s.messages:,}",
+                f"{s.buckets:,}",
+            ]
+        )
+    lines += table(rows, ["plan", "local", "domain", "network", "moved", "moves", "messages", "buckets"])
+    lines.append("")
+    lines.append(
+        f"lower bound (bytes destinations need and do not hold): {human_bytes(stats.lower_bound)}; "
+        f"moved / lower bound = {_ratio(stats.moved, stats.lower_bound)}"
+    )
+    lines.append(
+        f"largest network send per rank: {_largest(stats.largest_network_send)}; "
+        f"largest network receive: {_largest(stats.largest_network_receive)}"
+    )
+    if baseline is not None:
+        b = baseline.stats
+        lines.append(
+            f"gather-and-broadcast moves {_ratio(b.moved, stats.moved)}x the bytes "
+            f"({_ratio(b.bytes['network'], stats.bytes['network'])}x over the network); "
+            f"its logical payload (gathered + broadcast once) is {human_bytes(b.broadcast_payload)}"
+        )
+    if per_rank:
+        lines.append("")
+        rows = []
+        for rank, v in stats.per_rank.items():
+            rows.append(
+                [rank]
+                + [human_bytes(v["sent"][k]) for k in KINDS[1:]]
+                + [human_bytes(v["received"][k]) for k in KINDS[1:]]
+                + [human_bytes(v["sent"]["local"])]
+            )
+        lines += table(
+            rows,
+            ["rank", "sent domain", "sent network", "recv domain", "recv network", "local copy"],
+        )
+    return lines

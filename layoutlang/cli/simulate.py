@@ -1,0 +1,120 @@
+"""``layoutlang simulate``: a refit's estimated time on a cluster, for each policy, against a lower bound."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from .._text import human_bytes, human_time, parse_size, rate, table
+from ..lang import load
+from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS
+from ..plan import DEFAULT_BUCKET_BYTES
+from ..plan.simulate import Simulation, simulate
+
+__all__ = ["add_arguments", "run", "simulation_report"]
+
+
+def simulation_report(sim: Simulation) -> list[str]:
+    """The table ``layoutlang simulate`` prints."""
+
+    t = sim.topology
+    lines = [
+        f"simulate {sim.reshard}: {sim.source} ({sim.source_ranks} ranks) -> {sim.destination} ({sim.destination_ranks} ranks)",
+        f"  topology {t.name or '(anonymous)'}: "
+        + (f"domains of {t.domain_size} ranks" if t.domain_size > 1 else "every rank its own domain")
+        + "; per rank and direction NVLink "
+        f"{rate(t.domain_bandwidth)}, network {rate(t.network_bandwidth)}, local copy {rate(t.copy_bandwidth)}; "
+        f"latency {human_time(t.domain_latency)} NVLink, {human_time(t.network_latency)} network",
+    ]
+    if sim.assumed:
+        lines.append(f"  not given by the topology, taken from {FALLBACK_PRESET}: {', '.join(sim.assumed)}")
+    lines += [
+        f"  buckets of {human_bytes(sim.bucket_bytes)}; phase p of bucket k runs in step k + p",
+        "",
+    ]
+    sequential = any(e.sequential_time is not None for e in sim.estimates)
+    rows = []
+    for e in sim.estimates:
+        bound = max(e.bound_by, key=e.bound_by.get) if e.time else "-"
+        share = f" {100 * e.bound_by[bound] / e.time:.0f}%" if e.time else ""
+        rows.append(
+            [e.policy, human_time(e.time), f"{sim.ratio(e):.2f}x"]
+            + ([human_time(e.sequential_time)] if sequential else [])
+            + [
+                human_bytes(e.bytes["network"]),
+                human_bytes(e.bytes["domain"]),
+                human_bytes(e.bytes["local"]),
+                f"{e.messages['network'] + e.messages['domain']:,}",
+                f"{e.steps:,}",
+                f"{bound}{share}",
+            ]
+        )
+    rows.append(
+        ["lower bound", human_time(sim.bound.time), "1.00x"] + [""] * (6 if sequential else 5) + [sim.bound.binding]
+    )
+    header = ["policy", "time", "/ bound"] + (["unpipelined"] if sequential else [])
+    header += ["network", "NVLink", "local", "messages", "steps", "bound by"]
+    lines += table(rows, header, right=set(range(1, len(header) - 1)))
+    lines.append("")
+    lines.append(f"lower bound: {sim.bound.describe(t)}")
+    lines.append("busiest port over the whole refit (the time if no step waited for another port):")
+    for e in sim.estimates:
+        port, rank, seconds = e.busiest_port
+        lines.append(f"  {e.policy}: {human_time(seconds)}, the {port} port of rank {rank}")
+    by_policy = {e.policy: e for e in sim.estimates}
+    if "reshard" in by_policy and "gather-and-broadcast" in by_policy:
+        r, b = by_policy["reshard"], by_policy["gather-and-broadcast"]
+        speedup = b.time / r.time if r.time else math.inf
+        lines.append(f"reshard is {speedup:.1f}x faster than gather-and-broadcast")
+    return lines
+
+
+# ------------------------------------------------------------------------------ CLI
+
+HELP = "estimate a refit's time on a cluster, for each policy, against a lower bound"
+DESCRIPTION = (
+    "Compile the plan of a reshard statement with every tensor resharded, with every tensor gathered "
+    "and broadcast, and with the statement's own policies (when it gives any); estimate the time of each "
+    "on the program's topology (or a preset) with a latency + bandwidth model of every rank's NIC, NVLink "
+    "and copy ports, and compare it with a lower bound that no plan can beat."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``layoutlang simulate``."""
+
+    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    parser.add_argument(
+        "--topology",
+        metavar="NAME",
+        help=f"a topology preset replacing the program's ({', '.join(TOPOLOGY_PRESETS)})",
+    )
+    parser.add_argument(
+        "--bucket-size",
+        metavar="SIZE",
+        type=parse_size,
+        default=DEFAULT_BUCKET_BYTES,
+        help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
+    )
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="also estimate every plan with its phases and buckets one after the other (no pipelining)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the estimates as JSON (times in seconds)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``layoutlang simulate``: 0 on success; a LayoutError propagates to the CLI."""
+
+    program = load(args.file)
+    sim = simulate(
+        program, args.reshard, topology=args.topology, bucket_bytes=args.bucket_size, sequential=args.sequential
+    )
+    if args.json:
+        print(json.dumps(sim.to_json(), indent=2))
+    else:
+        print("\n".join(simulation_report(sim)))
+    return 0

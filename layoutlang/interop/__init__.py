@@ -1,1 +1,0 @@
-"""Reading and writing other formats: Hugging Face configs, safetensors, DTensor."""

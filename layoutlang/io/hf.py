@@ -1,0 +1,435 @@
+"""Logical tensors of a Hugging Face model, read from its ``config.json``.
+
+:func:`tensors_from_hf_config` reads only the config (never weights) and lists every
+weight tensor that the family's Hugging Face checkpoint (``model.safetensors``) stores:
+its name, global shape and dtype, in checkpoint order (embedding, layers in order, final
+norm, ``lm_head``). :func:`hf_config_constants` hands a layout file the config's integer
+entries (``num_hidden_layers``, ``num_key_value_heads``...) to use as constants.
+
+Limits:
+
+* Only the families in :data:`SUPPORTED_MODEL_TYPES` are known; their tensor names are
+  written out here, so a family that renames a module needs a change here.
+* Shapes follow the config alone; a checkpoint edited by hand (pruned heads, extra
+  adapters) is not described. Read its safetensors header instead
+  (:mod:`layoutlang.interop.safetensors`).
+* Quantized checkpoints: only block-wise FP8 (``quant_method: "fp8"`` with a
+  ``weight_block_size``, as DeepSeek-V3 and the Qwen3 FP8 releases ship) is described:
+  each quantized projection weight is stored as fp8 with an fp32 ``weight_scale_inv`` of
+  one element per block. Passing ``dtype=`` describes the unquantized checkpoint instead.
+* Every tensor of a checkpoint shares one dtype, except the FP8 case above and DeepSeek-V3's
+  router ``e_score_correction_bias``, which its published checkpoint keeps in fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelDescriptionError
+from ..model.dtypes import DTYPES, canonical_dtype
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "TensorEntry",
+    "hf_config_constants",
+    "read_config",
+    "tensors_from_hf_config",
+]
+
+#: a logical tensor as (name, global shape, dtype short name): the fields of layoutlang.model.LogicalTensor
+TensorEntry = tuple[str, tuple[int, ...], str]
+
+_DEFAULT_DTYPE = "bf16"
+#: dtype of the per-block dequantization scales of FP8 checkpoints
+_SCALE_DTYPE = "fp32"
+_FP8_FORMATS = {"e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
+
+
+def _config_file(path: str | os.PathLike[str]) -> Path:
+    """The ``config.json`` itself, also when given the model's folder."""
+    file = Path(path)
+    return file / "config.json" if file.is_dir() else file
+
+
+def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parsed ``config.json`` at ``path`` (a file, or a model folder holding one)."""
+    file = _config_file(path)
+    try:
+        raw = file.read_bytes()
+    except FileNotFoundError:
+        raise ModelDescriptionError(f"{file}: Hugging Face config not found") from None
+    except OSError as exc:
+        raise ModelDescriptionError(f"{file}: cannot read Hugging Face config: {exc.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelDescriptionError(f"{file}: Hugging Face config is not UTF-8 (byte {exc.start})") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelDescriptionError(
+            f"{file}: Hugging Face config is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    if not isinstance(config, dict):
+        raise ModelDescriptionError(f"{file}: Hugging Face config must be a JSON object, not {type(config).__name__}")
+    return config
+
+
+def hf_config_constants(config: dict[str, Any]) -> dict[str, int]:
+    """The integer-valued top-level entries of a config, for a layout file to use as constants.
+
+    Booleans are left out although Python counts them as ints: ``true`` is not a size.
+    """
+    return {key: value for key, value in config.items() if type(value) is int}
+
+
+def tensors_from_hf_config(
+    path: str | os.PathLike[str],
+    dtype: str | None = None,
+    *,
+    include_mtp: bool = False,
+) -> list[TensorEntry]:
+    """Every weight tensor of the model described by the ``config.json`` at ``path``.
+
+    ``dtype`` (any spelling :func:`~layoutlang.dtypes.canonical_dtype` knows) overrides the
+    config's ``torch_dtype`` and describes an unquantized checkpoint; without it the config's
+    ``torch_dtype`` (or ``dtype``) is used, else bf16. ``include_mtp`` adds DeepSeek-V3's
+    multi-token-prediction layers (``num_nextn_predict_layers``), which the model proper does
+    not use. Raises :class:`ModelDescriptionError` naming the file for any problem.
+    """
+    file = _config_file(path)
+    config = read_config(file)
+    model_type = config.get("model_type")
+    builder = _BUILDERS.get(model_type) if isinstance(model_type, str) else None
+    if builder is None:
+        supported = ", ".join(SUPPORTED_MODEL_TYPES)
+        if model_type is None:
+            raise ModelDescriptionError(f"{file}: config has no 'model_type' (supported: {supported})")
+        raise ModelDescriptionError(f"{file}: unsupported model_type {model_type!r} (supported: {supported})")
+    reader = _ConfigReader(config, model_type, file)
+    out = _TensorList(reader, _model_dtype(reader, dtype), explicit_dtype=dtype is not None)
+    builder(reader, out, include_mtp)
+    return out.tensors
+
+
+class _ConfigReader:
+    """Typed access to config entries; every failure names the key, the model type and the file."""
+
+    def __init__(self, config: dict[str, Any], model_type: str, file: Path):
+        self.config = config
+        self.model_type = model_type
+        self.file = file
+
+    def error(self, message: str) -> ModelDescriptionError:
+        return ModelDescriptionError(f"{self.file}: {message}")
+
+    def size(self, key: str, minimum: int = 1) -> int:
+        """A required integer entry of at least ``minimum``."""
+        if self.config.get(key) is None:
+            raise self.error(f"model_type {self.model_type!r} needs key {key!r}, which is missing")
+        return self._check_int(key, self.config[key], minimum)
+
+    def optional_size(self, key: str, default: int, minimum: int = 0) -> int:
+        """An integer entry that may be absent or null (then ``default``)."""
+        value = self.config.get(key)
+        return default if value is None else self._check_int(key, value, minimum)
+
+    def flag(self, key: str) -> bool:
+        """A boolean entry; absent or null means false, as in every supported family."""
+        value = self.config.get(key)
+        if value is None:
+            return False
+        if not isinstance(value, bool):
+            raise self.error(f"{key!r} must be true or false, not {value!r}")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        """A list of integers (e.g. layer indices); absent or null means empty."""
+        value = self.config.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.error(f"{key!r} must be a list of integers, not {value!r}")
+        return [self._check_int(key, item, 0) for item in value]
+
+    def _check_int(self, key: str, value: Any, minimum: int) -> int:
+        # bool is an int subclass in Python, but `true` is no size
+        if type(value) is not int:
+            raise self.error(f"{key!r} must be an integer, not {value!r}")
+        if value < minimum:
+            raise self.error(f"{key!r} must be at least {minimum}, not {value}")
+        return value
+
+
+def _model_dtype(reader: _ConfigReader, dtype: str | None) -> str:
+    """The dtype argument, else the config's ``torch_dtype``/``dtype``, else bf16."""
+    if dtype is not None:
+        source, spelling = "dtype argument", dtype
+    else:
+        key = "torch_dtype" if reader.config.get("torch_dtype") is not None else "dtype"
+        spelling = reader.config.get(key)
+        if spelling is None:
+            return _DEFAULT_DTYPE
+        source = f"config {key!r}"
+    short = canonical_dtype(spelling) if isinstance(spelling, str) else None
+    if short is None:
+        raise reader.error(f"unknown {source} {spelling!r} (known: {', '.join(DTYPES)})")
+    return short
+
+
+class _Fp8Blocks:
+    """How a block-wise FP8 checkpoint stores its projection weights."""
+
+    def __init__(self, dtype: str, block: tuple[int, int], modules_to_not_convert: list[str]):
+        self.dtype = dtype
+        self.block = block
+        self.modules_to_not_convert = modules_to_not_convert
+
+    @classmethod
+    def from_config(cls, reader: _ConfigReader) -> _Fp8Blocks | None:
+        """The config's FP8 scheme, None for an unquantized checkpoint; other schemes are errors."""
+        quant = reader.config.get("quantization_config")
+        if quant is None:
+            return None
+        if not isinstance(quant, dict):
+            raise reader.error(f"'quantization_config' must be an object, not {quant!r}")
+        method = quant.get("quant_method")
+        block = quant.get("weight_block_size")
+        fmt = quant.get("fmt", "e4m3")
+        not_converted = quant.get("modules_to_not_convert") or []
+        unquantized_hint = "pass dtype= to describe the unquantized checkpoint"
+        if method != "fp8":
+            raise reader.error(f"quantization method {method!r} is not supported; {unquantized_hint}")
+        # static activation scales add `input_scale` tensors this module does not name
+        if quant.get("activation_scheme", "dynamic") != "dynamic":
+            raise reader.error(
+                f"FP8 activation_scheme {quant.get('activation_scheme')!r} is not supported; {unquantized_hint}"
+            )
+        if not (isinstance(block, list) and len(block) == 2 and all(type(side) is int and side > 0 for side in block)):
+            raise reader.error(
+                f"FP8 'weight_block_size' must be two positive integers, not {block!r}; {unquantized_hint}"
+            )
+        if fmt not in _FP8_FORMATS:
+            raise reader.error(f"unknown FP8 'fmt' {fmt!r} (known: {', '.join(_FP8_FORMATS)})")
+        if not (isinstance(not_converted, list) and all(isinstance(name, str) for name in not_converted)):
+            raise reader.error(f"'modules_to_not_convert' must be a list of module names, not {not_converted!r}")
+        return cls(_FP8_FORMATS[fmt], (block[0], block[1]), not_converted)
+
+    def quantizes(self, module: str) -> bool:
+        # substring match, as transformers applies `modules_to_not_convert`
+        return not any(excluded in module for excluded in self.modules_to_not_convert)
+
+    def scale_shape(self, out_features: int, in_features: int) -> tuple[int, int]:
+        return (math.ceil(out_features / self.block[0]), math.ceil(in_features / self.block[1]))
+
+
+class _TensorList:
+    """Collects logical tensors in checkpoint order, applying the checkpoint's dtypes."""
+
+    def __init__(self, reader: _ConfigReader, dtype: str, *, explicit_dtype: bool):
+        self.dtype = dtype
+        # an explicit dtype describes a plain checkpoint in that dtype, with no scales
+        self.explicit_dtype = explicit_dtype
+        self.fp8 = None if explicit_dtype else _Fp8Blocks.from_config(reader)
+        self.tensors: list[TensorEntry] = []
+
+    def add(self, name: str, *shape: int, dtype: str | None = None) -> None:
+        self.tensors.append((name, shape, dtype or self.dtype))
+
+    def add_fp32_buffer(self, name: str, *shape: int) -> None:
+        """A tensor the published checkpoint keeps in fp32 whatever the model dtype."""
+        self.add(name, *shape, dtype=self.dtype if self.explicit_dtype else "fp32")
+
+    def linear(self, module: str, out_features: int, in_features: int, *, bias: bool = False) -> None:
+        """A projection inside a decoder layer: the ones FP8 checkpoints quantize."""
+        if self.fp8 is not None and self.fp8.quantizes(module):
+            self.add(f"{module}.weight", out_features, in_features, dtype=self.fp8.dtype)
+            self.add(f"{module}.weight_scale_inv", *self.fp8.scale_shape(out_features, in_features), dtype=_SCALE_DTYPE)
+        else:
+            self.add(f"{module}.weight", out_features, in_features)
+        if bias:
+            self.add(f"{module}.bias", out_features)
+
+    def gated_mlp(self, module: str, hidden: int, intermediate: int, *, bias: bool = False) -> None:
+        """SwiGLU feed-forward: gate, up and down projections."""
+        self.linear(f"{module}.gate_proj", intermediate, hidden, bias=bias)
+        self.linear(f"{module}.up_proj", intermediate, hidden, bias=bias)
+        self.linear(f"{module}.down_proj", hidden, intermediate, bias=bias)
+
+
+def _head_dim(reader: _ConfigReader, hidden: int, heads: int) -> int:
+    """``head_dim`` when the config sets it (Qwen3 does), else hidden_size / num_attention_heads."""
+    if reader.config.get("head_dim") is not None:
+        return reader.size("head_dim")
+    if hidden % heads:
+        raise reader.error(
+            f"hidden_size {hidden} is not a multiple of num_attention_heads {heads} and no 'head_dim' is given"
+        )
+    return hidden // heads
+
+
+def _grouped_query_model(
+    reader: _ConfigReader,
+    out: _TensorList,
+    *,
+    qkv_bias: bool,
+    o_bias: bool,
+    qk_norm: bool,
+    mlp_bias: bool,
+    moe_layer: Callable[[int], bool] | None,
+) -> None:
+    """Llama-style decoder: GQA attention, SwiGLU MLP or MoE, RMSNorms, optional tied head."""
+    hidden = reader.size("hidden_size")
+    vocab = reader.size("vocab_size")
+    layers = reader.size("num_hidden_layers")
+    heads = reader.size("num_attention_heads")
+    kv_heads = reader.optional_size("num_key_value_heads", default=heads, minimum=1)
+    head_dim = _head_dim(reader, hidden, heads)
+
+    out.add("model.embed_tokens.weight", vocab, hidden)
+    for layer in range(layers):
+        prefix = f"model.layers.{layer}"
+        attn = f"{prefix}.self_attn"
+        out.linear(f"{attn}.q_proj", heads * head_dim, hidden, bias=qkv_bias)
+        out.linear(f"{attn}.k_proj", kv_heads * head_dim, hidden, bias=qkv_bias)
+        out.linear(f"{attn}.v_proj", kv_heads * head_dim, hidden, bias=qkv_bias)
+        out.linear(f"{attn}.o_proj", hidden, heads * head_dim, bias=o_bias)
+        if qk_norm:
+            out.add(f"{attn}.q_norm.weight", head_dim)
+            out.add(f"{attn}.k_norm.weight", head_dim)
+        if moe_layer is not None and moe_layer(layer):
+            experts = reader.size("num_experts")
+            expert_intermediate = reader.size("moe_intermediate_size")
+            # the router is a plain linear layer that FP8 checkpoints keep unquantized
+            out.add(f"{prefix}.mlp.gate.weight", experts, hidden)
+            for expert in range(experts):
+                out.gated_mlp(f"{prefix}.mlp.experts.{expert}", hidden, expert_intermediate)
+        else:
+            out.gated_mlp(f"{prefix}.mlp", hidden, reader.size("intermediate_size"), bias=mlp_bias)
+        out.add(f"{prefix}.input_layernorm.weight", hidden)
+        out.add(f"{prefix}.post_attention_layernorm.weight", hidden)
+    out.add("model.norm.weight", hidden)
+    if not reader.flag("tie_word_embeddings"):
+        out.add("lm_head.weight", vocab, hidden)
+
+
+def _llama(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    bias = reader.flag("attention_bias")
+    _grouped_query_model(
+        reader, out, qkv_bias=bias, o_bias=bias, qk_norm=False, mlp_bias=reader.flag("mlp_bias"), moe_layer=None
+    )
+
+
+def _qwen2(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    # Qwen2 always has q/k/v biases and never an o_proj bias; its config has no switch for them
+    _grouped_query_model(reader, out, qkv_bias=True, o_bias=False, qk_norm=False, mlp_bias=False, moe_layer=None)
+
+
+def _qwen3(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    bias = reader.flag("attention_bias")
+    _grouped_query_model(reader, out, qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False, moe_layer=None)
+
+
+def _qwen3_moe(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    sparse_step = reader.optional_size("decoder_sparse_step", default=1, minimum=1)
+    dense_layers = set(reader.int_list("mlp_only_layers"))
+
+    def moe_layer(layer: int) -> bool:
+        # the rule of transformers' Qwen3MoeDecoderLayer
+        return layer not in dense_layers and (layer + 1) % sparse_step == 0
+
+    bias = reader.flag("attention_bias")
+    _grouped_query_model(reader, out, qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False, moe_layer=moe_layer)
+
+
+def _deepseek_v3(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    """DeepSeek-V3: MLA attention, dense first layers, then routed + shared experts."""
+    hidden = reader.size("hidden_size")
+    vocab = reader.size("vocab_size")
+    layers = reader.size("num_hidden_layers")
+    first_dense = reader.size("first_k_dense_replace", minimum=0)
+    moe_every = reader.optional_size("moe_layer_freq", default=1, minimum=1)
+    mtp_layers = reader.optional_size("num_nextn_predict_layers", default=0) if include_mtp else 0
+
+    def decoder_layer(prefix: str, layer: int) -> None:
+        _mla_attention(reader, out, f"{prefix}.self_attn", hidden)
+        if layer >= first_dense and layer % moe_every == 0:
+            _deepseek_moe(reader, out, f"{prefix}.mlp", hidden)
+        else:
+            out.gated_mlp(f"{prefix}.mlp", hidden, reader.size("intermediate_size"))
+        out.add(f"{prefix}.input_layernorm.weight", hidden)
+        out.add(f"{prefix}.post_attention_layernorm.weight", hidden)
+
+    out.add("model.embed_tokens.weight", vocab, hidden)
+    for layer in range(layers):
+        decoder_layer(f"model.layers.{layer}", layer)
+    # multi-token prediction layers follow the model's layers in the checkpoint, each with its
+    # own embedding, input norms, projection of [embedding; hidden state] and output head
+    for layer in range(layers, layers + mtp_layers):
+        prefix = f"model.layers.{layer}"
+        out.add(f"{prefix}.embed_tokens.weight", vocab, hidden)
+        out.add(f"{prefix}.enorm.weight", hidden)
+        out.add(f"{prefix}.hnorm.weight", hidden)
+        # eh_proj sits outside the decoder block and stays unquantized in FP8 checkpoints
+        out.add(f"{prefix}.eh_proj.weight", hidden, 2 * hidden)
+        decoder_layer(prefix, layer)
+        out.add(f"{prefix}.shared_head.norm.weight", hidden)
+        out.add(f"{prefix}.shared_head.head.weight", vocab, hidden)
+    out.add("model.norm.weight", hidden)
+    if not reader.flag("tie_word_embeddings"):
+        out.add("lm_head.weight", vocab, hidden)
+
+
+def _mla_attention(reader: _ConfigReader, out: _TensorList, attn: str, hidden: int) -> None:
+    """Multi-head latent attention: low-rank query (optional) and compressed key/value."""
+    heads = reader.size("num_attention_heads")
+    kv_rank = reader.size("kv_lora_rank")
+    nope_dim = reader.size("qk_nope_head_dim", minimum=0)
+    rope_dim = reader.size("qk_rope_head_dim", minimum=0)
+    v_dim = reader.size("v_head_dim")
+    q_rank = reader.optional_size("q_lora_rank", default=0)
+    bias = reader.flag("attention_bias")
+    q_head_dim = nope_dim + rope_dim
+    if q_rank:
+        out.linear(f"{attn}.q_a_proj", q_rank, hidden, bias=bias)
+        out.add(f"{attn}.q_a_layernorm.weight", q_rank)
+        out.linear(f"{attn}.q_b_proj", heads * q_head_dim, q_rank)
+    else:
+        out.linear(f"{attn}.q_proj", heads * q_head_dim, hidden)
+    # one projection yields the compressed KV latent and the shared rotary key
+    out.linear(f"{attn}.kv_a_proj_with_mqa", kv_rank + rope_dim, hidden, bias=bias)
+    out.add(f"{attn}.kv_a_layernorm.weight", kv_rank)
+    out.linear(f"{attn}.kv_b_proj", heads * (nope_dim + v_dim), kv_rank)
+    out.linear(f"{attn}.o_proj", hidden, heads * v_dim, bias=bias)
+
+
+def _deepseek_moe(reader: _ConfigReader, out: _TensorList, mlp: str, hidden: int) -> None:
+    """Routed experts, the sigmoid router with its load-balancing bias, and shared experts."""
+    experts = reader.size("n_routed_experts")
+    expert_intermediate = reader.size("moe_intermediate_size")
+    shared = reader.optional_size("n_shared_experts", default=0)
+    for expert in range(experts):
+        out.gated_mlp(f"{mlp}.experts.{expert}", hidden, expert_intermediate)
+    out.add(f"{mlp}.gate.weight", experts, hidden)
+    out.add_fp32_buffer(f"{mlp}.gate.e_score_correction_bias", experts)
+    if shared:
+        # the shared experts are stored fused as one MLP, shared times as wide
+        out.gated_mlp(f"{mlp}.shared_experts", hidden, expert_intermediate * shared)
+
+
+_BUILDERS: dict[str, Callable[[_ConfigReader, _TensorList, bool], None]] = {
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _qwen2,
+    "qwen3": _qwen3,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v3": _deepseek_v3,
+}
+
+#: ``model_type`` values this module knows the checkpoint layout of
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(_BUILDERS)

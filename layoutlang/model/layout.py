@@ -1,0 +1,349 @@
+"""Layouts: rules resolved tensor by tensor, boxes by rank, storages by rank."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import attrs
+
+from ..core import _core
+from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
+from .dtypes import itemsize
+from .mesh import Mesh, Placement, Replicate
+from .rules import Rule, Storage, StorageRule, _substitute, compile_pattern
+from .tensor import Box, LogicalTensor, TensorPlacement
+
+# ------------------------------------------------------------------------ layout
+
+
+class _Resolved:
+    """A layout resolved tensor by tensor, and compiled for the C++ core."""
+
+    def __init__(self, layout: Layout):
+        self.layout = layout
+        self.names = list(layout.tensors)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.rule_of: list[Rule] = []
+        self.submesh_of: list[tuple[tuple[str, int], ...]] = []
+        self.spec_of: list[int] = []
+        self.specs: list[tuple] = []
+        self.storages: list[Storage] = []
+        self.storage_of: list[int] = []
+        self.storage_index: dict[str, list[int]] = {}
+        self._sid_of: dict[str, int] = {}
+        self._axis_sizes = dict(layout.mesh.axes)
+        self._resolve_rules()
+        self._resolve_storages()
+        self.core = self._compile()
+
+    def placement(self, index: int) -> TensorPlacement:
+        rule = self.rule_of[index]
+        return TensorPlacement(self.layout.mesh, self._placements(rule), self.submesh_of[index], tuple(rule.order))
+
+    # -- rules
+    def _resolve_rules(self) -> None:
+        layout = self.layout
+        rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
+        compiled = []
+        for _, rule in rules:
+            try:
+                compiled.append((rule, compile_pattern(rule.pattern) if rule.pattern is not None else None))
+            except LayoutError as err:
+                raise err.with_span(rule.span)
+        # Names that differ only in their digits match the same rules when no pattern has a
+        # literal digit (captures match whole digit runs), so the search is cached by skeleton.
+        cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
+        by_skeleton: dict[tuple[str, ...], int] = {}
+        # A spec depends only on the rule and the number of dims; sub-mesh coordinates vary.
+        spec_of_rule: dict[tuple[int, int], int] = {}
+        spec_ids: dict[tuple, int] = {}
+        digits = re.compile(r"[0-9]+")
+        for name in self.names:
+            tensor = layout.tensors[name]
+            key = tuple(digits.split(name)) if cacheable else None
+            chosen = by_skeleton.get(key) if key is not None else None
+            if chosen is None:
+                chosen = self._choose_rule(name, compiled)
+                if key is not None:
+                    by_skeleton[key] = chosen
+            rule, regex = compiled[chosen]
+            captures: dict[str, int] = {}
+            if regex is not None:
+                captures = {k: int(v) for k, v in regex.fullmatch(name).groupdict().items()}
+            ndim = len(tensor.shape)
+            sid = spec_of_rule.get((chosen, ndim))
+            if sid is None:
+                spec = self._spec(rule, name, ndim)
+                sid = spec_of_rule[(chosen, ndim)] = spec_ids.setdefault(spec, len(spec_ids))
+                if sid == len(self.specs):
+                    self.specs.append(spec)
+            self.rule_of.append(rule)
+            self.spec_of.append(sid)
+            self.submesh_of.append(self._submesh(name, rule, captures))
+
+    def _choose_rule(self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]]) -> int:
+        found: int | None = None
+        for i, (rule, regex) in enumerate(compiled):
+            if found is not None and rule.specificity < compiled[found][0].specificity:
+                break
+            if regex is None or regex.fullmatch(name):
+                if found is not None:
+                    first = compiled[found][0]
+                    where = f" (line {first.span.line})" if first.span else ""
+                    raise LayoutValueError(
+                        f"tensor '{name}' is matched by two rules of equal specificity in layout "
+                        f"'{self.layout.name}': \"{first.pattern}\"{where} and \"{rule.pattern}\"",
+                        rule.span,
+                        "make one pattern more specific (more literal characters wins)",
+                    )
+                found = i
+        if found is None:
+            raise LayoutValueError(
+                f"tensor '{name}' is matched by no rule of layout '{self.layout.name}' and the layout has no default",
+                self.layout.span,
+                "add a rule for it, or 'default: replicate'",
+            )
+        return found
+
+    def _placements(self, rule: Rule) -> tuple[Placement, ...]:
+        placed = dict(rule.placements)
+        return tuple(placed.get(axis, Replicate()) for axis in self.layout.mesh.axis_names)
+
+    def _spec(self, rule: Rule, tensor: str, ndim: int) -> tuple:
+        # Only the names of the sub-mesh axes matter to the spec (their placements are ignored).
+        axes_only = tuple((axis, 0) for axis, _ in rule.submesh)
+        placement = TensorPlacement(self.layout.mesh, self._placements(rule), axes_only, tuple(rule.order))
+        try:
+            return placement.spec(ndim, tensor)
+        except LayoutError as err:
+            raise err.with_span(rule.span)
+
+    def _submesh(self, tensor: str, rule: Rule, captures: dict[str, int]) -> tuple[tuple[str, int], ...]:
+        sizes = self._axis_sizes
+        submesh = []
+        for axis, index in rule.submesh:
+            value = index(captures) if callable(index) else int(index)
+            size = sizes[axis]
+            if not 0 <= value < size:
+                shown = ", ".join(f"{k}={v}" for k, v in captures.items())
+                raise LayoutValueError(
+                    f"sub-mesh index {value} is out of range for axis '{axis}' of size {size} "
+                    f"(tensor '{tensor}'{', ' + shown if shown else ''})",
+                    rule.span,
+                )
+            submesh.append((axis, value))
+        return tuple(submesh)
+
+    # -- storages
+    def _resolve_storages(self) -> None:
+        layout = self.layout
+        assigned: dict[str, Storage] = {}
+        for rule in layout.storages:
+            first = compile_pattern(rule.parts[0])
+            matched = False
+            for name in self.names:
+                m = first.fullmatch(name)
+                if m is None:
+                    continue
+                matched = True
+                captures = {k: int(v) for k, v in m.groupdict().items()}
+                try:
+                    parts = tuple(_substitute(p, captures) for p in rule.parts)
+                    storage_name = rule.storage_name(captures)
+                except LayoutError as err:
+                    raise err.with_span(rule.span)
+                if len(set(parts)) != len(parts):
+                    raise LayoutValueError(
+                        f"storage '{storage_name}' of layout '{layout.name}' names a tensor twice", rule.span
+                    )
+                for part in parts:
+                    if part not in layout.tensors:
+                        raise LayoutNameError(
+                            f"storage '{storage_name}' of layout '{layout.name}' names tensor '{part}', which is not declared",
+                            rule.span,
+                            did_you_mean(part, layout.tensors),
+                        )
+                    if part in assigned:
+                        raise LayoutValueError(
+                            f"tensor '{part}' is a part of two storages: '{assigned[part].name}' and '{storage_name}'",
+                            rule.span,
+                        )
+                    ndim = len(layout.tensors[part].shape)
+                    if not 0 <= rule.dim < ndim:
+                        raise LayoutValueError(
+                            f"storage '{storage_name}' fuses along dim {rule.dim}, but tensor '{part}' has {ndim} dims",
+                            rule.span,
+                        )
+                storage = Storage(storage_name, parts, rule.dim, rule.blocks, rule.shape, rule.span)
+                for part in parts:
+                    assigned[part] = storage
+                self._add_storage(storage)
+            if not matched:
+                raise LayoutNameError(
+                    f"storage '{rule.name}' of layout '{layout.name}': no tensor matches its first part '{rule.parts[0]}'",
+                    rule.span,
+                    did_you_mean(rule.parts[0], layout.tensors),
+                )
+        for name in self.names:
+            if name not in assigned:
+                storage = Storage(name, (name,))
+                assigned[name] = storage
+                self._add_storage(storage)
+        self.storage_of = [self._sid_of[n] for n in self.names]
+
+    def _add_storage(self, storage: Storage) -> None:
+        sid = len(self.storages)
+        self.storage_index.setdefault(storage.name, []).append(sid)
+        self.storages.append(storage)
+        for part in storage.parts:
+            self._sid_of[part] = sid
+
+    # -- core
+    def _compile(self):
+        layout = self.layout
+        mesh = layout.mesh
+        axis_of = {a: i for i, a in enumerate(mesh.axis_names)}
+        tensors = []
+        for i, name in enumerate(self.names):
+            tensor = layout.tensors[name]
+            fixed = [-1] * len(axis_of)
+            for axis, value in self.submesh_of[i]:
+                fixed[axis_of[axis]] = value
+            tensors.append((list(tensor.shape), self.spec_of[i], fixed, self.storage_of[i], itemsize(tensor.dtype)))
+        storages = [
+            (s.dim, [self.index[p] for p in s.parts], list(s.blocks or ()), list(s.shape or ()))
+            for s in self.storages
+        ]
+        specs = [[(pad, list(splits)) for pad, splits in spec] for spec in self.specs]
+        return _core.LayoutCore(list(mesh.shape), list(mesh.ranks), specs, tensors, storages)
+
+
+@attrs.frozen(eq=False)
+class Layout:
+    """Rules that give every logical tensor of a program a placement on ``mesh`` and a storage.
+
+    A tensor takes the most specific matching rule (the one with the most literal
+    characters in its pattern); two matching rules of equal specificity are an error; the
+    default rule (pattern None) matches what nothing else does.
+    """
+
+    name: str
+    mesh: Mesh
+    tensors: Mapping[str, LogicalTensor]
+    rules: tuple[Rule, ...] = attrs.field(converter=tuple)
+    storages: tuple[StorageRule, ...] = attrs.field(default=(), converter=tuple)
+    span: Span | None = attrs.field(default=None, repr=False)
+    _resolved: list = attrs.field(factory=list, init=False, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Layout({self.name!r}, mesh={self.mesh.name!r}, rules={len(self.rules)}, tensors={len(self.tensors)})"
+
+    @property
+    def resolved(self) -> _Resolved:
+        if not self._resolved:
+            self._resolved.append(_Resolved(self))
+        return self._resolved[0]
+
+    @property
+    def core(self):
+        """The layout compiled for the C++ core (``layoutlang._core.LayoutCore``)."""
+        return self.resolved.core
+
+    def _tensor_index(self, tensor: str) -> int:
+        index = self.resolved.index.get(tensor)
+        if index is None:
+            raise LayoutNameError(
+                f"unknown tensor '{tensor}' in layout '{self.name}'", hint=did_you_mean(tensor, self.tensors)
+            )
+        return index
+
+    def _storage_indices(self, storage: str) -> list[int]:
+        found = self.resolved.storage_index.get(storage)
+        if not found:
+            raise LayoutNameError(
+                f"unknown storage '{storage}' in layout '{self.name}'",
+                hint=did_you_mean(storage, self.resolved.storage_index),
+            )
+        return found
+
+    def placement(self, tensor: str) -> TensorPlacement:
+        """Where ``tensor`` lives: its placements per axis and its sub-mesh coordinates."""
+        return self.resolved.placement(self._tensor_index(tensor))
+
+    def rule_for(self, tensor: str) -> Rule:
+        return self.resolved.rule_of[self._tensor_index(tensor)]
+
+    def storage_of(self, tensor: str) -> Storage:
+        return self.resolved.storages[self.resolved.storage_of[self._tensor_index(tensor)]]
+
+    def holders(self, tensor: str) -> list[int]:
+        """Ranks holding a shard (possibly empty) of the tensor."""
+        return list(self.core.holders(self._tensor_index(tensor)))
+
+    def local_shape(self, tensor: str, rank: int) -> tuple[int, ...] | None:
+        shape = self.core.local_shape(self._tensor_index(tensor), rank)
+        return tuple(shape) if shape is not None else None
+
+    def boxes(self, tensor: str, rank: int) -> list[Box]:
+        """The boxes of ``tensor`` that ``rank`` holds, each with its place in the rank's storage."""
+        index = self._tensor_index(tensor)
+        storage = self.resolved.storages[self.resolved.storage_of[index]].name
+        return [
+            Box(tensor, tuple(o), tuple(s), storage, tuple(so))
+            for o, s, so in self.core.boxes(index, rank)
+        ]
+
+    def storages_on(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Every storage ``rank`` holds, with its local shape."""
+        out = {}
+        for sid, storage in enumerate(self.resolved.storages):
+            shape = self.core.storage_shape(sid, rank)
+            if shape is not None:
+                out[storage.name] = tuple(shape)
+        return out
+
+    def storage(self, name: str, rank: int) -> Storage:
+        """The storage of that name on ``rank`` (names may repeat on disjoint ranks)."""
+        for sid in self._storage_indices(name):
+            if self.core.storage_shape(sid, rank) is not None:
+                return self.resolved.storages[sid]
+        raise LayoutValueError(f"rank {rank} holds no storage '{name}' in layout '{self.name}'")
+
+    def storage_shape(self, name: str, rank: int) -> tuple[int, ...] | None:
+        for sid in self._storage_indices(name):
+            shape = self.core.storage_shape(sid, rank)
+            if shape is not None:
+                return tuple(shape)
+        return None
+
+    def summary(self) -> list[dict[str, int]]:
+        """Per rank: tensors, boxes, elements and bytes held (computed from every box)."""
+        keys = ("rank", "tensors", "boxes", "elements", "bytes")
+        return [dict(zip(keys, row)) for row in self.core.summarize()]
+
+    def check(self) -> None:
+        """Resolves every tensor and validates every storage on every rank; raises LayoutError."""
+        resolved = self.resolved
+        problems = self.core.validate(1)
+        if problems:
+            kind, sid, rank, message = problems[0]
+            storage = resolved.storages[sid]
+            raise LayoutValueError(
+                f"storage '{storage.name}' of layout '{self.name}' on rank {rank}: {message}", storage.span
+            )
+        # Storage names may repeat only on disjoint ranks (Megatron's per-stage local names).
+        for name, sids in resolved.storage_index.items():
+            if len(sids) < 2:
+                continue
+            seen: dict[int, int] = {}
+            for sid in sids:
+                for rank in self.core.holders(self.resolved.index[resolved.storages[sid].parts[0]]):
+                    if rank in seen:
+                        other = resolved.storages[seen[rank]]
+                        raise LayoutValueError(
+                            f"rank {rank} would hold two storages named '{name}' in layout '{self.name}' "
+                            f"(parts {', '.join(other.parts)} and {', '.join(resolved.storages[sid].parts)})",
+                            resolved.storages[sid].span or other.span,
+                        )
+                    seen[rank] = sid

@@ -1,0 +1,109 @@
+"""Rules: which placement and which storage each logical tensor gets, by name pattern."""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from ..errors import LayoutNameError, LayoutValueError, Span
+from .mesh import Placement
+
+# ------------------------------------------------------------------------- rules
+
+CaptureFn = Callable[[Mapping[str, int]], int]
+
+
+@attrs.frozen
+class Rule:
+    """Places the tensors whose names match ``pattern`` (None: the default rule).
+
+    In a pattern, ``*`` matches any text and ``{name}`` captures a whole run of digits as an
+    integer. ``placements`` maps axes to placements (axes not named replicate);
+    ``submesh`` maps axes to a coordinate, an integer or a function of the captures;
+    ``order`` gives an explicit nesting order of the axes sharding one dim.
+    """
+
+    pattern: str | None
+    placements: Mapping[str, Placement] = attrs.field(factory=dict, converter=lambda m: tuple(dict(m).items()))
+    submesh: Mapping[str, int | CaptureFn] = attrs.field(factory=dict, converter=lambda m: tuple(dict(m).items()))
+    order: Mapping[int, tuple[str, ...]] = attrs.field(factory=dict, converter=lambda m: tuple((int(d), tuple(a)) for d, a in dict(m).items()))
+    span: Span | None = attrs.field(default=None, eq=False)
+
+    @property
+    def captures(self) -> tuple[str, ...]:
+        return tuple(re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", self.pattern or ""))
+
+    @property
+    def specificity(self) -> int:
+        """Number of literal characters; the most specific matching rule wins."""
+        if self.pattern is None:
+            return -1
+        return len(re.sub(r"\{[^}]*\}|\*", "", self.pattern))
+
+
+@functools.lru_cache(maxsize=4096)
+def compile_pattern(pattern: str) -> re.Pattern[str]:
+    """``*`` matches any text, ``{name}`` a whole run of digits (captured as ``name``)."""
+    if re.search(r"\}\{", pattern):
+        raise LayoutValueError(f"pattern \"{pattern}\": two captures must be separated by text (a capture takes a whole run of digits)")
+    out = []
+    pos = 0
+    for m in re.finditer(r"\{([A-Za-z_][A-Za-z0-9_]*)\}|\*", pattern):
+        out.append(re.escape(pattern[pos : m.start()]))
+        if m.group(0) == "*":
+            out.append(".*")
+        else:
+            out.append(f"(?<![0-9])(?P<{m.group(1)}>[0-9]+)(?![0-9])")
+        pos = m.end()
+    out.append(re.escape(pattern[pos:]))
+    return re.compile("".join(out))
+
+
+@attrs.frozen
+class StorageRule:
+    """Storages holding several logical tensors, fused along ``dim``.
+
+    ``name`` and ``parts`` are templates: ``parts[0]`` is matched against the tensors
+    (``{name}`` captures digits); the other parts and the storage name are instantiated
+    with the captures (``name`` may compute, e.g. ``{l % 4}``, through ``name_fn``).
+    ``blocks``: interleave the parts in blocks of so many elements along ``dim`` (Megatron's
+    fused QKV per query group); ``shape``: the local shape every rank must end up with.
+    """
+
+    name: str
+    parts: tuple[str, ...] = attrs.field(converter=tuple)
+    dim: int = 0
+    blocks: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    name_fn: Callable[[Mapping[str, int]], str] | None = attrs.field(default=None, eq=False)
+    span: Span | None = attrs.field(default=None, eq=False)
+
+    def storage_name(self, captures: Mapping[str, int]) -> str:
+        if self.name_fn is not None:
+            return self.name_fn(captures)
+        return _substitute(self.name, captures)
+
+
+def _substitute(template: str, captures: Mapping[str, int]) -> str:
+    def repl(m: re.Match[str]) -> str:
+        key = m.group(1)
+        if key not in captures:
+            raise LayoutNameError(f"'{{{key}}}' is not a capture of the first part")
+        return str(captures[key])
+
+    return re.sub(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", repl, template)
+
+
+@attrs.frozen
+class Storage:
+    """A rank-local buffer: the local shards of ``parts`` fused along ``dim``."""
+
+    name: str
+    parts: tuple[str, ...]
+    dim: int = 0
+    blocks: tuple[int, ...] | None = None
+    shape: tuple[int, ...] | None = None
+    span: Span | None = attrs.field(default=None, eq=False, repr=False)

@@ -1,0 +1,204 @@
+"""Logical tensors, their boxes, and how a placement cuts a tensor into boxes."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import attrs
+
+from ..core import _core
+from ..errors import LayoutValueError, did_you_mean
+from .dtypes import DTYPES, itemsize
+from .mesh import Mesh, Placement, Shard
+
+# ----------------------------------------------------------------------- tensors
+
+
+@attrs.frozen
+class LogicalTensor:
+    """A named global tensor.
+
+    >>> LogicalTensor("lm_head.weight", (151936, 4096), "bf16").nbytes
+    1244659712
+    """
+
+    name: str
+    shape: tuple[int, ...] = attrs.field(converter=lambda s: tuple(int(x) for x in s))
+    dtype: str = "bf16"
+
+    def __attrs_post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise LayoutValueError(
+                f"tensor '{self.name}' has unknown dtype '{self.dtype}' (known: {', '.join(DTYPES)})",
+                hint=did_you_mean(self.dtype, DTYPES),
+            )
+        for d, n in enumerate(self.shape):
+            if n < 0:
+                raise LayoutValueError(f"tensor '{self.name}' has negative size {n} in dim {d}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@attrs.frozen
+class Box:
+    """A region of a logical tensor and its place in a rank's storage.
+
+    ``offsets`` and ``sizes`` are global coordinates in the logical tensor; the box occupies
+    ``storage[storage_offsets[d] : storage_offsets[d] + sizes[d]]`` along every dim of the
+    storage named ``storage``.
+    """
+
+    tensor: str | None
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage: str | None
+    storage_offsets: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    def slices(self) -> tuple[slice, ...]:
+        """Index of the box in the logical tensor."""
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+    def storage_slices(self) -> tuple[slice, ...]:
+        """Index of the box in its storage."""
+        return tuple(slice(o, o + s) for o, s in zip(self.storage_offsets, self.sizes))
+
+    def __str__(self) -> str:
+        region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
+        place = ", ".join(f"{o}:{o + s}" for o, s in zip(self.storage_offsets, self.sizes))
+        return f"{self.tensor}[{region}] at {self.storage}[{place}]"
+
+
+@attrs.frozen
+class TensorPlacement:
+    """Where one logical tensor lives in a layout.
+
+    ``placements`` has one entry per mesh axis (DTensor style); ``submesh`` fixes the
+    coordinate of some axes (a pipeline stage, an expert-parallel rank), whose entry in
+    ``placements`` is then ignored; ``order`` gives, per dim sharded by several axes in an
+    explicit order, that order (otherwise they nest in mesh-axis order, as in DTensor).
+    """
+
+    mesh: Mesh
+    placements: tuple[Placement, ...]
+    submesh: tuple[tuple[str, int], ...] = ()
+    order: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def spec(self, ndim: int, tensor: str = "?") -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+        """The C++ core's form: per dim, (pad multiple, ((axis index, chunks, blocks), ...))."""
+        if len(self.placements) != len(self.mesh.axes):
+            raise LayoutValueError(
+                f"tensor '{tensor}': {len(self.placements)} placements for mesh '{self.mesh.name}' "
+                f"of {len(self.mesh.axes)} axes"
+            )
+        fixed = {a for a, _ in self.submesh}
+        per_dim: dict[int, list[tuple[int, Shard]]] = {}
+        for axis_index, ((axis, _), placement) in enumerate(zip(self.mesh.axes, self.placements)):
+            if axis in fixed or not isinstance(placement, Shard):
+                continue
+            dim = placement.dim + ndim if placement.dim < 0 else placement.dim
+            if not 0 <= dim < ndim:
+                raise LayoutValueError(
+                    f"tensor '{tensor}' has {ndim} dims; axis '{axis}' cannot shard dim {placement.dim}"
+                )
+            per_dim.setdefault(dim, []).append((axis_index, placement))
+        explicit = {d + ndim if d < 0 else d: axes for d, axes in self.order}
+        dims = []
+        for d in range(ndim):
+            entries = per_dim.get(d, [])
+            if d in explicit:
+                rank_of = {self.mesh.axis_index(a): i for i, a in enumerate(explicit[d])}
+                if set(rank_of) != {i for i, _ in entries}:
+                    raise LayoutValueError(
+                        f"tensor '{tensor}': the order given for dim {d} ({', '.join(explicit[d])}) "
+                        "does not list exactly the axes that shard it"
+                    )
+                entries = sorted(entries, key=lambda e: rank_of[e[0]])
+            pads = {p.pad for _, p in entries}
+            if len(pads) > 1:
+                raise LayoutValueError(f"tensor '{tensor}': dim {d} is padded to different multiples {sorted(pads)}")
+            splits = []
+            for axis_index, p in entries:
+                size = self.mesh.axes[axis_index][1]
+                chunks = size if p.chunks is None else p.chunks
+                if chunks < 1 or size % chunks != 0:
+                    raise LayoutValueError(
+                        f"tensor '{tensor}': {chunks} chunks do not divide axis "
+                        f"'{self.mesh.axes[axis_index][0]}' of size {size}"
+                    )
+                if p.blocks < 1:
+                    raise LayoutValueError(f"tensor '{tensor}': blocks must be at least 1, not {p.blocks}")
+                splits.append((axis_index, chunks, p.blocks))
+            dims.append((pads.pop() if pads else 1, tuple(splits)))
+        return tuple(dims)
+
+    def fixed_coords(self, tensor: str = "?") -> list[int]:
+        fixed = [-1] * len(self.mesh.axes)
+        for axis, index in self.submesh:
+            i = self.mesh.axis_index(axis)
+            size = self.mesh.axes[i][1]
+            if not 0 <= index < size:
+                raise LayoutValueError(
+                    f"tensor '{tensor}': sub-mesh index {index} is out of range for axis "
+                    f"'{axis}' of size {size}"
+                )
+            fixed[i] = index
+        return fixed
+
+
+def shard_boxes(
+    shape: Sequence[int],
+    mesh: Mesh,
+    placements: Sequence[Placement],
+    rank: int,
+) -> list[Box]:
+    """The boxes ``rank`` holds of a tensor of ``shape`` placed on ``mesh`` (DTensor style).
+
+    ``placements`` has one entry per mesh axis; the boxes' ``storage_offsets`` are their
+    places in the rank's local tensor (what DTensor calls ``_local_tensor``).
+
+    >>> mesh = Mesh("m", {"tp": 4})
+    >>> [(b.offsets, b.sizes) for b in shard_boxes((9, 2), mesh, [Shard(0)], rank=2)]
+    [((6, 0), (3, 2))]
+    >>> shard_boxes((9, 2), mesh, [Shard(0)], rank=3)  # torch.chunk leaves the last rank empty
+    []
+    >>> [(b.offsets, b.storage_offsets) for b in shard_boxes((8,), mesh, [Shard(0, blocks=2)], rank=1)]
+    [((1,), (0,)), ((5,), (1,))]
+    """
+    if rank not in mesh:
+        raise LayoutValueError(f"rank {rank} is not in mesh '{mesh.name}'")
+    placement = TensorPlacement(mesh, tuple(placements))
+    spec = placement.spec(len(shape))
+    coords = list(mesh.coords(rank).values())
+    runs_per_dim = []
+    for n, dim in zip(shape, spec):
+        _, runs = _core.dim_runs(int(n), dim, coords, list(mesh.shape))
+        runs_per_dim.append(runs)
+    boxes = []
+    for pick in itertools.product(*runs_per_dim):
+        boxes.append(
+            Box(
+                None,
+                tuple(r[0] for r in pick),
+                tuple(r[1] for r in pick),
+                None,
+                tuple(r[2] for r in pick),
+            )
+        )
+    return boxes

@@ -1,0 +1,237 @@
+"""Compiling plans: two layouts (or a reshard statement) in, a validated :class:`Plan` out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ..core import _core
+from ..errors import LayoutError, LayoutValueError
+from ..model import Layout, Program, Reshard
+from .data import DEFAULT_BUCKET_BYTES, POLICIES, Plan
+from .loss import check_recoverable
+
+
+def _check_pair(source: Layout, destination: Layout, storages: bool = True) -> None:
+    """Both layouts must place the same logical tensors, and (with ``storages``) a rank in
+    both meshes must not give one storage name two different meanings."""
+    src_names, dst_names = list(source.tensors), list(destination.tensors)
+    if source.tensors is destination.tensors:
+        pass  # layouts of one program share its tensors
+    elif set(src_names) == set(dst_names):
+        pass  # the same tensors declared in another order: plan_layouts reorders
+    elif src_names != dst_names:
+        missing = [n for n in src_names if n not in destination.tensors][:3]
+        extra = [n for n in dst_names if n not in source.tensors][:3]
+        raise LayoutValueError(
+            f"layouts '{source.name}' and '{destination.name}' place different logical tensors"
+            + (f"; only in '{source.name}': {', '.join(missing)}" if missing else "")
+            + (f"; only in '{destination.name}': {', '.join(extra)}" if extra else ""),
+            destination.span,
+        )
+    for name in src_names if source.tensors is not destination.tensors else ():
+        a, b = source.tensors[name], destination.tensors[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise LayoutValueError(
+                f"tensor '{name}' is {list(a.shape)} {a.dtype} in layout '{source.name}' but "
+                f"{list(b.shape)} {b.dtype} in layout '{destination.name}'",
+                destination.span,
+            )
+    shared = sorted(set(source.mesh.ranks) & set(destination.mesh.ranks)) if storages else []
+    if not shared:
+        return
+    src_storages = {s.name: s for s in source.resolved.storages}
+    for storage in destination.resolved.storages:
+        other = src_storages.get(storage.name)
+        if other is None or other.parts == storage.parts:
+            continue
+        for rank in shared:
+            a = source.storage_shape(storage.name, rank)
+            b = destination.storage_shape(storage.name, rank)
+            if a is not None and b is not None and (a != b or other.parts != storage.parts):
+                raise LayoutValueError(
+                    f"rank {rank} is in both meshes and holds conflicting storages named '{storage.name}': "
+                    f"in '{source.name}' {list(a)} of {', '.join(other.parts)}, in '{destination.name}' "
+                    f"{list(b)} of {', '.join(storage.parts)}",
+                    storage.span or destination.span,
+                    "give one of them another name with a storage statement",
+                )
+
+
+def plan_layouts(
+    source: Layout,
+    destination: Layout,
+    *,
+    name: str | None = None,
+    domain_size: int = 1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    policies: Sequence[str] | str = "reshard",
+) -> Plan:
+    """Compile the plan from ``source`` to ``destination`` (layouts of the same tensors).
+
+    ``policies`` is one policy for every tensor or one per tensor (``reshard`` moves only
+    the exact overlap; ``broadcast`` gathers the whole tensor on one source rank and sends it
+    to every destination rank that holds any of it). ``bucket_bytes`` bounds the staging
+    memory of one rank in one bucket; larger regions are cut into slabs.
+    """
+    _check_pair(source, destination)
+    if list(source.tensors) != list(destination.tensors):
+        # The core numbers tensors in declaration order: give the destination the source's.
+        ordered = {name: destination.tensors[name] for name in source.tensors}
+        destination = Layout(
+            destination.name, destination.mesh, ordered, destination.rules, destination.storages, destination.span
+        )
+    names = source.resolved.names
+    per_tensor = (policies,) * len(names) if isinstance(policies, str) else tuple(policies)
+    if len(per_tensor) != len(names) or any(p not in POLICIES for p in per_tensor):
+        raise LayoutValueError(f"policies must be one of {POLICIES} per tensor")
+    if bucket_bytes < 1:
+        raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
+    if domain_size < 1:
+        raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
+    try:
+        arrays = _core.build_plan(
+            source.core,
+            destination.core,
+            [POLICIES.index(p) for p in per_tensor],
+            domain_size,
+            bucket_bytes,
+        )
+    except LayoutError as err:
+        raise LayoutValueError(_name_tensor(err.message, names), destination.span) from None
+    return Plan(
+        source,
+        destination,
+        name or f"{source.name}->{destination.name}",
+        per_tensor,
+        domain_size,
+        bucket_bytes,
+        arrays,
+    )
+
+
+def _in_order(layout: Layout, names: Sequence[str]) -> Layout:
+    """``layout`` with its tensors in the order of ``names`` (the core numbers tensors by
+    declaration order, so every layout of one plan must declare them alike)."""
+    if list(layout.tensors) == list(names):
+        return layout
+    ordered = {name: layout.tensors[name] for name in names}
+    return Layout(layout.name, layout.mesh, ordered, layout.rules, layout.storages, layout.span)
+
+
+def plan_recovery(
+    sources: Sequence[Layout],
+    destination: Layout,
+    lost: Iterable[int],
+    *,
+    name: str | None = None,
+    domain_size: int = 1,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Plan:
+    """Compile a recovery plan: ``destination`` from the surviving ranks of ``sources``.
+
+    Each region of the destination is read from the first layout of ``sources`` that holds
+    it on a rank not in ``lost`` (e.g. the inference replicas that survived, then the
+    training side), within it as :func:`plan_layouts` would (local copy, then the same
+    domain, then the least loaded rank over the network, once per domain). Every tensor
+    moves by exact overlap. Source storages are passed apart from destination storages, so
+    a rank may hold storages of the same name in a source and in the destination.
+
+    Raises :class:`LayoutValueError` when a lost rank is in ``destination``, and
+    :class:`~layoutlang.loss.DataLossError` (a :class:`~layoutlang.errors.LayoutError`) when a
+    region has no surviving copy in any source: its message lists every lost tensor and box.
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh infer [dp = 2, tp = 2]
+    ... mesh regrown_mesh [dp = 2, tp = 2] on ranks [0, 1, 4, 3]
+    ... tensor "w" [8, 4] fp32
+    ... layout serve on infer { "w": tp = shard(0) }
+    ... layout regrown on regrown_mesh { "w": tp = shard(0) }
+    ... ''')
+    >>> plan = plan_recovery([p.layouts["serve"]], p.layouts["regrown"], lost={2})
+    >>> sorted((m.src, m.dst, m.kind) for m in plan.moves())
+    [(0, 0, 'local'), (0, 4, 'network'), (1, 1, 'local'), (3, 3, 'local')]
+    """
+    sources = list(sources)
+    if not sources:
+        raise LayoutValueError("a recovery plan needs at least one source layout")
+    lost_ranks = sorted({int(r) for r in lost})
+    for source in sources:
+        _check_pair(source, destination, storages=False)
+    in_destination = sorted(set(lost_ranks) & set(destination.mesh.ranks))
+    if in_destination:
+        raise LayoutValueError(
+            f"lost rank{'s' if len(in_destination) > 1 else ''} {', '.join(map(str, in_destination))} "
+            f"still belong{'s' if len(in_destination) == 1 else ''} to the destination layout '{destination.name}'",
+            destination.span,
+            "remesh the destination first (elastic.remesh)",
+        )
+    check_recoverable(sources, lost_ranks)  # never silent loss: names every lost box
+    if bucket_bytes < 1:
+        raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
+    if domain_size < 1:
+        raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
+    names = list(sources[0].tensors)
+    sources = [_in_order(layout, names) for layout in sources]
+    destination = _in_order(destination, names)
+    try:
+        arrays = _core.build_recovery_plan(
+            [layout.core for layout in sources], lost_ranks, destination.core, domain_size, bucket_bytes
+        )
+    except LayoutError as err:
+        raise LayoutValueError(_name_tensor(err.message, sources[0].resolved.names), destination.span) from None
+    return Plan(
+        sources[0],
+        destination,
+        name or f"recover {destination.name} from {', '.join(layout.name for layout in sources)}",
+        ("reshard",) * len(names),
+        domain_size,
+        bucket_bytes,
+        arrays,
+        sources=sources,
+        lost=lost_ranks,
+    )
+
+
+def _name_tensor(message: str, names: list[str]) -> str:
+    """The core names tensors by index; users know them by name."""
+    prefix = "tensor "
+    if message.startswith(prefix):
+        index, _, rest = message[len(prefix) :].partition(":")
+        if index.strip().isdigit() and int(index) < len(names):
+            return f"tensor '{names[int(index)]}':{rest}"
+    return message
+
+
+def compile_plan(
+    program: Program,
+    reshard: str | Reshard | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    policy: str | None = None,
+) -> Plan:
+    """Compile the plan of a ``reshard`` statement (the only one when ``reshard`` is None).
+
+    Each tensor takes its policy from the statement (``broadcast`` rules); ``policy``
+    overrides them all, e.g. ``policy="broadcast"`` for the gather-and-broadcast baseline.
+    """
+    statement = reshard if isinstance(reshard, Reshard) else program.reshard(reshard)
+    source = program.layout(statement.source)
+    destination = program.layout(statement.destination)
+    if policy is not None:
+        if policy not in POLICIES:
+            raise LayoutValueError(f"unknown policy '{policy}' (one of: {', '.join(POLICIES)})")
+        policies: Sequence[str] | str = policy
+    else:
+        policies = [statement.policy_for(name) for name in source.resolved.names]
+    try:
+        return plan_layouts(
+            source,
+            destination,
+            name=statement.name,
+            domain_size=program.topology.domain_size,
+            bucket_bytes=bucket_bytes,
+            policies=policies,
+        )
+    except LayoutError as err:
+        raise err.with_span(statement.span)

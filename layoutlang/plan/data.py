@@ -1,0 +1,425 @@
+"""The plan as data: its columns, moves, statistics and serialized form (:class:`Plan`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..core import _core
+from ..errors import LayoutNameError, LayoutValueError, did_you_mean
+from ..model import Layout, compile_pattern
+
+KINDS = ("local", "domain", "network")
+SPACES = ("source", "destination", "scratch")
+POLICIES = ("reshard", "broadcast")
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+_MAGIC = b"LAYOUTPLAN\x00\x02"
+_COLUMNS = (
+    ("region_tensor", np.int32),
+    ("region_dims_start", np.int64),
+    ("region_offsets", np.int64),
+    ("region_sizes", np.int64),
+    ("region_bytes", np.int64),
+    ("move_region", np.int32),
+    ("move_src", np.int32),
+    ("move_dst", np.int32),
+    ("move_bucket", np.int32),
+    ("move_kind", np.uint8),
+    ("move_stage", np.uint8),
+    ("move_src_space", np.uint8),
+    ("move_dst_space", np.uint8),
+    ("move_source", np.uint8),
+)
+
+
+def layout_digest(layout: Layout) -> str:
+    """A digest of everything that decides boxes and places: mesh, specs, sub-meshes, storages."""
+    resolved = layout.resolved
+    h = hashlib.sha256()
+    h.update(repr((layout.name, layout.mesh.axes, layout.mesh.ranks)).encode())
+    h.update(repr(resolved.specs).encode())
+    h.update(repr([(layout.tensors[n].shape, layout.tensors[n].dtype) for n in resolved.names]).encode())
+    h.update(np.asarray(resolved.spec_of, dtype=np.int64).tobytes())
+    h.update(repr(resolved.submesh_of).encode())
+    h.update(repr([(s.name, s.parts, s.dim, s.blocks) for s in resolved.storages]).encode())
+    return h.hexdigest()
+
+
+@attrs.frozen
+class Move:
+    """One move of a plan, as a readable record."""
+
+    index: int
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    src: int
+    dst: int
+    kind: str
+    stage: int
+    bucket: int
+    src_space: str
+    dst_space: str
+    nbytes: int
+    source: int = 0  # which source layout a "source" read uses (recovery plans have several)
+
+    @property
+    def is_relay(self) -> bool:
+        """A domain move forwarding what its rank received over the network: from the
+        destination storage (reshard, stage 1) or the scratch buffer (broadcast, stage 2)."""
+        return self.kind == "domain" and (
+            self.src_space == "destination" or (self.src_space == "scratch" and self.stage == 2)
+        )
+
+    def __str__(self) -> str:
+        region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
+        notes = [f"bucket {self.bucket}", f"stage {self.stage}"]
+        if self.source and self.src_space == "source":
+            notes.append(f"source {self.source}")
+        if self.is_relay:
+            notes.append("relay")
+        if "scratch" in (self.src_space, self.dst_space):
+            notes.append(f"{self.src_space} -> {self.dst_space}")
+        return f"{self.tensor}[{region}] r{self.src} -> r{self.dst} {self.kind} ({', '.join(notes)})"
+
+
+@attrs.frozen
+class PlanStats:
+    """What a plan moves, in total and per rank.
+
+    ``bytes`` maps a kind to the bytes moved by moves of that kind; ``messages`` counts the
+    messages (all moves between one pair of ranks in one bucket and stage travel as one);
+    ``per_rank`` maps each rank to its sent and received bytes by kind. ``lower_bound`` is
+    what no plan can avoid: the bytes each destination rank holds and does not already hold
+    as a source. ``moved`` (domain + network bytes) equals it for a pure reshard plan.
+    """
+
+    bytes: dict[str, int]
+    moves: dict[str, int]
+    messages: int
+    buckets: int
+    lower_bound: int
+    broadcast_payload: int
+    largest_network_send: tuple[int, int]  # (bytes, rank)
+    largest_network_receive: tuple[int, int]
+    per_rank: dict[int, dict[str, dict[str, int]]]
+
+    @property
+    def moved(self) -> int:
+        """Bytes that leave their rank: domain plus network."""
+        return self.bytes["domain"] + self.bytes["network"]
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        if not self.lower_bound:
+            return 1.0 if not self.moved else float("inf")
+        return self.moved / self.lower_bound
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bytes": self.bytes,
+            "moved_bytes": self.moved,
+            "moves": self.moves,
+            "messages": self.messages,
+            "buckets": self.buckets,
+            "lower_bound_bytes": self.lower_bound,
+            "ratio_to_lower_bound": self.ratio_to_lower_bound,
+            "broadcast_payload_bytes": self.broadcast_payload,
+            "largest_network_send": {"bytes": self.largest_network_send[0], "rank": self.largest_network_send[1]},
+            "largest_network_receive": {
+                "bytes": self.largest_network_receive[0],
+                "rank": self.largest_network_receive[1],
+            },
+            "per_rank": {str(r): v for r, v in self.per_rank.items()},
+        }
+
+
+class Plan:
+    """The moves that turn ``source`` into ``destination`` (pure data, never changed).
+
+    Build one with :func:`compile_plan`. Columns are read-only numpy arrays (``arrays``);
+    :meth:`moves` yields readable :class:`Move` records; :meth:`validate` checks that every
+    destination byte is written exactly once and every read lies in what its rank holds.
+
+    A *recovery plan* (:func:`plan_recovery`) reads from several source layouts in order of
+    preference, never from a ``lost`` rank: ``sources`` lists them (``source`` is the first)
+    and each move's ``source`` says which one it reads.
+    """
+
+    __slots__ = (
+        "source",
+        "sources",
+        "lost",
+        "destination",
+        "name",
+        "policies",
+        "domain_size",
+        "bucket_bytes",
+        "arrays",
+        "_cache",
+    )
+
+    def __init__(
+        self,
+        source: Layout,
+        destination: Layout,
+        name: str,
+        policies: tuple[str, ...],
+        domain_size: int,
+        bucket_bytes: int,
+        arrays: Any,
+        *,
+        sources: Sequence[Layout] | None = None,
+        lost: Iterable[int] = (),
+    ):
+        object.__setattr__(self, "source", source)
+        object.__setattr__(self, "sources", tuple(sources) if sources is not None else (source,))
+        object.__setattr__(self, "lost", frozenset(int(r) for r in lost))
+        object.__setattr__(self, "destination", destination)
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "policies", policies)
+        object.__setattr__(self, "domain_size", domain_size)
+        object.__setattr__(self, "bucket_bytes", bucket_bytes)
+        object.__setattr__(self, "arrays", arrays)
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("a Plan is immutable")
+
+    def __repr__(self) -> str:
+        return (
+            f"Plan({self.name!r}: {self.source.name} -> {self.destination.name}, {self.num_moves} moves "
+            f"in {self.num_buckets} buckets, fingerprint {self.fingerprint[:12]})"
+        )
+
+    @property
+    def is_recovery(self) -> bool:
+        """Whether the plan reads from several source layouts or avoids lost ranks."""
+        return len(self.sources) > 1 or bool(self.lost)
+
+    # -- sizes
+    @property
+    def tensors(self) -> list[str]:
+        return self.source.resolved.names
+
+    @property
+    def num_moves(self) -> int:
+        return len(self.arrays.move_region)
+
+    @property
+    def num_buckets(self) -> int:
+        return int(self.arrays.num_buckets)
+
+    # -- reading moves
+    def _column(self, name: str) -> np.ndarray:
+        return np.asarray(getattr(self.arrays, name))
+
+    def region(self, region: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """(tensor, offsets, sizes) of a region."""
+        a = self.arrays
+        tensor = int(a.region_tensor[region])
+        start = int(a.region_dims_start[region])
+        ndim = len(self.source.tensors[self.tensors[tensor]].shape)
+        offsets = tuple(int(x) for x in a.region_offsets[start : start + ndim])
+        sizes = tuple(int(x) for x in a.region_sizes[start : start + ndim])
+        return self.tensors[tensor], offsets, sizes
+
+    def move(self, index: int) -> Move:
+        a = self.arrays
+        region = int(a.move_region[index])
+        tensor, offsets, sizes = self.region(region)
+        return Move(
+            index,
+            tensor,
+            offsets,
+            sizes,
+            int(a.move_src[index]),
+            int(a.move_dst[index]),
+            KINDS[a.move_kind[index]],
+            int(a.move_stage[index]),
+            int(a.move_bucket[index]),
+            SPACES[a.move_src_space[index]],
+            SPACES[a.move_dst_space[index]],
+            int(a.region_bytes[region]),
+            int(a.move_source[index]),
+        )
+
+    def moves(self, tensor: str | None = None) -> Iterator[Move]:
+        """Every move, or the moves of tensors matching ``tensor`` (a name or a pattern)."""
+        if tensor is None:
+            indices: Sequence[int] = range(self.num_moves)
+        else:
+            indices = np.flatnonzero(np.isin(self._move_tensor(), self._tensor_ids(tensor)))
+        for i in indices:
+            yield self.move(int(i))
+
+    def moves_of_rank(self, rank: int) -> np.ndarray:
+        """Indices of the moves that read or write on ``rank``, in plan order."""
+        return np.flatnonzero((self._column("move_src") == rank) | (self._column("move_dst") == rank))
+
+    def _move_tensor(self) -> np.ndarray:
+        if "move_tensor" not in self._cache:
+            self._cache["move_tensor"] = self._column("region_tensor")[self._column("move_region")]
+        return self._cache["move_tensor"]
+
+    def _tensor_ids(self, pattern: str) -> list[int]:
+        names = self.tensors
+        if pattern in self.source.tensors:
+            return [self.source.resolved.index[pattern]]
+        regex = compile_pattern(pattern)
+        found = [i for i, n in enumerate(names) if regex.fullmatch(n)]
+        if not found:
+            raise LayoutNameError(f"no tensor matches '{pattern}'", hint=did_you_mean(pattern, names))
+        return found
+
+    def place(self, move: Move | int) -> tuple[tuple[str, tuple[int, ...]] | None, tuple[str, tuple[int, ...]] | None]:
+        """Where a move reads and writes: (storage name, offsets in it) on each side.
+
+        Scratch buffers hold a whole tensor, so their offsets are the region's own offsets
+        and their name is the tensor's.
+        """
+        if isinstance(move, int):
+            move = self.move(move)
+
+        def locate(rank: int, space: str):
+            if space == "scratch":
+                return (move.tensor, move.offsets)
+            layout = self.sources[move.source] if space == "source" else self.destination
+            index = layout.resolved.index[move.tensor]
+            offsets = layout.core.locate(index, rank, list(move.offsets))
+            storage = layout.resolved.storages[layout.resolved.storage_of[index]].name
+            return (storage, tuple(offsets)) if offsets is not None else None
+
+        return locate(move.src, move.src_space), locate(move.dst, move.dst_space)
+
+    # -- checks
+    def validate(self) -> None:
+        """Raises LayoutValueError unless every destination byte is written exactly once,
+        every read lies in what its rank holds (or received in an earlier stage or bucket),
+        and every move's kind matches its ranks' domains."""
+        if self.is_recovery:
+            problems = _core.validate_recovery_plan(
+                self.arrays,
+                [layout.core for layout in self.sources],
+                sorted(self.lost),
+                self.destination.core,
+                self.domain_size,
+                self.bucket_bytes,
+            )
+        else:
+            problems = _core.validate_plan(
+                self.arrays, self.source.core, self.destination.core, self.domain_size, self.bucket_bytes
+            )
+        if problems:
+            raise LayoutValueError(f"plan '{self.name}' is invalid: " + "; ".join(problems))
+
+    # -- statistics
+    @property
+    def stats(self) -> PlanStats:
+        if "stats" not in self._cache:
+            self._cache["stats"] = self._compute_stats()
+        return self._cache["stats"]
+
+    def _compute_stats(self) -> PlanStats:
+        ranks = sorted(set(self.destination.mesh.ranks).union(*(s.mesh.ranks for s in self.sources)))
+        totals = _core.plan_totals(self.arrays, max(ranks) + 1)
+        sent = np.asarray(totals["sent"], dtype=np.int64).reshape(-1, 3)
+        received = np.asarray(totals["received"], dtype=np.int64).reshape(-1, 3)
+        per_rank = {
+            r: {
+                "sent": {k: int(sent[r, i]) for i, k in enumerate(KINDS)},
+                "received": {k: int(received[r, i]) for i, k in enumerate(KINDS)},
+            }
+            for r in ranks
+        }
+        network = KINDS.index("network")
+        return PlanStats(
+            dict(zip(KINDS, totals["bytes"])),
+            dict(zip(KINDS, totals["moves"])),
+            totals["messages"],
+            self.num_buckets,
+            int(self.arrays.lower_bound_bytes),
+            int(self.arrays.broadcast_payload_bytes),
+            (int(sent[:, network].max()), int(sent[:, network].argmax())),
+            (int(received[:, network].max()), int(received[:, network].argmax())),
+            per_rank,
+        )
+
+    # -- serialization
+    def _header(self) -> dict[str, Any]:
+        recovery = (
+            {
+                "recovery_sources": [layout.name for layout in self.sources],
+                "recovery_source_digests": [layout_digest(layout) for layout in self.sources],
+                "lost": sorted(self.lost),
+            }
+            if self.is_recovery
+            else {}
+        )
+        return recovery | {
+            "format": "layoutlang-plan",
+            "version": 1,
+            "reshard": self.name,
+            "source": self.source.name,
+            "destination": self.destination.name,
+            "source_digest": layout_digest(self.source),
+            "destination_digest": layout_digest(self.destination),
+            "domain_size": self.domain_size,
+            "bucket_bytes": self.bucket_bytes,
+            "broadcast_tensors": [i for i, p in enumerate(self.policies) if p == "broadcast"],
+            "tensors": [[n, list(self.source.tensors[n].shape), self.source.tensors[n].dtype] for n in self.tensors],
+            "num_buckets": self.num_buckets,
+            "lower_bound_bytes": int(self.arrays.lower_bound_bytes),
+            "broadcast_payload_bytes": int(self.arrays.broadcast_payload_bytes),
+        }
+
+    def to_bytes(self) -> bytes:
+        """The compact binary form: a JSON header, then every column as little-endian arrays."""
+        if "bytes" not in self._cache:
+            header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
+            parts = [_MAGIC, struct.pack("<Q", len(header)), header]
+            for name, dtype in _COLUMNS:
+                column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
+                parts.append(struct.pack("<Q", column.size))
+                parts.append(column.tobytes())
+            self._cache["bytes"] = b"".join(parts)
+        return self._cache["bytes"]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 of the binary form: equal on every rank that compiled the same plan."""
+        if "fingerprint" not in self._cache:
+            self._cache["fingerprint"] = hashlib.sha256(self.to_bytes()).hexdigest()
+        return self._cache["fingerprint"]
+
+    def to_json(self, moves: bool = True) -> dict[str, Any]:
+        """A JSON-ready description: the header, statistics and (optionally) every move."""
+        out = self._header()
+        out["fingerprint"] = self.fingerprint
+        out["stats"] = self.stats.to_json()
+        if moves:
+            out["moves"] = [
+                {
+                    "tensor": m.tensor,
+                    "offsets": list(m.offsets),
+                    "sizes": list(m.sizes),
+                    "src": m.src,
+                    "dst": m.dst,
+                    "kind": m.kind,
+                    "stage": m.stage,
+                    "bucket": m.bucket,
+                    "src_space": m.src_space,
+                    "dst_space": m.dst_space,
+                    "bytes": m.nbytes,
+                }
+                | ({"source": self.sources[m.source].name} if self.is_recovery else {})
+                for m in self.moves()
+            ]
+        return out

@@ -1,0 +1,163 @@
+"""DTensor in and out: redistribute a DTensor onto another mesh, which DTensor cannot do.
+
+``DTensor.redistribute`` changes placements on one device mesh; across meshes it raises
+``NotImplementedError``. :func:`redistribute` describes both sides as layoutlang layouts of
+one logical tensor (DTensor's placements map one to one: ``Shard(d)`` to
+:class:`~layoutlang.Shard`, ``Replicate`` to :class:`~layoutlang.Replicate`,
+``_StridedShard(d, split_factor=sf)`` to ``Shard(d, blocks=sf)``), compiles the exact plan
+and runs it with the executor. ``Partial`` placements hold unreduced sums, not shards: reduce
+them first (``dtensor.redistribute(mesh, [Replicate()])`` or ``full_tensor()``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import LayoutValueError
+from ..model import Layout, LogicalTensor, Mesh, Replicate, Rule, Shard
+from ..model.dtypes import dtype_name
+from ..plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts
+from ..transport import TorchTransport
+from .executor import Executor
+
+__all__ = ["redistribute", "mesh_from_device_mesh", "placements_from_dtensor"]
+
+_NAME = "tensor"
+
+
+def mesh_from_device_mesh(device_mesh: Any, name: str = "mesh") -> Mesh:
+    """The layoutlang Mesh of a DeviceMesh: same ranks, row-major, axes named as its dims."""
+    shape = tuple(device_mesh.mesh.shape)
+    names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(shape)))
+    return Mesh(name, tuple(zip(names, shape)), device_mesh.mesh.flatten().tolist())
+
+
+def _unsliced(device_mesh: Any, placements: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """A DTensor on a slice of a mesh (``world["tp"]``) lives, replicated, on every slice:
+    describe it on the whole (root) mesh, so every rank describes the same layout."""
+    from torch.distributed.tensor import Replicate as DReplicate
+
+    root = device_mesh._get_root_mesh() if hasattr(device_mesh, "_get_root_mesh") else device_mesh
+    if root is device_mesh or root is None:
+        return device_mesh, list(placements)
+    names, root_names = device_mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not root_names or any(n not in root_names for n in names):
+        raise LayoutValueError(
+            "a DTensor on a sliced or flattened device mesh needs mesh dims named after its root mesh's dims"
+        )
+    full: list[Any] = [DReplicate()] * root.ndim
+    for name, placement in zip(names, placements):
+        full[root_names.index(name)] = placement
+    return root, full
+
+
+def placements_from_dtensor(placements: Sequence[Any]) -> tuple[Shard | Replicate, ...]:
+    """DTensor placements as layoutlang placements; Partial is refused."""
+    from torch.distributed.tensor import Replicate as DReplicate
+    from torch.distributed.tensor import Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[Shard | Replicate] = []
+    for p in placements:
+        if isinstance(p, _StridedShard):
+            out.append(Shard(p.dim, blocks=int(p.split_factor)))
+        elif isinstance(p, DShard):
+            out.append(Shard(p.dim))
+        elif isinstance(p, DReplicate):
+            out.append(Replicate())
+        else:
+            raise LayoutValueError(
+                f"placement {p!r} is not a shard or a replica (a Partial holds unreduced sums); "
+                "reduce it first, e.g. dtensor.redistribute(mesh, [Replicate()])"
+            )
+    return tuple(out)
+
+
+def _layout(name: str, mesh: Mesh, tensor: LogicalTensor, placements: tuple) -> Layout:
+    rule = Rule(_NAME, dict(zip(mesh.axis_names, placements)))
+    return Layout(name, mesh, {_NAME: tensor}, (rule,))
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(source: tuple, destination: tuple, shape: tuple[int, ...], dtype: str, domain_size: int, bucket_bytes: int) -> Plan:
+    tensor = LogicalTensor(_NAME, shape, dtype)
+    (src_mesh, src_placements), (dst_mesh, dst_placements) = source, destination
+    return plan_layouts(
+        _layout("source", src_mesh, tensor, src_placements),
+        _layout("destination", dst_mesh, tensor, dst_placements),
+        name="redistribute",
+        domain_size=domain_size,
+        bucket_bytes=bucket_bytes,
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = dtype_name(dtype)
+    if name is None:
+        raise LayoutValueError(f"dtype {dtype} is not supported")
+    return name
+
+
+def redistribute(
+    dtensor: Any,
+    device_mesh: Any,
+    placements: Sequence[Any],
+    *,
+    domain_size: int = 1,
+    memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
+    timeout: float = 300.0,
+) -> Any:
+    """``dtensor`` moved to ``device_mesh`` with ``placements`` (meshes may differ).
+
+    Every rank of both meshes calls it (ranks of only one mesh too); on ranks of neither it
+    does nothing. On ranks of the destination mesh it returns the new DTensor; elsewhere
+    None. A DTensor on a slice of a mesh (``world["tp"]``) is taken as replicated over the
+    other dims of the root mesh. Only the exact overlap of the shards moves; ``domain_size``
+    groups ranks that share fast links.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    rank = dist.get_rank()
+    if not isinstance(dtensor, DTensor):
+        raise LayoutValueError("redistribute takes a DTensor")
+    if len(placements) != device_mesh.ndim:
+        raise LayoutValueError(f"{len(placements)} placements for a destination mesh of {device_mesh.ndim} dims")
+    src_root, src_full = _unsliced(dtensor.device_mesh, dtensor.placements)
+    dst_root, dst_full = _unsliced(device_mesh, placements)
+    source_mesh = mesh_from_device_mesh(src_root, "source")
+    destination_mesh = mesh_from_device_mesh(dst_root, "destination")
+    src_placements = placements_from_dtensor(src_full)
+    dst_placements = placements_from_dtensor(dst_full)
+    if rank not in source_mesh and rank not in destination_mesh:
+        return None  # as in DTensor: a rank outside both meshes has nothing to do
+    plan = _plan(
+        (source_mesh, src_placements),
+        (destination_mesh, dst_placements),
+        tuple(dtensor.shape),
+        _dtype_name(dtensor.dtype),
+        domain_size,
+        max(1, memory_budget // 2),
+    )
+    executor = Executor(plan, rank, TorchTransport(rank), timeout=timeout)
+    local = dtensor.to_local() if rank in source_mesh else None
+    sources = {_NAME: local} if local is not None else {}
+    destinations = {}
+    if rank in destination_mesh:
+        shape = plan.destination.storage_shape(_NAME, rank) or _empty_shape(plan, rank)
+        device = local.device if local is not None else torch.device(device_mesh.device_type)
+        destinations[_NAME] = torch.empty(shape, dtype=dtensor.dtype, device=device)
+    executor.run(sources, destinations)
+    if rank not in destination_mesh:
+        return None
+    return DTensor.from_local(
+        destinations[_NAME], device_mesh, list(placements), run_check=False, shape=dtensor.shape, stride=dtensor.stride()
+    )
+
+
+def _empty_shape(plan: Plan, rank: int) -> tuple[int, ...]:
+    return tuple(plan.destination.local_shape(_NAME, rank) or ())

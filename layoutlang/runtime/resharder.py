@@ -1,0 +1,149 @@
+"""The Resharder an RL framework calls at every refit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .._text import rank_ranges, ranks_phrase
+from ..errors import ExecutionError, LayoutError
+from ..lang import load
+from ..model import Program
+from ..model.dtypes import torch_dtype
+from ..plan import DEFAULT_BUCKET_BYTES, compile_plan
+from ..transport import TorchTransport, Transport
+from .agreement import agree
+from .executor import Executor, RunReport, device_of
+
+# ---------------------------------------------------------------------- resharder
+
+
+class Resharder:
+    """Reshards one program's weights at every refit: build once, call :meth:`run` each step.
+
+    >>> resharder = Resharder(program, reshard="refit")           # on every rank  # doctest: +SKIP
+    >>> resharder.run(sources={"w": my_shard}, destinations={"w": engine_param})  # doctest: +SKIP
+
+    ``sources`` and ``destinations`` map storage names to this rank's tensors (the shapes
+    ``layout.storages_on(rank)`` gives). Destinations are written in place; without them,
+    :meth:`run` allocates and returns them. Every rank of both meshes must build the
+    Resharder with the same program and options: their plans' fingerprints are compared
+    before any byte moves.
+
+    ``memory_budget`` bounds this rank's staging memory: plans are cut into buckets of half
+    of it, since the executor keeps at most two buckets' messages in flight.
+    """
+
+    def __init__(
+        self,
+        program: Program | str,
+        reshard: str | None = None,
+        *,
+        rank: int | None = None,
+        rank_map: Mapping[int, int] | None = None,
+        group: Any = None,
+        transport: Transport | None = None,
+        memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
+        policy: str | None = None,
+        timeout: float = 300.0,
+    ):
+        if rank is None:
+            import torch.distributed as dist
+
+            process_rank = dist.get_rank()
+            inverse = {v: k for k, v in (rank_map or {}).items()}
+            rank = inverse.get(process_rank, process_rank)
+        self.rank = rank
+        self.timeout = timeout
+        error = None
+        plan = None
+        try:
+            if not isinstance(program, Program):
+                program = load(program)
+            plan = compile_plan(program, reshard, bucket_bytes=max(1, memory_budget // 2), policy=policy)
+        except LayoutError as err:
+            # Still take part in the agreement, so every rank learns why instead of waiting.
+            error = str(err)
+        self.program = program if isinstance(program, Program) else None
+        if plan is not None:
+            participants = sorted(set(plan.source.mesh.ranks) | set(plan.destination.mesh.ranks))
+        else:
+            participants = _participants_of(self.program, reshard, rank_map, group)
+        if rank not in participants:
+            raise ExecutionError(
+                f"rank {rank} belongs to no mesh of the reshard (its ranks: {rank_ranges(participants)})"
+            )
+        if rank_map is not None and not set(participants) <= set(rank_map):
+            missing = sorted(set(participants) - set(rank_map))
+            raise ExecutionError(
+                f"{ranks_phrase(missing)} of the reshard {'has' if len(missing) == 1 else 'have'} "
+                "no process in this job (rank_map)"
+            )
+        self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
+        agree(self.transport, rank, participants, plan.fingerprint if plan else None, error, timeout)
+        self.plan = plan
+        self.executor = Executor(plan, rank, self.transport, timeout=timeout)
+        self.last_report: RunReport | None = None
+
+    @property
+    def source_storages(self) -> dict[str, tuple[int, ...]]:
+        """Storage name -> local shape of the sources this rank must provide."""
+        return dict(self.executor.source_storages)
+
+    @property
+    def destination_storages(self) -> dict[str, tuple[int, ...]]:
+        """Storage name -> local shape of the destinations this rank receives."""
+        return dict(self.executor.destination_storages)
+
+    def allocate(self, side: str = "destination", *, dtype: torch.dtype | None = None, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        """Zero-filled storages for ``side`` ("source" or "destination"), in the logical dtype
+        unless ``dtype`` is given."""
+        layout = self.plan.source if side == "source" else self.plan.destination
+        shapes = self.source_storages if side == "source" else self.destination_storages
+        out = {}
+        for name, shape in shapes.items():
+            logical = torch_dtype(layout.tensors[layout.storage(name, self.rank).parts[0]].dtype)
+            out[name] = torch.zeros(shape, dtype=dtype or logical, device=device)
+        return out
+
+    def run(
+        self,
+        sources: Mapping[str, torch.Tensor],
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        *,
+        cast: bool = False,
+        on_complete: Callable[[str, torch.Tensor], None] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        not_ready: str | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Move this rank's part of the plan; returns the destination storages.
+
+        ``on_complete(name, tensor)`` is called for each destination storage as soon as all its
+        bytes have arrived; ``cast=True`` accepts destinations in another dtype (converted on
+        arrival, e.g. fp32 master weights into bf16 inference weights). ``not_ready`` reports a
+        problem this rank found before running (e.g. reading its weights): every rank stops
+        with it and nothing moves.
+        """
+        if destinations is None:
+            device = device_of(list(sources.values())) if sources else torch.device("cpu")
+            destinations = self.allocate("destination", device=device)
+        self.last_report = self.executor.run(
+            sources, destinations, cast=cast, on_complete=on_complete, progress=progress, not_ready=not_ready
+        )
+        return dict(destinations)
+
+
+def _participants_of(program: Program | None, reshard: str | None, rank_map, group) -> list[int]:
+    """The ranks that take part when this rank could not compile the plan itself."""
+    if rank_map:
+        return sorted(rank_map)
+    try:
+        statement = program.reshard(reshard)
+        ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
+        return sorted(ranks)
+    except (AttributeError, LayoutError):
+        import torch.distributed as dist
+
+        return list(range(dist.get_world_size(group)))
