@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import layoutlang
-from layoutlang import syntax
-from layoutlang.elaborate import read_source
+from layoutlang.lang import syntax
+from layoutlang.lang.elaborate import read_source
 
 HERE = Path(__file__).resolve().parent
 

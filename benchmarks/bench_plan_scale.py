@@ -133,7 +133,7 @@ def core_build() -> str:
     """Which build of the C++ core this process runs: its file's SHA-256 prefix and time."""
     import hashlib
 
-    from layoutlang import _core
+    from layoutlang.core import _core
 
     data = Path(_core.__file__).read_bytes()
     stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(os.path.getmtime(_core.__file__)))
@@ -191,7 +191,7 @@ def load_program(path: Path, report: Report, result: dict[str, Any]):
 
 def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     """One plan case; returns the failures (empty when every check passed)."""
-    from layoutlang import _core
+    from layoutlang.core import _core
     from layoutlang.errors import LayoutError
     from layoutlang.plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
 
@@ -376,7 +376,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         TensorStorageMetadata,
     )
 
-    from layoutlang.dtypes import DTYPES
+    from layoutlang.model.dtypes import DTYPES
     from layoutlang.plan import compile_plan
 
     failures: list[str] = []

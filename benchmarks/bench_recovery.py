@@ -9,8 +9,8 @@ paths run in ONE invocation, alternately (shrink, restart, shrink, restart, ...)
 load from other processes on the machine does not fall on one path only:
 
 ``shrink`` (layoutlang elastic)
-    a pool of worker processes (:class:`layoutlang.launch.LocalWorkers`) runs
-    :class:`elastic.ElasticSession` refits (:func:`elastic.job.refit_job`, the job of
+    a pool of worker processes (:class:`layoutlang.cli.launch.LocalWorkers`) runs
+    :class:`elastic.ElasticSession` refits (:func:`layoutlang.cli.elastic_job.refit_job`, the job of
     ``layoutlang apply --elastic`` and of the elastic session tests; the parent runs an
     :class:`elastic.ExitWatcher`).
     The survivors notice the failure, agree on the next generation without the victim,
@@ -93,7 +93,7 @@ def run_shrink(pool, layout: Path, *, world: int, steps: int, victim: int, kill_
                memory_budget: int, namespace: str, timeout: float) -> dict[str, Any]:
     """One elastic run: every worker runs the refit job; the victim kills itself mid-transfer."""
     from elastic import ExitWatcher
-    from elastic.job import refit_job
+    from layoutlang.cli.elastic_job import refit_job
 
     pool.respawn()
     pool.run(os.getpid)  # every worker is up (a respawned one imports torch first)
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = None
     try:
         if "shrink" in paths:
-            from layoutlang.launch import LocalWorkers
+            from layoutlang.cli.launch import LocalWorkers
 
             pool = LocalWorkers(world, timeout=120.0)
             pool.run(os.getpid)

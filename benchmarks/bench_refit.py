@@ -1,7 +1,7 @@
 """A refit of 1.15 GiB of fp32 weights on 8 gloo ranks: layoutlang against what users do today.
 
 Every method runs in ONE invocation on the same pool of 8 worker processes
-(:class:`layoutlang.launch.LocalWorkers`: one gloo group over a TCPStore on loopback), with
+(:class:`layoutlang.cli.launch.LocalWorkers`: one gloo group over a TCPStore on loopback), with
 the weights of ``benchmarks/refit_1g.layout`` (Megatron TP2 x DP2 on ranks 0..3 -> vLLM TP4
 on ranks 4..7, fused qkv/gate_up storages, an unevenly split 32003-row embedding, domains
 of 2 ranks):
@@ -24,7 +24,7 @@ of 2 ranks):
     where the meshes coincide, DTensor can redistribute: 4 tensors [8192, 8192] fp32 (1 GiB)
     on one 2x4 mesh of all 8 ranks, two of them [Shard(0), Replicate()] ->
     [Replicate(), Shard(1)] and two [Replicate(), Shard(0)] -> [Shard(1), Replicate()],
-    with ``DTensor.redistribute`` and with ``layoutlang.interop.dtensor.redistribute``
+    with ``DTensor.redistribute`` and with ``layoutlang.runtime.redistribute.redistribute``
     (domain_size 4: a mesh row is a domain) on the same DTensors.
 
 Timing: before each run every worker resets its destinations to NaN and its peak RSS, then
@@ -35,7 +35,7 @@ runs (3 by default), taken round-robin over the methods (a, b, c, d, a, b, c, d,
 load from other processes on the machine does not fall on one method only; the table shows
 the best run (and the median); the load average is printed with every run. Every run of every
 method is verified: each destination storage is compared bit for bit with the synthetic
-truth (after the warm-up, box by box with ``layoutlang.weights.verify``).
+truth (after the warm-up, box by box with ``layoutlang.io.weights.verify``).
 
 Memory: peak RSS growth per rank during a run: the kernel's high-water mark is reset
 (``/proc/self/clear_refs``), then ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the
@@ -82,8 +82,8 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang.execute import Resharder
-from layoutlang.weights import fill_synthetic, synthetic_box, verify
+from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
+from layoutlang.runtime import Resharder
 
 WORLD = 8
 MiB = 2**20
@@ -284,7 +284,7 @@ def run_method(method: str, checkpoint: str | None, independent: bool) -> dict[s
             dcp.load(_STATE["dst_sd"], checkpoint_id=checkpoint, process_group=_STATE["dst_group"])
             phases["load"] = time.perf_counter() - t1
     elif method in DTENSOR_METHODS:
-        from layoutlang.interop.dtensor import redistribute
+        from layoutlang.runtime.redistribute import redistribute
 
         for dtensor, after in _STATE["dtensors"]:
             if method == "dtensor":
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun's default for several processes per machine; 8 workers share 2 cores here
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-    from layoutlang.launch import LocalWorkers, WorkerError
+    from layoutlang.cli.launch import LocalWorkers, WorkerError
     from layoutlang.plan import compile_plan
 
     plans = {m: compile_plan(program, bucket_bytes=max(1, args.memory_budget // 2), policy=p)

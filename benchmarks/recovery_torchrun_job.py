@@ -16,7 +16,7 @@ each step.
 
 On the first attempt (``TORCHELASTIC_RESTART_COUNT == 0``) rank ``--victim`` writes
 ``time.time()`` to ``DIR/killed`` and SIGKILLs itself halfway through the executor's steps
-of refit ``--kill-step``, in the middle of a transfer (what :func:`elastic.job.refit_job`
+of refit ``--kill-step``, in the middle of a transfer (what :func:`layoutlang.cli.elastic_job.refit_job`
 does on the elastic path). torchrun's agent then tears down every worker and starts them all
 again. A restarted worker writes ``DIR/restart.{rank}`` (JSON): the time the process started
 (first statement of this script), the process group was up, the program was loaded, and
@@ -44,8 +44,8 @@ import torch.distributed as dist
 IMPORTED = time.time()
 
 import layoutlang
-from layoutlang.execute import Resharder
-from layoutlang.weights import fill_synthetic, verify
+from layoutlang.io.weights import fill_synthetic, verify
+from layoutlang.runtime import Resharder
 
 
 def main() -> int:

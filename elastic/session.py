@@ -51,7 +51,7 @@ import torch
 
 from layoutlang.errors import AgreementError, ExecutionError
 from layoutlang.model import Layout, Program
-from layoutlang.model.dtypes import torch_dtype
+from layoutlang.io.torch_dtypes import torch_dtype
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
 from layoutlang.runtime import Executor
 

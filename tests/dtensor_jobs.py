@@ -1,6 +1,6 @@
 """Jobs that tests/test_dtensor_redistribute.py runs on every worker of an 8-rank gloo pool.
 
-Each job cross-checks ``layoutlang.interop.dtensor.redistribute`` against DTensor itself and
+Each job cross-checks ``layoutlang.runtime.redistribute.redistribute`` against DTensor itself and
 returns plain data (never tensors that the parent would have to compare).
 
 DeviceMesh construction is collective (it creates a process group per mesh axis over the
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from layoutlang.errors import LayoutError
-from layoutlang.interop.dtensor import redistribute
+from layoutlang.runtime.redistribute import redistribute
 
 #: name -> (ranks as a nested list, row-major; mesh_dim_names or None)
 MESHES: dict[str, tuple[Any, tuple[str, ...] | None]] = {

@@ -21,8 +21,8 @@ from elastic import (
     build_group,
     failed_peers,
 )
-from layoutlang.execute import ExecutionError
-from layoutlang.launch import worker_context
+from layoutlang.cli.launch import worker_context
+from layoutlang.errors import ExecutionError
 
 
 def _context():

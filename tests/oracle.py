@@ -1,6 +1,6 @@
 """A pure-Python twin of layoutlang's per-dim interval math, kept only as a test oracle.
 
-It answers the same questions as ``layoutlang._core.chunk_bounds``, ``dim_runs`` and
+It answers the same questions as ``layoutlang.core._core.chunk_bounds``, ``dim_runs`` and
 ``intersect_boxes``, but the slow, obvious way: it materialises the list of global indices
 a coordinate holds and cuts that list with a pure-Python ``torch.chunk``. It was written
 from the semantics in DESIGN.md ("Semantics that must match PyTorch DTensor"), not from the

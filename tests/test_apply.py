@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import layoutlang
-from layoutlang.interop.safetensors import read_safetensors_header
-from layoutlang.weights import synthetic_box, write_safetensors
+from layoutlang.io.safetensors import read_safetensors_header
+from layoutlang.io.weights import synthetic_box, write_safetensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,7 +63,7 @@ def test_apply_reads_a_checkpoint_and_writes_per_rank_files(tmp_path):
         path = out / f"rank{rank:05d}.safetensors"
         header, _ = read_safetensors_header(path)
         assert header["__metadata__"]["layout"] == "infer_uneven"
-        from layoutlang.weights import SafetensorsCheckpoint
+        from layoutlang.io.weights import SafetensorsCheckpoint
 
         written = SafetensorsCheckpoint(path)
         for name in program.tensors:

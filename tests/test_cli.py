@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import layoutlang
-from layoutlang import cli
+from layoutlang.cli import check as check_command
 from layoutlang.cli import ExitCode, main
 
 pytestmark = pytest.mark.timeout(120)
@@ -408,7 +408,7 @@ def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tin
     def broken_load(path):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(cli, "load", broken_load)
+    monkeypatch.setattr(check_command, "load", broken_load)
     code, _, err = run(capsys, "check", tiny)
     assert code == ExitCode.INTERNAL
     assert err.startswith("layoutlang: internal error: RuntimeError: simulated bug")

@@ -1,4 +1,4 @@
-"""``layoutlang.interop.dtensor.redistribute`` against DTensor itself, on 8 gloo processes.
+"""``layoutlang.runtime.redistribute.redistribute`` against DTensor itself, on 8 gloo processes.
 
 One pool of 8 worker processes (``LocalWorkers``) serves the whole module; the jobs live in
 ``dtensor_jobs.py``. Every worker builds every DeviceMesh of ``dtensor_jobs.MESHES`` once, in
@@ -37,7 +37,7 @@ import itertools
 import dtensor_jobs
 import pytest
 
-from layoutlang.launch import LocalWorkers
+from layoutlang.cli.launch import LocalWorkers
 
 pytestmark = pytest.mark.timeout(300)
 

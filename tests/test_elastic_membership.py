@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 import elastic
 from elastic import ExcludedError, Membership, MembershipError, decode_members, encode_members
-from layoutlang.execute import ExecutionError
-from layoutlang.launch import LocalWorkers
+from layoutlang.cli.launch import LocalWorkers
+from layoutlang.errors import ExecutionError
 
 SIZE = 4
 

@@ -19,10 +19,11 @@ import torch.distributed as dist
 import layoutlang
 from elastic import Membership, MembershipError, admit
 from elastic.nccl_backend import NcclGenerations, NcclGroup
-from layoutlang import _core
-from layoutlang.execute import Resharder
-from layoutlang.nccl import WATCH_SLICE, NcclError, NcclTimeoutError
-from layoutlang.weights import fill_synthetic, verify
+from layoutlang.core import _core
+from layoutlang.errors import NcclError, NcclTimeoutError
+from layoutlang.io.weights import fill_synthetic, verify
+from layoutlang.runtime import Resharder
+from layoutlang.transport.nccl import WATCH_SLICE
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -3,7 +3,7 @@
 One pool serves every test: workers that a test killed (or stopped) are replaced by fresh
 processes before the next test, which uses a namespace of its own in the shared store. In
 every test the refit completes on the new layout with every destination byte of every
-committed step verified (:func:`elastic.job.refit_job`), and the survivors are the same
+committed step verified (:func:`layoutlang.cli.elastic_job.refit_job`), and the survivors are the same
 processes that started (their pids do not change: nothing restarted).
 
 The program: training on ranks 0..3 (``dp = 2`` replicas of ``tp = 2``), inference on ranks
@@ -20,10 +20,10 @@ import time
 from itertools import count
 
 import pytest
-from elastic.job import refit_job
 
 from elastic import ExitWatcher
-from layoutlang.launch import LocalWorkers
+from layoutlang.cli.elastic_job import refit_job
+from layoutlang.cli.launch import LocalWorkers
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 import layoutlang
 from elastic import ElasticSession, ExitWatcher, NcclGenerations
-from elastic.job import synthetic_sources
-from layoutlang import _core
-from layoutlang.nccl import NcclError
-from layoutlang.weights import verify
+from layoutlang.cli.elastic_job import synthetic_sources
+from layoutlang.core import _core
+from layoutlang.errors import NcclError
+from layoutlang.io.weights import verify
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,7 +86,7 @@ def server():
 @pytest.fixture
 def failed_waits(monkeypatch):
     """Every NCCL exchange wait that failed: (job rank, the error), in order."""
-    from layoutlang import nccl as nccl_module
+    from layoutlang.transport.nccl import transport as nccl_module
 
     failed: list[tuple[int, BaseException]] = []
     lock = threading.Lock()

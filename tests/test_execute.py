@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import workers
 
 import layoutlang
-from layoutlang.launch import LocalWorkers, WorkerError
-
-import workers
+from layoutlang.cli.launch import LocalWorkers, WorkerError
 
 pytestmark = pytest.mark.timeout(300)
 

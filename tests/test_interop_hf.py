@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from layoutlang.errors import ModelDescriptionError
-from layoutlang.interop.hf import (
+from layoutlang.io.hf import (
     SUPPORTED_MODEL_TYPES,
     hf_config_constants,
     read_config,

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from layoutlang.errors import ModelDescriptionError
-from layoutlang.interop import safetensors
-from layoutlang.interop.safetensors import (
+from layoutlang.io import safetensors
+from layoutlang.io.safetensors import (
     MAX_HEADER_BYTES,
     SAFETENSORS_DTYPES,
     read_safetensors_header,

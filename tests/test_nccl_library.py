@@ -18,15 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from layoutlang import _core, doctor
-from layoutlang.nccl import (
-    FEATURES,
-    LIBRARY_ENV,
-    NcclError,
-    NcclUnavailableError,
-    library_facts,
-    load_library,
-)
+from layoutlang.cli import doctor
+from layoutlang.core import _core
+from layoutlang.errors import NcclError, NcclUnavailableError
+from layoutlang.transport.nccl import FEATURES, LIBRARY_ENV, library_facts, load_library
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,7 +92,8 @@ def test_unique_ids_come_from_the_real_library():
 
 
 def test_without_a_cuda_driver_init_fails_with_an_error_naming_the_call():
-    from layoutlang.nccl import CudaError, load_cuda_runtime
+    from layoutlang.errors import CudaError
+    from layoutlang.transport.nccl import load_cuda_runtime
 
     try:
         cuda = load_cuda_runtime()

@@ -19,19 +19,17 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang import _core
-from layoutlang.execute import ExecutionError, Resharder
-from layoutlang.nccl import (
-    FEATURES,
-    Communicator,
+from layoutlang.core import _core
+from layoutlang.errors import (
     CudaError,
+    ExecutionError,
     NcclError,
     NcclTimeoutError,
-    NcclTransport,
     NcclUnavailableError,
-    copy_pairs,
 )
-from layoutlang.weights import fill_synthetic, verify
+from layoutlang.io.weights import fill_synthetic, verify
+from layoutlang.runtime import Resharder
+from layoutlang.transport.nccl import FEATURES, Communicator, NcclTransport, copy_pairs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -815,7 +813,7 @@ def test_box_copy_errors():
 
 
 def test_the_doctor_reports_a_missing_library_and_strict_mode_fails(capsys, tmp_path):
-    from layoutlang import doctor
+    from layoutlang.cli import doctor
 
     missing = str(tmp_path / "libnccl.so.2")
     assert doctor.main(["--nccl-library", missing]) == 0
@@ -836,7 +834,7 @@ def test_the_doctor_reports_a_missing_library_and_strict_mode_fails(capsys, tmp_
 def test_the_doctor_plugs_into_a_command_line():
     import argparse
 
-    from layoutlang import doctor
+    from layoutlang.cli import doctor
 
     parser = argparse.ArgumentParser(prog="layoutlang")
     sub = parser.add_subparsers(dest="command")

@@ -13,7 +13,7 @@ Covered here (the generated programs of tests/test_plan_properties.py cover the 
   bucket in one bucket;
 - per-tensor policies of a reshard statement; ties between them;
 - the binary and JSON forms, the fingerprint, and ``Move``'s one-line form;
-- ``Plan.validate()`` against corrupted plans built with ``layoutlang._core.PlanArrays``;
+- ``Plan.validate()`` against corrupted plans built with ``layoutlang.core._core.PlanArrays``;
 - bad input: layouts of different tensors, conflicting storages on a shared rank,
   unknown reshards;
 - determinism, also across processes.
@@ -35,8 +35,9 @@ import numpy as np
 import pytest
 
 import layoutlang
-from layoutlang import _core
-from layoutlang.plan import _COLUMNS, Plan, compile_plan, plan_layouts
+from layoutlang.core import _core
+from layoutlang.plan import Plan, compile_plan, plan_layouts
+from layoutlang.plan.data import _COLUMNS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,7 +66,7 @@ def columns(plan: Plan) -> dict[str, np.ndarray]:
 
 def rebuilt(plan: Plan, *, moves=None, bucket_bytes=None, num_buckets=None, **changes) -> Plan:
     """The plan with some columns replaced and/or only the move rows ``moves`` (in that order,
-    repeats allowed), built through ``layoutlang._core.PlanArrays``."""
+    repeats allowed), built through ``layoutlang.core._core.PlanArrays``."""
     cols = columns(plan)
     if moves is not None:
         for name, _ in _COLUMNS:
@@ -110,7 +111,7 @@ def point_to_point_transfers(plan: Plan) -> int:
 def column_at(data: bytes, column: str) -> int:
     """Where the values of ``column`` start in a plan's binary form (magic, header length,
     header, then per column a 64-bit count and the values)."""
-    pos = len(layoutlang.plan._MAGIC)
+    pos = len(layoutlang.plan.data._MAGIC)
     pos += 8 + int.from_bytes(data[pos : pos + 8], "little")
     for name, dtype in _COLUMNS:
         count = int.from_bytes(data[pos : pos + 8], "little")

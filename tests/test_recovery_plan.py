@@ -22,7 +22,7 @@ from test_plan_properties import global_values, holdings, load_or_reject, progra
 
 import layoutlang
 from elastic import DataLossError, lost_regions, remesh
-from layoutlang import _core
+from layoutlang.core import _core
 from layoutlang.errors import LayoutValueError
 from layoutlang.plan import Plan, plan_recovery
 
@@ -190,10 +190,10 @@ def test_recovery_plans_validate_their_reads_and_are_not_read_back():
     columns = {name: np.array(getattr(plan.arrays, name)) for name in ("move_src", "move_source")}
     remote = int(np.flatnonzero(columns["move_src"] != np.array(plan.arrays.move_dst))[0])
     for column, value, message in (("move_src", 5, "which is lost"), ("move_source", 7, "source out of range")):
-        broken = {n: np.array(getattr(plan.arrays, n)) for n, _ in layoutlang.plan._COLUMNS}
+        broken = {n: np.array(getattr(plan.arrays, n)) for n, _ in layoutlang.plan.data._COLUMNS}
         broken[column][remote] = value
         arrays = _core.PlanArrays(
-            *(np.ascontiguousarray(broken[n], dtype=d) for n, d in layoutlang.plan._COLUMNS),
+            *(np.ascontiguousarray(broken[n], dtype=d) for n, d in layoutlang.plan.data._COLUMNS),
             plan.num_buckets,
             int(plan.arrays.lower_bound_bytes),
             0,

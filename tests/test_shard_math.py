@@ -1,4 +1,4 @@
-"""The C++ per-dim interval math (``layoutlang._core``) against its pure-Python twin.
+"""The C++ per-dim interval math (``layoutlang.core._core``) against its pure-Python twin.
 
 Checked against ``tests/oracle.py`` (which materialises index lists) and against
 hand-worked values from DESIGN.md:
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layoutlang import _core
+from layoutlang.core import _core
 from layoutlang.errors import LayoutValueError
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""The cost model (layoutlang.simulate): hand-computed plans, a reference implementation,
+"""The cost model (layoutlang.plan.simulate): hand-computed plans, a reference implementation,
 the lower bound against brute force, topology presets and the command.
 
 Run ``python tests/test_simulate.py --update`` to re-make the simulated tables the guide
@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 import layoutlang
-from layoutlang import simulate as S
+from layoutlang import _text
+from layoutlang.model import topology as T
+from layoutlang.plan import simulate as S
 from layoutlang.errors import LayoutError, LayoutNameError
 from layoutlang.model import Topology
 from layoutlang.plan import compile_plan
@@ -219,8 +221,8 @@ def example_programs():
 @pytest.mark.parametrize("policy", ["reshard", "broadcast", None])
 def test_estimate_matches_reference_on_examples(policy):
     for name, program in example_programs():
-        topology, _ = S.complete_topology(program.topology)
-        for bucket in (S.DEFAULT_BUCKET_BYTES, 4096):
+        topology, _ = T.complete_topology(program.topology)
+        for bucket in (layoutlang.plan.DEFAULT_BUCKET_BYTES, 4096):
             plan = compile_plan(program, bucket_bytes=bucket, policy=policy)
             e = S.estimate(plan, topology, sequential=True)
             assert e.time == pytest.approx(reference_time(plan, topology, True)), (name, bucket)
@@ -275,10 +277,10 @@ def test_lower_bound_volumes_match_brute_force():
 
 def test_no_plan_beats_the_lower_bound():
     for name, program in example_programs():
-        topology, _ = S.complete_topology(program.topology)
+        topology, _ = T.complete_topology(program.topology)
         bound = S.lower_bound(compile_plan(program, policy="reshard"), topology)
         assert bound.bytes == compile_plan(program).stats.lower_bound
-        for policy, bucket in itertools.product(("reshard", "broadcast", None), (S.DEFAULT_BUCKET_BYTES, 4096)):
+        for policy, bucket in itertools.product(("reshard", "broadcast", None), (layoutlang.plan.DEFAULT_BUCKET_BYTES, 4096)):
             e = S.estimate(compile_plan(program, policy=policy, bucket_bytes=bucket), topology)
             assert e.time >= bound.time * (1 - 1e-12), (name, policy, bucket)
 
@@ -288,12 +290,12 @@ def test_lower_bound_needs_a_reshard_plan():
     with pytest.raises(ValueError, match="reshards every tensor"):
         S.lower_bound(compile_plan(program, policy="broadcast"), program.topology)
     with pytest.raises(ValueError, match="domains of 2 ranks"):
-        S.estimate(compile_plan(program), S.TOPOLOGY_PRESETS["dgx_h100"])
+        S.estimate(compile_plan(program), T.TOPOLOGY_PRESETS["dgx_h100"])
 
 
 def test_colocated_bound_counts_local_copies():
     program = layoutlang.load(EXAMPLES / "colocated.layout")
-    topology, _ = S.complete_topology(program.topology)
+    topology, _ = T.complete_topology(program.topology)
     bound = S.lower_bound(compile_plan(program), topology)
     plan = compile_plan(program)
     per_rank = plan.stats.per_rank
@@ -308,10 +310,10 @@ def test_colocated_bound_counts_local_copies():
 
 
 def test_presets_are_documented():
-    for name, topology in S.TOPOLOGY_PRESETS.items():
+    for name, topology in T.TOPOLOGY_PRESETS.items():
         assert topology.name == name
-        sources = S.PRESET_SOURCES[name]
-        for setting in ("domain_size", *S._LINK_SETTINGS):
+        sources = T.PRESET_SOURCES[name]
+        for setting in ("domain_size", *T._LINK_SETTINGS):
             assert getattr(topology, setting) is not None
             assert sources.get(setting)
         for setting in ("domain_size", "domain_bandwidth", "network_bandwidth", "copy_bandwidth"):
@@ -319,7 +321,7 @@ def test_presets_are_documented():
 
 
 def test_preset_constants():
-    h100, gb200 = S.TOPOLOGY_PRESETS["dgx_h100"], S.TOPOLOGY_PRESETS["gb200_nvl72"]
+    h100, gb200 = T.TOPOLOGY_PRESETS["dgx_h100"], T.TOPOLOGY_PRESETS["gb200_nvl72"]
     assert (h100.domain_size, h100.domain_bandwidth, h100.network_bandwidth) == (8, 450e9, 50e9)
     assert (gb200.domain_size, gb200.domain_bandwidth, gb200.network_bandwidth) == (72, 900e9, 50e9)
     assert h100.copy_bandwidth == 3.35e12 / 2 and gb200.copy_bandwidth == 8e12 / 2
@@ -330,7 +332,7 @@ def test_named_topology_selects_a_preset_and_the_block_overrides_it():
     t = program.topology
     assert t.name == "gb200_nvl72" and t.domain_size == 72
     assert t.network_bandwidth == 25e9 and t.domain_bandwidth == 900e9
-    assert layoutlang.loads("topology dgx_h100 {}").topology == S.TOPOLOGY_PRESETS["dgx_h100"]
+    assert layoutlang.loads("topology dgx_h100 {}").topology == T.TOPOLOGY_PRESETS["dgx_h100"]
     custom = layoutlang.loads("topology lab { domain_size = 4  copy_bandwidth = 1 TB/s }").topology
     assert (custom.name, custom.domain_size, custom.copy_bandwidth, custom.network_bandwidth) == ("lab", 4, 1e12, None)
     assert layoutlang.loads("topology { domain_size = 8 }").topology.network_bandwidth is None
@@ -350,13 +352,13 @@ def test_link_settings_must_be_positive():
         layoutlang.loads("topology { domain_size = 2  network_bandwidth = 0 GB/s }")
     assert layoutlang.loads("topology { network_latency = 0 us }").topology.network_latency == 0
     with pytest.raises(LayoutError, match="bandwidths are more than 0"):
-        S.complete_topology(Topology(domain_size=2, domain_bandwidth=-1.0))
+        T.complete_topology(Topology(domain_size=2, domain_bandwidth=-1.0))
 
 
 def test_missing_settings_come_from_the_fallback_preset():
-    t, missing = S.complete_topology(Topology(domain_size=4, network_bandwidth=1e9))
+    t, missing = T.complete_topology(Topology(domain_size=4, network_bandwidth=1e9))
     assert t.network_bandwidth == 1e9 and t.domain_size == 4
-    assert t.domain_bandwidth == S.TOPOLOGY_PRESETS["dgx_h100"].domain_bandwidth
+    assert t.domain_bandwidth == T.TOPOLOGY_PRESETS["dgx_h100"].domain_bandwidth
     assert missing == ["domain_bandwidth", "domain_latency", "network_latency", "copy_bandwidth"]
 
 
@@ -399,7 +401,7 @@ def test_command_table_and_json():
 
 
 def test_human_time():
-    assert [S.human_time(t) for t in (0, 14.94, 2.6134, 0.8123, 4.5e-5, 1234.0, 2.5e-9)] == [
+    assert [_text.human_time(t) for t in (0, 14.94, 2.6134, 0.8123, 4.5e-5, 1234.0, 2.5e-9)] == [
         "0 s", "14.9 s", "2.61 s", "812 ms", "45 us", "1234 s", "2.5 ns",
     ]  # fmt: skip
 

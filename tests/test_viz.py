@@ -1,4 +1,4 @@
-"""layoutlang.viz: a valid PNG for every example, read back by matplotlib."""
+"""layoutlang.cli.viz: a valid PNG for every example, read back by matplotlib."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import layoutlang
-from layoutlang import viz
+from layoutlang.cli import viz
 from layoutlang.errors import LayoutNameError, LayoutValueError
 from layoutlang.plan import compile_plan
 

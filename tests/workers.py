@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 import layoutlang
 from layoutlang.errors import LayoutError
-from layoutlang.execute import Resharder, TorchTransport
-from layoutlang.weights import fill_synthetic, synthetic_box, verify
+from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
+from layoutlang.runtime import Resharder
+from layoutlang.transport import TorchTransport
 
 
 def program_rank(participants):

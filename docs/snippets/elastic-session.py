@@ -21,8 +21,8 @@ import torch
 
 import layoutlang
 from elastic import Change, ElasticSession, ExitWatcher
-from layoutlang.launch import LocalWorkers, worker_context
-from layoutlang.weights import fill_synthetic, verify
+from layoutlang.cli.launch import LocalWorkers, worker_context
+from layoutlang.io.weights import fill_synthetic, verify
 
 PROGRAM = """
 topology { domain_size = 2 }

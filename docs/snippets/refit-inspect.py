@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import layoutlang
-from layoutlang.interop.safetensors import read_safetensors_header
-from layoutlang.weights import SafetensorsCheckpoint
+from layoutlang.io.safetensors import read_safetensors_header
+from layoutlang.io.weights import SafetensorsCheckpoint
 
 checkpoint, out = SafetensorsCheckpoint(sys.argv[1]), Path(sys.argv[2])
 vllm = layoutlang.load(Path(__file__).parent / "refit-attn.layout").layout("vllm")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from layoutlang.launch import LocalWorkers
+from layoutlang.cli.launch import LocalWorkers
 
 
 def job() -> dict:
@@ -24,7 +24,7 @@ def job() -> dict:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from layoutlang import LayoutError
-    from layoutlang.interop.dtensor import redistribute
+    from layoutlang.runtime.redistribute import redistribute
 
     seen = {}
     # Building a DeviceMesh is collective: every rank builds every mesh, in the same order,

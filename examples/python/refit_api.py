@@ -8,7 +8,7 @@ processes)::
 It starts four local worker processes, ranks 0..3 of one gloo group, as ``layoutlang
 apply`` does. Ranks 0 and 1 play the trainer (FSDP: every weight split by rows), ranks 2
 and 3 the inference engine (vLLM: column-parallel ``gate_up_proj`` fused, row-parallel
-``down_proj``). Every rank builds one :class:`~layoutlang.execute.Resharder`, then:
+``down_proj``). Every rank builds one :class:`~layoutlang.runtime.Resharder`, then:
 
 1. refit 1: the trainer's initial weights reach the engine; ``on_complete`` reports each
    engine parameter as soon as all its bytes have arrived; every byte is verified;
@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang.execute import AgreementError, Resharder
-from layoutlang.launch import LocalWorkers
-from layoutlang.report import human_bytes
-from layoutlang.weights import fill_synthetic, synthetic_box, verify
+from layoutlang._text import human_bytes
+from layoutlang.cli.launch import LocalWorkers
+from layoutlang.errors import AgreementError
+from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
+from layoutlang.runtime import Resharder
 
 PROGRAM = """
 topology { domain_size = 2 }

@@ -5,6 +5,6 @@ render it. Local worker launch and the jobs ``apply`` runs (plain and elastic) l
 too: they are the command line's, and nothing below it imports them.
 """
 
-from .main import build_parser, main
+from .main import ExitCode, build_parser, main
 
-__all__ = ["build_parser", "main"]
+__all__ = ["ExitCode", "build_parser", "main"]

@@ -38,7 +38,7 @@ from elastic.membership import ExitWatcher
 from .. import lang
 from ..errors import LayoutError
 from ..io.weights import fill_synthetic, verify
-from ..model.dtypes import torch_dtype
+from ..io.torch_dtypes import torch_dtype
 from .apply_job import participants_of
 from .launch import LocalWorkers, worker_context
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .._text import region
+from .._text import region, table
 from ..errors import ExitCode, LayoutNameError, did_you_mean
 from ..lang import load
 from ..model import Layout, Program, compile_pattern
@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
         if args.summary:
             rows = [r for r in layout.summary() if r["rank"] in ranks]
             out.append({"layout": layout.name, "mesh": layout.mesh.name, "summary": rows})
-            table = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"]] for r in rows]
-            lines += table(table, ["rank", "tensors", "boxes", "elements", "bytes"], {0, 1, 2, 3, 4})
+            cells = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"]] for r in rows]
+            lines += table(cells, ["rank", "tensors", "boxes", "elements", "bytes"], {0, 1, 2, 3, 4})
             lines.append("")
             continue
         rows = []

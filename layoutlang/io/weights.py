@@ -22,7 +22,8 @@ import torch
 from .._text import region
 from ..errors import ModelDescriptionError
 from ..model import Layout
-from ..model.dtypes import DTYPES, torch_dtype
+from ..model.dtypes import DTYPES
+from .torch_dtypes import torch_dtype
 from .safetensors import read_safetensors_header
 
 __all__ = [

@@ -3,17 +3,12 @@
 A ``.layout`` file names dtypes by their short names (``bf16``, ``fp32``...); safetensors
 headers and Hugging Face configs use their own spellings, which :func:`canonical_dtype`
 maps to the short name. Each dtype has a size in bytes and a torch counterpart, which
-only the execution layer resolves (the language does not import torch).
+:mod:`layoutlang.io.torch_dtypes` resolves (the language does not import torch).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the language never imports torch; only execution resolves dtypes
-    import torch
-
-__all__ = ["ALIASES", "DTYPES", "canonical_dtype", "dtype_name", "itemsize", "torch_dtype"]
+__all__ = ["ALIASES", "DTYPES", "canonical_dtype", "itemsize"]
 
 #: short name -> (bytes per element, torch attribute name)
 DTYPES: dict[str, tuple[int, str]] = {
@@ -69,20 +64,3 @@ def canonical_dtype(name: str) -> str | None:
 def itemsize(dtype: str) -> int:
     """Bytes per element of a short dtype name."""
     return DTYPES[dtype][0]
-
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    """The torch dtype of a short dtype name (``bf16`` -> ``torch.bfloat16``)."""
-    import torch  # here, not at the top: the language's import path stays free of torch
-
-    return getattr(torch, DTYPES[dtype][1])
-
-
-def dtype_name(dtype: torch.dtype) -> str | None:
-    """The short name of a torch dtype (``torch.bfloat16`` -> ``bf16``), or None."""
-    import torch  # here, not at the top: the language's import path stays free of torch
-
-    for name, (_, attr) in DTYPES.items():
-        if getattr(torch, attr) == dtype:
-            return name
-    return None

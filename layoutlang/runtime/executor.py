@@ -12,7 +12,7 @@ import torch
 
 from .._text import rank_ranges
 from ..errors import ExecutionError
-from ..model.dtypes import torch_dtype
+from ..io.torch_dtypes import torch_dtype
 from ..plan import KINDS, Plan
 from ..transport import Transport
 from .agreement import AGREEMENT_TAG, agree

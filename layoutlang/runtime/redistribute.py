@@ -19,7 +19,7 @@ import torch
 
 from ..errors import LayoutValueError
 from ..model import Layout, LogicalTensor, Mesh, Replicate, Rule, Shard
-from ..model.dtypes import dtype_name
+from ..io.torch_dtypes import dtype_name
 from ..plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts
 from ..transport import TorchTransport
 from .executor import Executor

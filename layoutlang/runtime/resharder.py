@@ -11,7 +11,7 @@ from .._text import rank_ranges, ranks_phrase
 from ..errors import ExecutionError, LayoutError
 from ..lang import load
 from ..model import Program
-from ..model.dtypes import torch_dtype
+from ..io.torch_dtypes import torch_dtype
 from ..plan import DEFAULT_BUCKET_BYTES, compile_plan
 from ..transport import TorchTransport, Transport
 from .agreement import agree

@@ -8,7 +8,7 @@ import attrs
 import numpy as np
 import torch
 
-from ..model.dtypes import torch_dtype
+from ..io.torch_dtypes import torch_dtype
 from ..plan import SPACES, Plan
 
 _ALIGN = 16  # bytes: every region starts aligned in a message, so typed views are legal

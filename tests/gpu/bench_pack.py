@@ -7,7 +7,7 @@ copy bandwidth (one contiguous copy of the same bytes):
 
   torch-loop     one ``dst.copy_(src)`` per box: what the executor does today
   torch-foreach  ``torch._foreach_copy_`` over all boxes of the bucket
-  runtime        ``layoutlang.nccl.copy_pairs``: pitched cudaMemcpy2D/3DAsync through the
+  runtime        ``layoutlang.transport.nccl.copy_pairs``: pitched cudaMemcpy2D/3DAsync through the
                  CUDA runtime loaded at run time, one call per box, adjacent boxes merged
 
 Each result is checked against the torch-loop result before it is timed. Prints one table
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         print("bench_pack: skipped: no CUDA device (torch.cuda.is_available() is False)")
         return 0
 
-    from layoutlang.nccl import copy_pairs, load_cuda_runtime
+    from layoutlang.transport.nccl import copy_pairs, load_cuda_runtime
 
     device = torch.device("cuda", torch.cuda.current_device())
     runtime = load_cuda_runtime()

@@ -71,9 +71,10 @@ def worker(rank: int, world: int, port: int, results, role: str, timeout: float)
         import torch.distributed as dist
 
         import layoutlang
-        from layoutlang.execute import Resharder
-        from layoutlang.nccl import Communicator, NcclError, NcclTransport, load_library
-        from layoutlang.weights import fill_synthetic, verify
+        from layoutlang.errors import NcclError
+        from layoutlang.io.weights import fill_synthetic, verify
+        from layoutlang.runtime import Resharder
+        from layoutlang.transport.nccl import Communicator, NcclTransport, load_library
 
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout))
         lib = load_library()

@@ -20,7 +20,7 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   echo "run_gpu_checks: skipped: no CUDA device (torch.cuda.is_available() is False)"
   exit 0
 fi
-if ! "$PY" -c 'import layoutlang._core' 2>/dev/null; then
+if ! "$PY" -c 'import layoutlang.core._core' 2>/dev/null; then
   echo "run_gpu_checks: layoutlang is not built here: run 'pip install -e .' (or scripts/setup) first"
   exit 1
 fi
@@ -36,7 +36,7 @@ step() {
   echo "-- $name: $((SECONDS - start)) s"
 }
 
-step "layoutlang doctor" 60 "$PY" -m layoutlang.doctor
+step "layoutlang doctor" 60 "$PY" -m layoutlang.cli.doctor
 step "GPU tests" 150 "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider
 step "pack/unpack bandwidth" 80 "$PY" tests/gpu/bench_pack.py
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layoutlang import doctor
-from layoutlang.execute import Resharder
-from layoutlang.nccl import Communicator, NcclError, NcclTransport, copy_pairs, load_library
-from layoutlang.weights import fill_synthetic, verify
+from layoutlang.cli import doctor
+from layoutlang.errors import NcclError
+from layoutlang.io.weights import fill_synthetic, verify
+from layoutlang.runtime import Resharder
+from layoutlang.transport.nccl import Communicator, NcclTransport, copy_pairs, load_library
 
 pytestmark = [
     pytest.mark.gpu,
