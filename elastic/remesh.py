@@ -44,7 +44,6 @@ __all__ = [
     "DataLossError",
     "check_recoverable",
     "data_parallel_axes",
-    "format_region",
     "lost_regions",
     "remesh",
 ]

@@ -36,7 +36,7 @@ import pytest
 
 import layoutlang
 from layoutlang.core import _core
-from layoutlang.plan import Plan, compile_plan, plan_layouts
+from layoutlang.plan import Plan, compile_plan, load_plan, plan_layouts
 from layoutlang.plan.data import _COLUMNS
 
 pytestmark = pytest.mark.timeout(120)
