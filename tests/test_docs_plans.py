@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import layoutlang
-from layoutlang.plan import Plan, compile_plan, plan_layouts
+from layoutlang.plan import Plan, compile_plan, load_plan, plan_layouts
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,7 +49,7 @@ def compiled(program: layoutlang.Program, **options) -> Plan:
     plan = compile_plan(program, **options)
     plan.validate()
     assert compile_plan(program, **options).fingerprint == plan.fingerprint
-    assert Plan.from_bytes(plan.to_bytes(), program).fingerprint == plan.fingerprint
+    assert load_plan(plan.to_bytes(), program).fingerprint == plan.fingerprint
     return plan
 
 

@@ -23,11 +23,12 @@ import pytest
 
 import layoutlang
 from layoutlang import _text
-from layoutlang.model import topology as T
-from layoutlang.plan import simulate as S
+from layoutlang.cli import simulate as simulate_command
 from layoutlang.errors import LayoutError, LayoutNameError
 from layoutlang.model import Topology
+from layoutlang.model import topology as T
 from layoutlang.plan import compile_plan
+from layoutlang.plan import simulate as S
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -280,7 +281,8 @@ def test_no_plan_beats_the_lower_bound():
         topology, _ = T.complete_topology(program.topology)
         bound = S.lower_bound(compile_plan(program, policy="reshard"), topology)
         assert bound.bytes == compile_plan(program).stats.lower_bound
-        for policy, bucket in itertools.product(("reshard", "broadcast", None), (layoutlang.plan.DEFAULT_BUCKET_BYTES, 4096)):
+        buckets = (layoutlang.plan.DEFAULT_BUCKET_BYTES, 4096)
+        for policy, bucket in itertools.product(("reshard", "broadcast", None), buckets):
             e = S.estimate(compile_plan(program, policy=policy, bucket_bytes=bucket), topology)
             assert e.time >= bound.time * (1 - 1e-12), (name, policy, bucket)
 
@@ -377,7 +379,7 @@ def test_simulate_rows_and_policies():
         S.simulate(program, topology="gb300")
 
 
-def run_command(argv: list[str], module=S) -> tuple[int, str]:
+def run_command(argv: list[str], module=simulate_command) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
     module.add_arguments(parser)
     out = io.StringIO()

@@ -101,13 +101,15 @@ def test_unknown_tensor(tmp_path):
 # ------------------------------------------------------------------ the guide's pictures
 
 #: the pictures the guide "Choosing an inference layout" shows: (image, file, tensor, policy)
+_EXPERT = "model.layers.3.mlp.experts.0.down_proj.weight"
+_K_PROJ = "model.layers.0.self_attn.k_proj.weight"
 GUIDE_PICTURES = [
     ("sim-tp-to-dp.png", "examples/tp_to_dp.layout", "w", None),
     ("sim-llama3-70b-gate.png", "docs/snippets/sim-llama3-70b.layout", "model.layers.0.mlp.gate_proj.weight", None),
-    ("sim-deepseek-v3-expert.png", "docs/snippets/sim/deepseek-v3.layout", "model.layers.3.mlp.experts.0.down_proj.weight", None),
-    ("sim-deepseek-v3-ep-expert.png", "docs/snippets/sim/deepseek-v3-ep.layout", "model.layers.3.mlp.experts.0.down_proj.weight", None),
-    ("sim-qwen3-235b-k-proj.png", "docs/snippets/sim/qwen3-235b.layout", "model.layers.0.self_attn.k_proj.weight", None),
-    ("sim-qwen3-235b-k-proj-reshard.png", "docs/snippets/sim/qwen3-235b.layout", "model.layers.0.self_attn.k_proj.weight", "reshard"),
+    ("sim-deepseek-v3-expert.png", "docs/snippets/sim/deepseek-v3.layout", _EXPERT, None),
+    ("sim-deepseek-v3-ep-expert.png", "docs/snippets/sim/deepseek-v3-ep.layout", _EXPERT, None),
+    ("sim-qwen3-235b-k-proj.png", "docs/snippets/sim/qwen3-235b.layout", _K_PROJ, None),
+    ("sim-qwen3-235b-k-proj-reshard.png", "docs/snippets/sim/qwen3-235b.layout", _K_PROJ, "reshard"),
 ]
 
 
