@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.abspath("_ext"))
 
-import layoutlang  # noqa: E402
+import layoutlang
 
 project = "layoutlang"
 author = "layoutlang developers"

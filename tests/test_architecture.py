@@ -87,7 +87,7 @@ def test_cycle_finder_finds_a_planted_circle():
 
 def test_no_import_circle_between_files():
     graph = grimp.build_graph(*PACKAGES, include_external_packages=False)
-    edges = {m: {d for d in graph.find_modules_directly_imported_by(m)} for m in graph.modules}
+    edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
     # A package's __init__ importing its own submodules is how it exports them, not a circle:
     # drop edges from a package to its descendants (their imports of the package stay).
     for module, targets in edges.items():
@@ -125,9 +125,11 @@ def _local_project_imports(path: Path, root: Path = ROOT) -> list[tuple[int, str
                     names = [node.module or ""]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            for name in names:
-                if name.split(".")[0] in PACKAGES:
-                    found.append((node.lineno, name, _comment_above(lines, node.lineno)))
+            found.extend(
+                (node.lineno, name, _comment_above(lines, node.lineno))
+                for name in names
+                if name.split(".")[0] in PACKAGES
+            )
     return found
 
 

@@ -204,7 +204,7 @@ def test_lexer_token_kinds():
 
     text = 'mesh m [tp = 1_024] on ranks 0..3  # c\nlayout l on m { "a.{l}.*": tp = shard(0, pad = 64) }\n'
     tokens = [(t, v) for t, v in _lexer().get_tokens(text) if v.strip()]
-    kinds = dict((v, t) for t, v in tokens)
+    kinds = {v: t for t, v in tokens}
     assert kinds["mesh"] in Keyword and kinds["on"] in Keyword
     assert kinds["1_024"] in Number and kinds["0"] in Number and kinds[".."] in Operator
     assert kinds["# c"] in Comment

@@ -49,7 +49,9 @@ def run(argv: list[str], timeout: float = 500) -> subprocess.CompletedProcess[st
     """Run a documented command from the repository root, as a user would, with this interpreter."""
     program, *rest = argv
     prefix = {"layoutlang": [sys.executable, "-m", "layoutlang.cli"], "python": [sys.executable]}[program]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    # torchrun's variables (a launcher around pytest) would make the command join that job
+    launcher = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
     return subprocess.run(
         [*prefix, *rest], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False
     )

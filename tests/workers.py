@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang.errors import LayoutError
+from layoutlang.errors import LayoutError, RuntimeFailure
 from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
 from layoutlang.runtime import Resharder
 from layoutlang.transport import TorchTransport
@@ -46,10 +46,15 @@ def refit(path, participants, policy=None, steps=1, cast=None, memory_budget=Non
             tensor.mul_(-1)
         completed = []
         destinations = resharder.allocate("destination", dtype=dtype)
-        resharder.run(sources, destinations, cast=cast is not None, on_complete=lambda n, t: completed.append(n))
+        resharder.run(
+            sources, destinations, cast=cast is not None,
+            on_complete=lambda name, _, completed=completed: completed.append(name),
+        )
         sign = -1 if step % 2 == 0 else 1
         truth = _signed_truth(resharder.plan.destination, sign)
-        check = verify(resharder.plan.destination, rank, destinations, truth=truth) if rank in resharder.plan.destination.mesh else None
+        check = None
+        if rank in resharder.plan.destination.mesh:
+            check = verify(resharder.plan.destination, rank, destinations, truth=truth)
         report = resharder.last_report
         results.append(
             {
@@ -91,7 +96,7 @@ def build_resharder_error(text_by_rank, participants, timeout=20.0):
             f.write(text)
         try:
             Resharder(path, rank=rank, rank_map=rank_map(participants), timeout=timeout)
-        except LayoutError as err:
+        except (LayoutError, RuntimeFailure) as err:
             return type(err).__name__ + ": " + err.message
     return None
 
@@ -105,7 +110,8 @@ def run_with_storages(text, participants, mutate, timeout=20.0):
     resharder = Resharder(program, rank=rank, rank_map=rank_map(participants), timeout=timeout)
     sources = resharder.allocate("source")
     destinations = resharder.allocate("destination")
-    target = min(resharder.plan.destination.mesh.ranks) if mutate.startswith("destination") else min(resharder.plan.source.mesh.ranks)
+    side_layout = resharder.plan.destination if mutate.startswith("destination") else resharder.plan.source
+    target = min(side_layout.mesh.ranks)
     if rank == target:
         side = destinations if mutate.startswith("destination") else sources
         name = sorted(side)[0]
@@ -117,7 +123,7 @@ def run_with_storages(text, participants, mutate, timeout=20.0):
             side[name] = side[name].to(torch.float64)
     try:
         resharder.run(sources, destinations)
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:
         return type(err).__name__ + ": " + err.message
     return None
 
@@ -145,6 +151,6 @@ def refit_with_a_dying_peer(path, participants, victim, timeout):
     start = time.monotonic()
     try:
         resharder.run(sources)
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:
         return {"error": err.message, "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}

@@ -18,6 +18,8 @@ lexer does not understand instead of silently showing it unhighlighted.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pygments.lexer import RegexLexer, bygroups, words
 from pygments.token import (
     Comment,
@@ -56,11 +58,12 @@ class LayoutLexer(RegexLexer):
     """Lexer for layoutlang's ``.layout`` files."""
 
     name = "layout"
-    aliases = ["layout", "layoutlang"]
-    filenames = ["*.layout"]
-    mimetypes = ["text/x-layout"]
+    # class-level tables that Pygments reads, never mutated
+    aliases: ClassVar[list[str]] = ["layout", "layoutlang"]
+    filenames: ClassVar[list[str]] = ["*.layout"]
+    mimetypes: ClassVar[list[str]] = ["text/x-layout"]
 
-    tokens = {
+    tokens: ClassVar[dict[str, list]] = {
         "root": [
             (r"\s+", Whitespace),
             (r"#[^\n]*", Comment.Single),

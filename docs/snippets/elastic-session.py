@@ -100,12 +100,11 @@ def worker(program_text: str) -> dict:
 
 def main() -> None:
     print("7 local workers: ranks 0..5 refit fsdp -> serve, rank 6 waits to replace a lost rank")
-    with LocalWorkers(7) as pool:
-        # The launcher watches its workers: an exit is noticed at once, not after the
-        # heartbeat deadline.
-        with ExitWatcher(pool.store, dict(enumerate(pool.processes))):
-            pool.submit(worker, PROGRAM)
-            results = pool.results_by_rank()
+    # The launcher watches its workers: an exit is noticed at once, not after the
+    # heartbeat deadline.
+    with LocalWorkers(7) as pool, ExitWatcher(pool.store, dict(enumerate(pool.processes))):
+        pool.submit(worker, PROGRAM)
+        results = pool.results_by_rank()
     print(f"rank {VICTIM} died during refit {KILL_STEP}" if VICTIM not in results else f"rank {VICTIM} did not die")
     done = {rank: value for rank, (ok, value) in sorted(results.items()) if ok}
     assert sorted(done) == [0, 1, 2, 4, 5, 6], results

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 import layoutlang
-from layoutlang.io.weights import write_safetensors
 from layoutlang.io.torch_dtypes import torch_dtype
+from layoutlang.io.weights import write_safetensors
 
 folder = Path(sys.argv[1])
 program = layoutlang.load(Path(__file__).parent / "refit-attn.layout")
