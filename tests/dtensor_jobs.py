@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from layoutlang.errors import LayoutError
+from layoutlang.errors import LayoutError, RuntimeFailure
 from layoutlang.runtime.redistribute import redistribute
 
 #: name -> (ranks as a nested list, row-major; mesh_dim_names or None)
@@ -251,7 +251,7 @@ def redistribute_error(kind: str) -> str | None:
             redistribute(full, ms["high4"], [Shard(0)], timeout=20.0)
         else:
             raise ValueError(kind)
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:
         return f"{type(err).__name__}: {err.message}"
     return None
 
@@ -264,7 +264,7 @@ def outside_both_meshes() -> dict:
     source = distribute_tensor(full, ms["pair01"], [Shard(0)])
     try:
         result = redistribute(source, ms["high4"], [Shard(1)], timeout=20.0)
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:
         return {"rank": rank, "error": f"{type(err).__name__}: {err.message}"}
     row = {"rank": rank, "error": None, "is_none": result is None}
     if result is not None:
@@ -314,7 +314,7 @@ def submesh_source(timeout: float) -> dict:
     start = time.monotonic()
     try:
         result = redistribute(source, ms["mid6"], [Shard(0)], timeout=timeout)
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:
         return {"rank": rank, "sub": sub.mesh.tolist(), "error": f"{type(err).__name__}: {err.message}",
                 "seconds": time.monotonic() - start}
     out = {"rank": rank, "sub": sub.mesh.tolist(), "error": None, "is_none": result is None, "seconds": time.monotonic() - start}

@@ -45,14 +45,15 @@ def run(args: argparse.Namespace) -> int:
         try:
             reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
         except WorkerError as err:
-            if err.kind in ("internal", "died"):
-                raise
-            # A user's mistake found on a worker: its message already has its place and caret.
+            if err.exit_code == ExitCode.INTERNAL:
+                raise  # a bug: main reports it (exit 3), without a traceback
+            # A user's mistake (exit 2) or a failure at run time (exit 1) found on a worker:
+            # its message already has its place and caret.
             if args.json:
                 print(json.dumps({"error": err.kind, "message": err.message}), file=sys.stderr)
             else:
                 print(err.message, file=sys.stderr)
-            return ExitCode.BAD_INPUT
+            return err.exit_code
         launcher = "local gloo workers"
     summary = job.summarize(reports)
     if args.json:

@@ -17,23 +17,28 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from ..errors import LayoutError
+from ..errors import ExitCode, LayoutError, RuntimeFailure
 
 __all__ = ["LocalWorkers", "WorkerError", "worker_context"]
 
 
 class WorkerError(RuntimeError):
-    """A task failed on a worker (or a worker died); the message names the rank.
+    """A task failed on a worker (or a worker died or hung); the message names the rank.
 
-    ``kind`` is the LayoutError kind when the task failed on a user's mistake (a bad
-    program, storage or checkpoint), ``internal`` for anything else, ``died`` for a worker
-    that exited; ``message`` is the worker's error message without the rank prefix.
+    ``kind`` is the error's kind when the task failed on a user's mistake (a
+    :class:`~layoutlang.errors.LayoutError`: a bad program, storage or checkpoint) or on a
+    failure at run time (a :class:`~layoutlang.errors.RuntimeFailure`: a peer that died or
+    hung, an agreement that failed); ``died`` for a worker that exited, ``hung`` for workers
+    that did not finish in time, ``internal`` for anything else. ``exit_code`` says who must
+    act (:class:`~layoutlang.errors.ExitCode`); ``message`` is the worker's error text
+    without the rank prefix.
     """
 
-    def __init__(self, text: str, kind: str = "internal", message: str = ""):
+    def __init__(self, text: str, kind: str = "internal", message: str = "", exit_code: int = ExitCode.INTERNAL):
         super().__init__(text)
         self.kind = kind
         self.message = message or text
+        self.exit_code = ExitCode(exit_code)
 
 
 #: set in each worker: its rank, the world size and the store's port
@@ -60,10 +65,11 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results
         fn, args, kwargs = task
         try:
             results.put((rank, True, fn(*args, **kwargs)))
-        except LayoutError as err:
-            results.put((rank, False, (type(err).__name__, str(err), err.kind)))
+        except (LayoutError, RuntimeFailure) as err:
+            results.put((rank, False, (type(err).__name__, str(err), err.kind, int(err.exit_code))))
         except BaseException as err:  # report everything: the parent decides what it means
-            results.put((rank, False, (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal")))
+            failure = (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal", int(ExitCode.INTERNAL))
+            results.put((rank, False, failure))
     if default_group:
         dist.destroy_process_group()
 
@@ -139,18 +145,20 @@ class LocalWorkers:
                 pass
             dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
             if dead:
-                raise WorkerError(
-                    f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})", "died"
-                )
+                text = f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})"
+                raise WorkerError(text, "died", f"error: {text}", ExitCode.FAILURE)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.size)) - set(results))
-                raise WorkerError(f"workers {missing} did not finish in time")
+                text = f"workers {missing} did not finish in time"
+                raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
         failed = sorted(r for r, (ok, _) in results.items() if not ok)
         if failed:
-            # Prefer a user's mistake over the consequences it had on other ranks.
-            first = min(failed, key=lambda r: (results[r][1][2] == "internal", r))
-            name, message, kind = results[first][1]
-            raise WorkerError(f"rank {first}: {name}: {message}", kind, message)
+            # Prefer a user's mistake over the runtime failures it caused on other ranks, and
+            # both over a bug: BAD_INPUT (2), then FAILURE (1), then INTERNAL (3).
+            order = {ExitCode.BAD_INPUT: 0, ExitCode.FAILURE: 1}
+            first = min(failed, key=lambda r: (order.get(results[r][1][3], 2), r))
+            name, message, kind, exit_code = results[first][1]
+            raise WorkerError(f"rank {first}: {name}: {message}", kind, message, exit_code)
         return [results[r][1] for r in range(self.size)]
 
     def results_by_rank(self, timeout: float | None = None) -> dict[int, tuple[bool, Any]]:
