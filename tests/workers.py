@@ -16,7 +16,8 @@ import layoutlang
 from layoutlang.errors import LayoutError, RuntimeFailure
 from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
 from layoutlang.runtime import Resharder
-from layoutlang.transport import TorchTransport
+from layoutlang.runtime.agreement import AGREEMENT_TAG
+from layoutlang.transport import TorchTransport, Transport
 
 
 def program_rank(participants):
@@ -128,16 +129,26 @@ def run_with_storages(text, participants, mutate, timeout=20.0):
     return None
 
 
-class _DyingTransport:
+class _DyingTransport(Transport):
     """Wraps a transport; the chosen rank's process exits at its first exchange."""
 
-    def __init__(self, inner, die):
-        self.inner, self.die, self.rank = inner, die, inner.rank
+    def __init__(self, inner: Transport, die: bool):
+        self.inner, self.die = inner, die
+        self.rank, self.device = inner.rank, inner.device
+
+    def configure(self, group, rank_map=None):
+        self.inner.configure(group, rank_map)
 
     def exchange(self, sends, recvs, tag):
-        if self.die and tag != 2**31 - 1:  # after agreement: in the middle of the transfer
+        if self.die and tag != AGREEMENT_TAG:  # after agreement: in the middle of the transfer
             os._exit(7)
         return self.inner.exchange(sends, recvs, tag)
+
+    def abort(self):
+        self.inner.abort()
+
+    def errored(self):
+        return self.inner.errored()
 
 
 def refit_with_a_dying_peer(path, participants, victim, timeout):

@@ -11,7 +11,8 @@ another dtype). The next step's messages are packed while the current ones are i
 when they read only source storages, so buckets are pipelined; relays (stage 1) run after
 the network stage that feeds them.
 
-Transports (:mod:`layoutlang.transport`) only move buffers: :class:`~layoutlang.transport.TorchTransport` uses torch.distributed point-to-point
+Transports (:mod:`layoutlang.transport`) only move buffers:
+:class:`~layoutlang.transport.TorchTransport` uses torch.distributed point-to-point
 operations (``batch_isend_irecv``; gloo on CPU, NCCL on GPU). Before the first byte moves,
 every rank of the plan sends its plan fingerprint to the lowest rank, which answers with a
 verdict: a mismatch (different programs, versions or options on different ranks) stops every

@@ -47,7 +47,7 @@ def agree(
     compares them and sends every rank the same verdict. Nothing else moves before it.
     """
     leader = min(participants)
-    device = getattr(transport, "device", torch.device("cpu"))
+    device = transport.device
     digest = bytes.fromhex(fingerprint) if fingerprint else b""
     mine = _encode(b"ER" if error else b"OK", digest, error or "", _AGREE_BYTES).to(device)
     if rank != leader:
@@ -55,7 +55,7 @@ def agree(
         transport.exchange([(leader, mine)], [(leader, verdict)], tag=AGREEMENT_TAG).wait(timeout)
         status, _, message = _decode(verdict)
         if status != b"OK":
-            raise AgreementError(message)
+            raise AgreementError(message, rank=rank)
         return
     others = [r for r in participants if r != rank]
     inboxes = {r: torch.empty(_AGREE_BYTES, dtype=torch.uint8, device=device) for r in others}
@@ -93,4 +93,4 @@ def agree(
     verdict = _encode(b"ER" if text else b"OK", b"", text, _VERDICT_BYTES).to(device)
     transport.exchange([(r, verdict) for r in others], [], tag=AGREEMENT_TAG).wait(timeout)
     if text:
-        raise AgreementError(text)
+        raise AgreementError(text, rank=rank)

@@ -13,10 +13,14 @@ import torch
 from .._text import rank_ranges
 from ..errors import ExecutionError
 from ..io.torch_dtypes import torch_dtype
+from ..model import Layout
 from ..plan import KINDS, Plan
-from ..transport import Transport
+from ..transport import Pending, Transport
 from .agreement import AGREEMENT_TAG, agree
 from .schedule import _DESTINATION, _SCRATCH, _SOURCE, Piece, Step, schedule
+
+#: called with a destination storage's name and tensor once all its bytes have arrived
+OnComplete = Callable[[str, torch.Tensor], None]
 
 
 @attrs.frozen
@@ -48,7 +52,8 @@ class Executor:
                 f"rank {rank} belongs to no mesh of plan '{plan.name}' (source ranks "
                 f"{rank_ranges(plan.source.mesh.ranks)}, destination ranks {rank_ranges(plan.destination.mesh.ranks)})"
                 if not in_meshes
-                else f"rank {rank} is lost in recovery plan '{plan.name}'; it takes no part"
+                else f"rank {rank} is lost in recovery plan '{plan.name}'; it takes no part",
+                rank=rank,
             )
         self.plan = plan
         self.rank = rank
@@ -61,23 +66,26 @@ class Executor:
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
         # Scratch buffers (whole tensors) are freed after their last use.
         self._scratch_last_use = self._last_use(_SCRATCH)
-        self.sources_storages = [
+        # Storage name -> local shape, per source layout (one, unless this is a recovery plan).
+        self.sources_storages: list[dict[str, tuple[int, ...]]] = [
             layout.storages_on(rank) if rank in layout.mesh else {} for layout in plan.sources
-        ]  # per source layout (one, unless this is a recovery plan)
+        ]
         self.source_storages = self.sources_storages[0]
         # A recovery plan's fallback sources are asked only for the storages it reads here.
         read = {(p.source, p.storage) for step in self.steps for p in step.pieces() if p.space == _SOURCE}
         for k in range(1, len(plan.sources)):
             self.sources_storages[k] = {n: s for n, s in self.sources_storages[k].items() if (k, n) in read}
         self._sources_read = {k for k, _ in read}
-        self.destination_storages = plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
+        self.destination_storages: dict[str, tuple[int, ...]] = (
+            plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
+        )
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
         at -1: storages no step touches are done before the first)."""
-        last = {name: -1 for name in names}
+        last = dict.fromkeys(names, -1)
         for n, step in enumerate(self.steps):
             for p in step.pieces():
                 if p.space == space:
@@ -92,48 +100,68 @@ class Executor:
         """Whether this rank reads anything from source layout ``index`` of the plan."""
         return index in self._sources_read
 
-    def _per_source(self, sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]) -> list:
+    def _per_source(
+        self, sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]]
+    ) -> list[Mapping[str, torch.Tensor]]:
         """One mapping of storages per source layout of the plan."""
+        plan, rank = self.plan, self.rank
         if isinstance(sources, Mapping):
-            if len(self.plan.sources) > 1:
+            if len(plan.sources) > 1:
+                names = ", ".join(repr(layout.name) for layout in plan.sources)
                 raise ExecutionError(
-                    f"rank {self.rank}: plan '{self.plan.name}' reads from {len(self.plan.sources)} source layouts "
-                    f"({', '.join(repr(l.name) for l in self.plan.sources)}): pass one mapping of storages per "
-                    "source layout, in that order"
+                    f"rank {rank}: plan '{plan.name}' reads from {len(plan.sources)} source layouts "
+                    f"({names}): pass one mapping of storages per source layout, in that order",
+                    rank=rank,
                 )
             return [sources]
         per = list(sources)
-        if len(per) != len(self.plan.sources):
+        if len(per) != len(plan.sources):
             raise ExecutionError(
-                f"rank {self.rank}: {len(per)} mappings of source storages given for the "
-                f"{len(self.plan.sources)} source layouts of plan '{self.plan.name}'"
+                f"rank {rank}: {len(per)} mappings of source storages given for the "
+                f"{len(plan.sources)} source layouts of plan '{plan.name}'",
+                rank=rank,
             )
         return per
 
-    def _check(self, sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], cast: bool) -> None:
-        plan, rank = self.plan, self.rank
-        sides = [("source", wanted, given, layout) for wanted, given, layout in zip(self.sources_storages, sources, plan.sources)]
+    def _check(
+        self, sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], cast: bool
+    ) -> None:
+        """Every storage this rank moves is given, with its shape and dtype; destinations are contiguous."""
+        plan = self.plan
+        sides = [
+            ("source", wanted, given, layout)
+            for wanted, given, layout in zip(self.sources_storages, sources, plan.sources)
+        ]
         sides.append(("destination", self.destination_storages, destinations, plan.destination))
         for side, wanted, given, layout in sides:
             for name, shape in wanted.items():
-                if name not in given:
-                    raise ExecutionError(
-                        f"rank {rank}: the {side} storage '{name}' (layout '{layout.name}', shape {list(shape)}) is missing"
-                    )
-                tensor = given[name]
-                if tuple(tensor.shape) != tuple(shape):
-                    raise ExecutionError(
-                        f"rank {rank}: the {side} storage '{name}' has shape {list(tensor.shape)}, "
-                        f"layout '{layout.name}' needs {list(shape)}"
-                    )
-                logical = torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype)
-                if tensor.dtype != logical and not (side == "destination" and cast):
-                    raise ExecutionError(
-                        f"rank {rank}: the {side} storage '{name}' is {tensor.dtype}, layout '{layout.name}' "
-                        f"holds {logical}" + (" (pass cast=True to convert on arrival)" if side == "destination" else "")
-                    )
-                if side == "destination" and not tensor.is_contiguous():
-                    raise ExecutionError(f"rank {rank}: the destination storage '{name}' is not contiguous")
+                self._check_storage(side, name, shape, given.get(name), layout, cast)
+
+    def _check_storage(
+        self, side: str, name: str, shape: tuple[int, ...], tensor: torch.Tensor | None, layout: Layout, cast: bool
+    ) -> None:
+        rank = self.rank
+        if tensor is None:
+            raise ExecutionError(
+                f"rank {rank}: the {side} storage '{name}' (layout '{layout.name}', shape {list(shape)}) is missing",
+                rank=rank,
+            )
+        if tuple(tensor.shape) != tuple(shape):
+            raise ExecutionError(
+                f"rank {rank}: the {side} storage '{name}' has shape {list(tensor.shape)}, "
+                f"layout '{layout.name}' needs {list(shape)}",
+                rank=rank,
+            )
+        logical = torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype)
+        if tensor.dtype != logical and not (side == "destination" and cast):
+            advice = " (pass cast=True to convert on arrival)" if side == "destination" else ""
+            raise ExecutionError(
+                f"rank {rank}: the {side} storage '{name}' is {tensor.dtype}, layout '{layout.name}' "
+                f"holds {logical}{advice}",
+                rank=rank,
+            )
+        if side == "destination" and not tensor.is_contiguous():
+            raise ExecutionError(f"rank {rank}: the destination storage '{name}' is not contiguous", rank=rank)
 
     # -- running
     def run(
@@ -142,7 +170,7 @@ class Executor:
         destinations: Mapping[str, torch.Tensor],
         *,
         cast: bool = False,
-        on_complete: Callable[[str, torch.Tensor], None] | None = None,
+        on_complete: OnComplete | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
     ) -> RunReport:
@@ -151,6 +179,44 @@ class Executor:
         All ranks first check their storages and agree that every rank is ready, so a bad
         storage on one rank stops every rank before any byte moves. A recovery plan takes
         one mapping of source storages per source layout (``plan.sources``, in order).
+        """
+        per_source = self._check_and_agree(sources, destinations, cast, not_ready)
+        device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
+        spaces = _Spaces(per_source, destinations, self._shapes, device)
+        tally = _Tally()
+        self._announce(-1, destinations, on_complete)
+        start = time.perf_counter()
+        packed_next: dict[int, torch.Tensor] | None = None
+        for n, step in enumerate(self.steps):
+            sends = packed_next if packed_next is not None else self._pack(step, spaces)
+            recvs = {peer: torch.empty(m.nbytes, dtype=torch.uint8, device=device) for peer, m in step.recvs.items()}
+            pending = self._post(step, sends, recvs)
+            self._copy_locally(step, spaces, tally)
+            packed_next = self._pack_ahead(n, spaces)
+            tally.staged(sends, recvs, packed_next)
+            pending.wait(self.timeout)
+            self._unpack(step, recvs, spaces, tally)
+            tally.sent_messages(step, self._kind)
+            for name in self._scratch_last_use.get(n, ()):  # whole tensors: free them early
+                spaces.scratch.pop(name, None)
+            self._announce(n, destinations, on_complete)
+            if progress is not None:
+                progress(n + 1, len(self.steps))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return tally.report(self.rank, time.perf_counter() - start, len(self.steps))
+
+    def _check_and_agree(
+        self,
+        sources: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+        cast: bool,
+        not_ready: str | None,
+    ) -> list[Mapping[str, torch.Tensor]]:
+        """This rank's source storages per source layout, once every rank has said it is ready.
+
+        A problem found here (or ``not_ready``) is not raised at once: it goes into the
+        agreement, so every rank stops with it before any byte moves.
         """
         problem = not_ready
         per_source: list[Mapping[str, torch.Tensor]] = []
@@ -163,95 +229,132 @@ class Executor:
                 self._check(per_source, destinations, cast)
             except ExecutionError as err:
                 problem = err.message
-        agree(self.transport, self.rank, self.participants, self.plan.fingerprint, problem, self.timeout,
-              failure="is not ready")
-        device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
-        spaces = {(_SOURCE, k): given for k, given in enumerate(per_source)}
-        spaces[(_DESTINATION, 0)] = destinations
-        spaces[(_SCRATCH, 0)] = {}
-        # A destination storage is complete after the step of its last write, and free for the
-        # engine after the step of its last read (a relay forwarding from it) too.
-        def announce(step: int) -> None:
-            if on_complete is not None:
-                for name in self._complete_after.get(step, ()):
-                    on_complete(name, destinations[name])
+        agree(
+            self.transport, self.rank, self.participants, self.plan.fingerprint, problem, self.timeout,
+            failure="is not ready",
+        )
+        return per_source
 
-        announce(-1)
+    def _post(self, step: Step, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> Pending:
+        """Post the step's receives and sends at once."""
+        return self.transport.exchange(
+            list(sends.items()),
+            list(recvs.items()),
+            tag=(step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the same on both ends
+        )
 
-        sent = dict.fromkeys(KINDS, 0)
-        received = dict.fromkeys(KINDS, 0)
-        messages = 0
-        live = peak = 0
-        start = time.perf_counter()
-        packed_next: dict[int, torch.Tensor] | None = None
-        for n, step in enumerate(self.steps):
-            sends = packed_next if packed_next is not None else self._pack(step, spaces, device)
-            recvs = {peer: torch.empty(m.nbytes, dtype=torch.uint8, device=device) for peer, m in step.recvs.items()}
-            live = sum(b.numel() for b in sends.values()) + sum(b.numel() for b in recvs.values())
-            pending = self.transport.exchange(
-                [(peer, buf) for peer, buf in sends.items()],
-                [(peer, buf) for peer, buf in recvs.items()],
-                tag=(step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the same on both ends
-            )
-            for read, write in step.copies:
-                target, value = self._target(spaces, write, device)[write.index], _view(spaces, read)
-                if not _same_memory(target, value):  # a storage that is its own source stays put
-                    target.copy_(value)
-                sent["local"] += read.nbytes
-                received["local"] += read.nbytes
-            # Pipelining: pack the next step while this one is in flight, when it does not
-            # read what this step is about to receive.
-            packed_next = None
-            if n + 1 < len(self.steps) and self.steps[n + 1].sends_read_only_sources:
-                packed_next = self._pack(self.steps[n + 1], spaces, device)
-                live += sum(b.numel() for b in packed_next.values())
-            peak = max(peak, live)
-            pending.wait(self.timeout)
-            for peer, message in step.recvs.items():
-                buf = recvs[peer]
-                for piece, offset in zip(message.pieces, message.offsets):
-                    staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece))
-                    self._target(spaces, piece, device)[piece.index].copy_(staged)
-                    received[self._kind(peer)] += piece.nbytes
-            for peer, message in step.sends.items():
-                sent[self._kind(peer)] += sum(p.nbytes for p in message.pieces)
-            messages += len(step.sends)
-            for name in self._scratch_last_use.get(n, ()):
-                spaces[(_SCRATCH, 0)].pop(name, None)
-            announce(n)
-            if progress is not None:
-                progress(n + 1, len(self.steps))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return RunReport(self.rank, time.perf_counter() - start, sent, received, messages, len(self.steps), peak)
+    def _copy_locally(self, step: Step, spaces: _Spaces, tally: _Tally) -> None:
+        """The step's local copies, done while its messages are in flight."""
+        for read, write in step.copies:
+            target, value = spaces.target(write)[write.index], spaces.view(read)
+            if not _same_memory(target, value):  # a storage that is its own source stays put
+                target.copy_(value)
+            tally.sent["local"] += read.nbytes
+            tally.received["local"] += read.nbytes
 
-    def _target(self, spaces, piece: Piece, device) -> torch.Tensor:
-        """The tensor a piece is written into; scratch buffers (whole tensors) appear on first use."""
-        space = spaces[piece.key]
-        if piece.space == _SCRATCH and piece.storage not in space:
-            space[piece.storage] = torch.empty(self._shapes[piece.tensor], dtype=piece.dtype, device=device)
-        return space[piece.storage]
+    def _pack_ahead(self, n: int, spaces: _Spaces) -> dict[int, torch.Tensor] | None:
+        """Pipelining: the next step's messages, packed while step ``n`` is in flight, when
+        they do not read what step ``n`` is about to receive (None otherwise)."""
+        if n + 1 < len(self.steps) and self.steps[n + 1].sends_read_only_sources:
+            return self._pack(self.steps[n + 1], spaces)
+        return None
+
+    def _unpack(self, step: Step, recvs: Mapping[int, torch.Tensor], spaces: _Spaces, tally: _Tally) -> None:
+        """Copy every received region out of its message into its place (casting on arrival)."""
+        for peer, message in step.recvs.items():
+            buf = recvs[peer]
+            kind = self._kind(peer)
+            for piece, offset in zip(message.pieces, message.offsets):
+                staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece))
+                spaces.target(piece)[piece.index].copy_(staged)
+                tally.received[kind] += piece.nbytes
+
+    def _announce(self, step: int, destinations: Mapping[str, torch.Tensor], on_complete: OnComplete | None) -> None:
+        """Hand the engine each destination storage complete after ``step`` (-1: before the
+        first): after the step of its last write, and of its last read (a relay forwarding
+        from it) too."""
+        if on_complete is not None:
+            for name in self._complete_after.get(step, ()):
+                on_complete(name, destinations[name])
 
     def _kind(self, peer: int) -> str:
         same = self.plan.domain_size and peer // self.plan.domain_size == self.rank // self.plan.domain_size
         return "domain" if same else "network"
 
-    def _pack(self, step: Step, spaces, device) -> dict[int, torch.Tensor]:
+    def _pack(self, step: Step, spaces: _Spaces) -> dict[int, torch.Tensor]:
+        """One staging buffer per peer the step sends to, each region at its offset."""
         out = {}
         for peer, message in step.sends.items():
-            buf = torch.empty(message.nbytes, dtype=torch.uint8, device=device)
+            buf = torch.empty(message.nbytes, dtype=torch.uint8, device=spaces.device)
             for piece, offset in zip(message.pieces, message.offsets):
-                buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece)).copy_(_view(spaces, piece))
+                buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece)).copy_(spaces.view(piece))
             out[peer] = buf
         return out
 
 
+class _Spaces:
+    """This rank's storages in a run, by space: the source storages of each source layout,
+    the destination storages, and scratch buffers (whole tensors, made on first use)."""
+
+    def __init__(
+        self,
+        sources: Sequence[Mapping[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+        shapes: Sequence[tuple[int, ...]],
+        device: torch.device,
+    ):
+        self.device = device
+        self.scratch: dict[str, torch.Tensor] = {}
+        self._shapes = shapes
+        self._storages: dict[tuple[int, int], Mapping[str, torch.Tensor]] = {
+            (_SOURCE, k): given for k, given in enumerate(sources)
+        }
+        self._storages[(_DESTINATION, 0)] = destinations
+        self._storages[(_SCRATCH, 0)] = self.scratch
+
+    def view(self, piece: Piece) -> torch.Tensor:
+        """The region a piece reads."""
+        return self._storages[piece.key][piece.storage][piece.index]
+
+    def target(self, piece: Piece) -> torch.Tensor:
+        """The storage a piece is written into."""
+        if piece.space == _SCRATCH and piece.storage not in self.scratch:
+            self.scratch[piece.storage] = torch.empty(self._shapes[piece.tensor], dtype=piece.dtype, device=self.device)
+        return self._storages[piece.key][piece.storage]
+
+
+@attrs.define
+class _Tally:
+    """What a run moved: bytes by kind sent and received, messages, peak staging memory."""
+
+    sent: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(KINDS, 0))
+    received: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(KINDS, 0))
+    messages: int = 0
+    peak: int = 0
+
+    def staged(
+        self,
+        sends: Mapping[int, torch.Tensor],
+        recvs: Mapping[int, torch.Tensor],
+        packed_next: Mapping[int, torch.Tensor] | None,
+    ) -> None:
+        """Staging memory live during a step: its messages, and the next step's packed ahead."""
+        live = sum(b.numel() for b in sends.values()) + sum(b.numel() for b in recvs.values())
+        if packed_next is not None:
+            live += sum(b.numel() for b in packed_next.values())
+        self.peak = max(self.peak, live)
+
+    def sent_messages(self, step: Step, kind: Callable[[int], str]) -> None:
+        for peer, message in step.sends.items():
+            self.sent[kind(peer)] += sum(p.nbytes for p in message.pieces)
+        self.messages += len(step.sends)
+
+    def report(self, rank: int, seconds: float, steps: int) -> RunReport:
+        return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
+
+
 def _sizes(piece: Piece) -> tuple[int, ...]:
     return tuple(s.stop - s.start for s in piece.index)
-
-
-def _view(spaces, piece: Piece) -> torch.Tensor:
-    return spaces[piece.key][piece.storage][piece.index]
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from ..errors import LayoutValueError
-from ..model import Layout, LogicalTensor, Mesh, Replicate, Rule, Shard
 from ..io.torch_dtypes import dtype_name
+from ..model import Layout, LogicalTensor, Mesh, Replicate, Rule, Shard
 from ..plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts
 from ..transport import TorchTransport
 from .executor import Executor
 
-__all__ = ["redistribute", "mesh_from_device_mesh", "placements_from_dtensor"]
+__all__ = ["mesh_from_device_mesh", "placements_from_dtensor", "redistribute"]
 
 _NAME = "tensor"
 
@@ -83,7 +83,14 @@ def _layout(name: str, mesh: Mesh, tensor: LogicalTensor, placements: tuple) -> 
 
 
 @functools.lru_cache(maxsize=64)
-def _plan(source: tuple, destination: tuple, shape: tuple[int, ...], dtype: str, domain_size: int, bucket_bytes: int) -> Plan:
+def _plan(
+    source: tuple[Mesh, tuple[Shard | Replicate, ...]],
+    destination: tuple[Mesh, tuple[Shard | Replicate, ...]],
+    shape: tuple[int, ...],
+    dtype: str,
+    domain_size: int,
+    bucket_bytes: int,
+) -> Plan:
     tensor = LogicalTensor(_NAME, shape, dtype)
     (src_mesh, src_placements), (dst_mesh, dst_placements) = source, destination
     return plan_layouts(
@@ -155,7 +162,12 @@ def redistribute(
     if rank not in destination_mesh:
         return None
     return DTensor.from_local(
-        destinations[_NAME], device_mesh, list(placements), run_check=False, shape=dtensor.shape, stride=dtensor.stride()
+        destinations[_NAME],
+        device_mesh,
+        list(placements),
+        run_check=False,
+        shape=dtensor.shape,
+        stride=dtensor.stride(),
     )
 
 

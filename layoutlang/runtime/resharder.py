@@ -6,13 +6,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._text import rank_ranges, ranks_phrase
 from ..errors import ExecutionError, LayoutError
+from ..io.torch_dtypes import torch_dtype
 from ..lang import load
 from ..model import Program
-from ..io.torch_dtypes import torch_dtype
-from ..plan import DEFAULT_BUCKET_BYTES, compile_plan
+from ..plan import DEFAULT_BUCKET_BYTES, Plan, compile_plan
 from ..transport import TorchTransport, Transport
 from .agreement import agree
 from .executor import Executor, RunReport, device_of
@@ -50,8 +51,6 @@ class Resharder:
         timeout: float = 300.0,
     ):
         if rank is None:
-            import torch.distributed as dist
-
             process_rank = dist.get_rank()
             inverse = {v: k for k, v in (rank_map or {}).items()}
             rank = inverse.get(process_rank, process_rank)
@@ -59,31 +58,33 @@ class Resharder:
         self.timeout = timeout
         error = None
         plan = None
+        loaded: Program | None = None
         try:
-            if not isinstance(program, Program):
-                program = load(program)
-            plan = compile_plan(program, reshard, bucket_bytes=max(1, memory_budget // 2), policy=policy)
+            loaded = program if isinstance(program, Program) else load(program)
+            plan = compile_plan(loaded, reshard, bucket_bytes=max(1, memory_budget // 2), policy=policy)
         except LayoutError as err:
             # Still take part in the agreement, so every rank learns why instead of waiting.
             error = str(err)
-        self.program = program if isinstance(program, Program) else None
+        self.program = loaded
         if plan is not None:
             participants = sorted(set(plan.source.mesh.ranks) | set(plan.destination.mesh.ranks))
         else:
             participants = _participants_of(self.program, reshard, rank_map, group)
         if rank not in participants:
             raise ExecutionError(
-                f"rank {rank} belongs to no mesh of the reshard (its ranks: {rank_ranges(participants)})"
+                f"rank {rank} belongs to no mesh of the reshard (its ranks: {rank_ranges(participants)})", rank=rank
             )
         if rank_map is not None and not set(participants) <= set(rank_map):
             missing = sorted(set(participants) - set(rank_map))
             raise ExecutionError(
                 f"{ranks_phrase(missing)} of the reshard {'has' if len(missing) == 1 else 'have'} "
-                "no process in this job (rank_map)"
+                "no process in this job (rank_map)",
+                rank=rank,
             )
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
         agree(self.transport, rank, participants, plan.fingerprint if plan else None, error, timeout)
-        self.plan = plan
+        assert plan is not None  # a rank without a plan reported its error: agree() raised it everywhere
+        self.plan: Plan = plan
         self.executor = Executor(plan, rank, self.transport, timeout=timeout)
         self.last_report: RunReport | None = None
 
@@ -97,7 +98,9 @@ class Resharder:
         """Storage name -> local shape of the destinations this rank receives."""
         return dict(self.executor.destination_storages)
 
-    def allocate(self, side: str = "destination", *, dtype: torch.dtype | None = None, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    def allocate(
+        self, side: str = "destination", *, dtype: torch.dtype | None = None, device: Any = "cpu"
+    ) -> dict[str, torch.Tensor]:
         """Zero-filled storages for ``side`` ("source" or "destination"), in the logical dtype
         unless ``dtype`` is given."""
         layout = self.plan.source if side == "source" else self.plan.destination
@@ -135,15 +138,17 @@ class Resharder:
         return dict(destinations)
 
 
-def _participants_of(program: Program | None, reshard: str | None, rank_map, group) -> list[int]:
+def _participants_of(
+    program: Program | None, reshard: str | None, rank_map: Mapping[int, int] | None, group: Any
+) -> list[int]:
     """The ranks that take part when this rank could not compile the plan itself."""
     if rank_map:
         return sorted(rank_map)
-    try:
-        statement = program.reshard(reshard)
-        ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
-        return sorted(ranks)
-    except (AttributeError, LayoutError):
-        import torch.distributed as dist
-
-        return list(range(dist.get_world_size(group)))
+    if program is not None:
+        try:
+            statement = program.reshard(reshard)
+            source, destination = program.layout(statement.source), program.layout(statement.destination)
+            return sorted(set(source.mesh.ranks) | set(destination.mesh.ranks))
+        except LayoutError:
+            pass  # the statement or a layout is what failed: every rank of the group takes part
+    return list(range(dist.get_world_size(group)))

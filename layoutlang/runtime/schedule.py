@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
@@ -9,7 +10,7 @@ import numpy as np
 import torch
 
 from ..io.torch_dtypes import torch_dtype
-from ..plan import SPACES, Plan
+from ..plan import SPACES, Move, Plan
 
 _ALIGN = 16  # bytes: every region starts aligned in a message, so typed views are legal
 _SOURCE, _DESTINATION, _SCRATCH = (SPACES.index(s) for s in ("source", "destination", "scratch"))
@@ -75,33 +76,37 @@ class Step:
 def schedule(plan: Plan, rank: int) -> list[Step]:
     """The steps this rank takes, in plan order (the same order on every rank)."""
     a = plan.arrays
-    names = plan.tensors
-    dtypes = [torch_dtype(plan.source.tensors[n].dtype) for n in names]
+    dtypes = [torch_dtype(plan.source.tensors[n].dtype) for n in plan.tensors]
     steps: dict[tuple[int, int], Step] = {}
     src_cols = np.asarray(a.move_src)
     dst_cols = np.asarray(a.move_dst)
     for i in plan.moves_of_rank(rank):
-        i = int(i)
-        move = plan.move(i)
+        move = plan.move(int(i))
         key = (move.bucket, move.stage)
         step = steps.get(key)
         if step is None:
             step = steps[key] = Step(move.bucket, move.stage)
         read, write = plan.place(move)
         tensor = plan.source.resolved.index[move.tensor]
-        numel = int(np.prod(move.sizes)) if move.sizes else 1
-
-        def piece(space: str, place) -> Piece:
-            storage, offsets = place
-            index = tuple(slice(o, o + s) for o, s in zip(offsets, move.sizes))
-            source = move.source if space == "source" else 0
-            return Piece(SPACES.index(space), storage, index, tensor, dtypes[tensor], numel, source)
-
         src, dst = int(src_cols[i]), int(dst_cols[i])
         if src == dst:
-            step.copies.append((piece(move.src_space, read), piece(move.dst_space, write)))
+            step.copies.append(
+                (_piece(move, move.src_space, read, tensor, dtypes[tensor]),
+                 _piece(move, move.dst_space, write, tensor, dtypes[tensor]))
+            )
         elif src == rank:
-            step.sends.setdefault(dst, Message(dst)).add(piece(move.src_space, read))
+            step.sends.setdefault(dst, Message(dst)).add(_piece(move, move.src_space, read, tensor, dtypes[tensor]))
         else:
-            step.recvs.setdefault(src, Message(src)).add(piece(move.dst_space, write))
+            step.recvs.setdefault(src, Message(src)).add(_piece(move, move.dst_space, write, tensor, dtypes[tensor]))
     return [steps[k] for k in sorted(steps)]
+
+
+def _piece(move: Move, space: str, place: tuple[str, tuple[int, ...]] | None, tensor: int, dtype: torch.dtype) -> Piece:
+    """The region ``move`` reads or writes in ``space`` of this rank, at ``place`` (storage, offsets)."""
+    if place is None:
+        raise AssertionError(f"move {move} has no place in the {space} space of its rank")  # plans are validated
+    storage, offsets = place
+    index = tuple(slice(o, o + s) for o, s in zip(offsets, move.sizes))
+    numel = math.prod(move.sizes)  # 1 for a scalar
+    source = move.source if space == "source" else 0
+    return Piece(SPACES.index(space), storage, index, tensor, dtype, numel, source)
