@@ -9,6 +9,8 @@ from .._text import human_bytes, table
 from ..errors import LayoutError, RuntimeFailure
 from ..plan import KINDS, Plan, PlanStats
 
+__all__ = ["plan_report", "print_error"]
+
 
 def print_error(err: LayoutError | RuntimeFailure, as_json: bool) -> None:
     """An error on stderr: its text with place and caret, or one JSON object."""
@@ -16,8 +18,6 @@ def print_error(err: LayoutError | RuntimeFailure, as_json: bool) -> None:
         print(json.dumps(err.to_json()), file=sys.stderr)
     else:
         print(err, file=sys.stderr)
-
-__all__ = ["human_bytes", "table", "plan_report"]
 
 
 def _ratio(a: float, b: float) -> str:
@@ -40,10 +40,14 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
     stats: PlanStats = plan.stats
     src, dst = plan.source, plan.destination
     lines = [
-        f"plan {plan.name}: {src.name} on {src.mesh.name} ({_ranks(src.mesh.size)}) -> "
-        f"{dst.name} on {dst.mesh.name} ({_ranks(dst.mesh.size)})",
-        f"  domains of {plan.domain_size} ranks, buckets of {human_bytes(plan.bucket_bytes)}, "
-        f"fingerprint {plan.fingerprint[:16]}",
+        (
+            f"plan {plan.name}: {src.name} on {src.mesh.name} ({_ranks(src.mesh.size)}) -> "
+            f"{dst.name} on {dst.mesh.name} ({_ranks(dst.mesh.size)})"
+        ),
+        (
+            f"  domains of {plan.domain_size} ranks, buckets of {human_bytes(plan.bucket_bytes)}, "
+            f"fingerprint {plan.fingerprint[:16]}"
+        ),
         "",
     ]
     plans = [("reshard" if set(plan.policies) == {"reshard"} else "this plan", stats)]
@@ -85,7 +89,7 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
         rows = []
         for rank, v in stats.per_rank.items():
             rows.append(
-                [rank]
+                [str(rank)]
                 + [human_bytes(v["sent"][k]) for k in KINDS[1:]]
                 + [human_bytes(v["received"][k]) for k in KINDS[1:]]
                 + [human_bytes(v["sent"]["local"])]

@@ -20,7 +20,10 @@ def simulation_report(sim: Simulation) -> list[str]:
 
     t = sim.topology
     lines = [
-        f"simulate {sim.reshard}: {sim.source} ({sim.source_ranks} ranks) -> {sim.destination} ({sim.destination_ranks} ranks)",
+        (
+            f"simulate {sim.reshard}: {sim.source} ({sim.source_ranks} ranks) -> "
+            f"{sim.destination} ({sim.destination_ranks} ranks)"
+        ),
         f"  topology {t.name or '(anonymous)'}: "
         + (f"domains of {t.domain_size} ranks" if t.domain_size > 1 else "every rank its own domain")
         + "; per rank and direction NVLink "
@@ -36,11 +39,14 @@ def simulation_report(sim: Simulation) -> list[str]:
     sequential = any(e.sequential_time is not None for e in sim.estimates)
     rows = []
     for e in sim.estimates:
-        bound = max(e.bound_by, key=e.bound_by.get) if e.time else "-"
-        share = f" {100 * e.bound_by[bound] / e.time:.0f}%" if e.time else ""
+        bound_by = e.bound_by
+        bound = max(bound_by, key=lambda port: bound_by[port]) if e.time else "-"
+        share = f" {100 * bound_by[bound] / e.time:.0f}%" if e.time else ""
+        # a simulation estimates every plan unpipelined or none ("-" if one was left out)
+        unpipelined = human_time(e.sequential_time) if e.sequential_time is not None else "-"
         rows.append(
             [e.policy, human_time(e.time), f"{sim.ratio(e):.2f}x"]
-            + ([human_time(e.sequential_time)] if sequential else [])
+            + ([unpipelined] if sequential else [])
             + [
                 human_bytes(e.bytes["network"]),
                 human_bytes(e.bytes["domain"]),

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,6 +36,10 @@ from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..lang import load
 from ..model import Layout, Program
 from ..plan import POLICIES, Move, Plan, compile_plan
+
+if TYPE_CHECKING:  # matplotlib is imported when a picture is drawn (it is slow to import)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "draw", "ownership", "run"]
 
@@ -49,7 +54,7 @@ KIND_LABELS = {"local": "local copy", "domain": "NVLink (domain)", "network": "n
 MAX_MATRIX = 96  # ranks per matrix axis drawn one by one; beyond, only ranks that move are kept
 
 
-def _matplotlib():
+def _matplotlib() -> tuple[Callable[..., Figure], ModuleType]:
     """matplotlib's Figure (drawn by the Agg canvas, without pyplot's global state) and patches."""
     try:
         from matplotlib import patches
@@ -58,7 +63,7 @@ def _matplotlib():
     except ImportError:  # pragma: no cover - matplotlib is a dependency of the viz command
         raise LayoutValueError("layoutlang viz needs matplotlib: pip install matplotlib") from None
 
-    def figure(**kwargs):
+    def figure(**kwargs: Any) -> Figure:
         fig = Figure(**kwargs)
         FigureCanvasAgg(fig)
         return fig
@@ -83,23 +88,32 @@ def _ranks_label(ranks: Sequence[int]) -> str:
     return text if len(text) <= 18 else f"r{min(ranks)}..{max(ranks)} ({len(ranks)})"
 
 
+_RGBA = tuple[float, float, float, float]
+
+
+def _palette(name: str) -> list[_RGBA]:
+    """The colours of one of matplotlib's qualitative colormaps, in order."""
+    import matplotlib
+
+    colormap = matplotlib.colormaps[name]
+    return [colormap(i) for i in range(colormap.N)]
+
+
 class _Colors:
     """One colour per rank, the same in every panel (repeating beyond 20 ranks)."""
 
     def __init__(self, ranks: Sequence[int]):
-        import matplotlib
-
         self.ranks = sorted(set(ranks))
         if len(self.ranks) <= 10:
-            palette = list(matplotlib.colormaps["tab10"].colors)
+            palette = _palette("tab10")
         else:
             # tab20's dark shades, then its light ones: neighbouring ranks differ in hue;
             # beyond 20 ranks the colours repeat
-            tab20 = matplotlib.colormaps["tab20"].colors
-            palette = list(tab20[0::2]) + list(tab20[1::2])
+            tab20 = _palette("tab20")
+            palette = tab20[0::2] + tab20[1::2]
         self._of = {r: palette[i % len(palette)] for i, r in enumerate(self.ranks)}
 
-    def __call__(self, rank: int):
+    def __call__(self, rank: int) -> _RGBA:
         return self._of[rank]
 
 
@@ -112,7 +126,14 @@ def _box2d(shape: Sequence[int], offsets: Sequence[int], sizes: Sequence[int]) -
     return float(offsets[1]), float(offsets[0]), float(sizes[1]), float(sizes[0])
 
 
-def _draw_tensor(ax, patches, shape, boxes, colors: _Colors, title: str) -> None:
+def _draw_tensor(
+    ax: Axes,
+    patches: ModuleType,
+    shape: Sequence[int],
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+    colors: _Colors,
+    title: str,
+) -> None:
     height = float(shape[0]) if len(shape) >= 2 else 1.0
     width = float(shape[1]) if len(shape) >= 2 else float(shape[0]) if shape else 1.0
     height, width = max(height, 1.0), max(width, 1.0)
@@ -126,7 +147,11 @@ def _draw_tensor(ax, patches, shape, boxes, colors: _Colors, title: str) -> None
                 hatch="//" if replicated else None,
             )
         )
-        label = {"ha": "center", "va": "center", "bbox": {"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8, "lw": 0}}
+        label: dict[str, Any] = {
+            "ha": "center",
+            "va": "center",
+            "bbox": {"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8, "lw": 0},
+        }
         if w / width > 0.06 and h / height > 0.05:
             size = 8 if (w / width > 0.2 and h / height > 0.12) else 6
             ax.text(x + w / 2, y + h / 2, _ranks_label(ranks), fontsize=size, **label)
@@ -150,27 +175,28 @@ def _kind(move: Move) -> str:
     return "relay" if move.is_relay else move.kind
 
 
-def _draw_matrix(ax, moves: list[Move], colors: _Colors, domain_size: int) -> None:
+def _draw_matrix(ax: Axes, moves: list[Move], colors: _Colors, domain_size: int) -> None:
+    import matplotlib.colors as mcolors
+
     senders = sorted({m.src for m in moves})
     receivers = sorted({m.dst for m in moves})
-    cells: dict[tuple[int, int], list[Any]] = {}
+    cell_bytes: dict[tuple[int, int], int] = {}
+    cell_kinds: dict[tuple[int, int], set[str]] = {}
     for m in moves:
-        cell = cells.setdefault((m.src, m.dst), [0, set()])
-        cell[0] += m.nbytes
-        cell[1].add(_kind(m))
+        cell_bytes[(m.src, m.dst)] = cell_bytes.get((m.src, m.dst), 0) + m.nbytes
+        cell_kinds.setdefault((m.src, m.dst), set()).add(_kind(m))
     row = {r: i for i, r in enumerate(senders)}
     col = {r: i for i, r in enumerate(receivers)}
     order = ["network", "relay", "domain", "local"]
-    import matplotlib.colors as mcolors
 
     image = np.ones((len(senders), len(receivers), 3))
-    for (s, d), (nbytes, kinds) in cells.items():
+    for (s, d), kinds in cell_kinds.items():
         kind = next(k for k in order if k in kinds)
         image[row[s], col[d]] = mcolors.to_rgb(KIND_COLORS[kind])
     ax.imshow(image, aspect="auto", interpolation="nearest")
     small = len(senders) <= 16 and len(receivers) <= 16
     if small:
-        for (s, d), (nbytes, _) in cells.items():
+        for (s, d), nbytes in cell_bytes.items():
             ax.text(col[d], row[s], human_bytes(nbytes), ha="center", va="center", fontsize=6, color="white")
     ax.set_xticks(np.arange(-0.5, len(receivers), 1), minor=True)
     ax.set_yticks(np.arange(-0.5, len(senders), 1), minor=True)
@@ -272,7 +298,7 @@ def draw(
         holders = len({r for _, _, rs in held for r in rs})
         detail = f"{len(held)} box{'es' if len(held) != 1 else ''} on {holders} rank{'s' if holders != 1 else ''}"
         _draw_tensor(ax, patches, shape, held, colors, f"{label}\n{detail}" + (f", {where}" if where else ""))
-    if matrix:
+    if plan is not None and matrix:  # moves come from a plan
         ax = fig.add_subplot(grid[rows, :])
         _draw_matrix(ax, moves, colors, plan.domain_size)
         handles = [

@@ -109,14 +109,31 @@ FALLBACK_PRESET = "dgx_h100"
 _LINK_SETTINGS = ("domain_bandwidth", "network_bandwidth", "domain_latency", "network_latency", "copy_bandwidth")
 
 
-def complete_topology(topology: Topology, fallback: str = FALLBACK_PRESET) -> tuple[Topology, list[str]]:
+@attrs.frozen(kw_only=True)
+class CompleteTopology(Topology):
+    """A :class:`Topology` that gives every link setting, as :func:`complete_topology` makes
+    it: what the cost model reads (its types say that no setting is missing)."""
+
+    domain_bandwidth: float
+    network_bandwidth: float
+    domain_latency: float
+    network_latency: float
+    copy_bandwidth: float
+
+
+def complete_topology(topology: Topology, fallback: str = FALLBACK_PRESET) -> tuple[CompleteTopology, list[str]]:
     """``topology`` with every link setting it leaves out taken from the ``fallback`` preset,
     and the names of the settings so taken."""
     base = TOPOLOGY_PRESETS[fallback]
     missing = [s for s in _LINK_SETTINGS if getattr(topology, s) is None]
-    filled = attrs.evolve(topology, **{s: getattr(base, s) for s in missing})
+    links: dict[str, float] = {}
     for setting in _LINK_SETTINGS:
-        value = getattr(filled, setting)
+        value = getattr(base if setting in missing else topology, setting)
         if not math.isfinite(value) or value < 0 or (value == 0 and setting.endswith("bandwidth")):
-            raise LayoutValueError(f"topology setting '{setting}' is {value}; bandwidths are more than 0, latencies at least 0")
-    return filled, missing
+            raise LayoutValueError(
+                f"topology setting '{setting}' is {value}; bandwidths are more than 0, latencies at least 0"
+            )
+        links[setting] = value
+    # every other setting (domain size, name) as the topology gives it
+    given = attrs.asdict(topology, recurse=False, filter=lambda field, _: field.init)
+    return CompleteTopology(**{**given, **links}), missing

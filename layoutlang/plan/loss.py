@@ -148,7 +148,7 @@ def check_recoverable(
         f"data lost: {rs} {', '.join(map(str, lost_ranks))} held the only copies of {len(regions)} "
         f"region{'s' if len(regions) != 1 else ''} of {len(tensors)} tensor{'s' if len(tensors) != 1 else ''} "
         f"({elements} elements) in layout{'s' if len(layouts) != 1 else ''} "
-        f"{', '.join(repr(l.name) for l in layouts)}: {shown}"
+        f"{', '.join(repr(layout.name) for layout in layouts)}: {shown}"
         + (f" and {more} more" if more > 0 else "")
     )
     raise DataLossError(

@@ -1,14 +1,15 @@
 """A cost model over plans: how long would a refit take on a given cluster?
 
-``layoutlang simulate FILE`` (:mod:`layoutlang.cli.simulate`) compiles the plan of a ``reshard`` statement three ways
-(reshard every tensor, gather-and-broadcast every tensor, and the statement's own hybrid
-policies when it has any), estimates the time of each on a topology, and compares them
-with a lower bound that no plan can beat. Nothing runs on a GPU: the estimate is computed
-from the plan's arrays.
+:func:`simulate` compiles the plan of a ``reshard`` statement three ways (reshard every
+tensor, gather-and-broadcast every tensor, and the statement's own hybrid policies when it
+has any), estimates the time of each on a topology, and compares them with a lower bound
+that no plan can beat. Nothing runs on a GPU: the estimate is computed from the plan's
+arrays. This module is the model only; ``layoutlang simulate FILE`` and the table it prints
+are :mod:`layoutlang.cli.simulate`.
 
 Words, as everywhere in layoutlang (see :mod:`layoutlang.plan`): a **move** is one transfer
 of one region between two ranks, ``local``, ``domain`` (NVLink) or ``network``; a
-**message** is every non-local move between one pair of ranks in one bucket and stage.
+**message** is every non-local move between one pair of ranks in one bucket and phase.
 This module adds:
 
 - a **port**: one direction of one rank's link: its NIC's send and receive sides (network
@@ -82,7 +83,11 @@ plan, which delivers every byte exactly once per destination domain (its planner
 region across the network once per domain and relays it inside); ``E`` from the source
 layout's holders and the regions the reshard plan sends across the network.
 
-Topology presets live with :class:`~layoutlang.model.Topology` (:data:`layoutlang.model.topology.TOPOLOGY_PRESETS`).
+The topologies: the presets (:data:`~layoutlang.model.topology.TOPOLOGY_PRESETS`) live with
+:class:`~layoutlang.model.Topology` in :mod:`layoutlang.model.topology`, and so does
+:func:`~layoutlang.model.topology.complete_topology`, which fills the link settings a
+topology leaves out from :data:`~layoutlang.model.topology.FALLBACK_PRESET` before any
+estimate reads them.
 """
 
 from __future__ import annotations
@@ -93,11 +98,12 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from .._text import human_bytes
 from ..errors import LayoutError, LayoutNameError, did_you_mean
 from ..model import Program, Reshard, Topology
-from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS, complete_topology
+from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS, CompleteTopology, complete_topology
 from .compile import plan_layouts
 from .data import DEFAULT_BUCKET_BYTES, KINDS, Plan
 
@@ -111,11 +117,26 @@ __all__ = [
     "simulate",
 ]
 
+_Int32s = npt.NDArray[np.int32]
+_Int64s = npt.NDArray[np.int64]
+_Floats = npt.NDArray[np.float64]
+
+
+def _byte_sums(index: npt.NDArray[np.integer[Any]], nbytes: _Int64s, minlength: int) -> _Floats:
+    """The bytes of the moves at each index: ``np.bincount`` with weights, whose sums are
+    float64 (numpy's stub types every ``bincount`` as integer counts)."""
+    return np.bincount(index, weights=nbytes, minlength=minlength).astype(np.float64, copy=False)
+
 
 # ------------------------------------------------------------------------ estimates
 
 #: The ports of a rank, in the order the arrays of :class:`Estimate` use.
 PORTS = ("network send", "network receive", "NVLink send", "NVLink receive", "local copy")
+
+
+def _port_kind(port: str) -> int:
+    """The kind of move (0 local, 1 domain, 2 network) that uses ``port``."""
+    return 0 if port == "local copy" else 2 if port.startswith("network") else 1
 
 
 @attrs.frozen
@@ -146,6 +167,7 @@ class Estimate:
     busiest_port: tuple[str, int, float] = ("local copy", 0, 0.0)
 
     def to_json(self) -> dict[str, Any]:
+        receive, send, port = self.largest_network_receive, self.largest_network_send, self.busiest_port
         return {
             "policy": self.policy,
             "plan": self.plan,
@@ -157,9 +179,9 @@ class Estimate:
             "messages": self.messages,
             "bound_by_s": self.bound_by,
             "latency_s": self.latency,
-            "largest_network_receive": {"bytes": self.largest_network_receive[0], "rank": self.largest_network_receive[1]},
-            "largest_network_send": {"bytes": self.largest_network_send[0], "rank": self.largest_network_send[1]},
-            "busiest_port": {"port": self.busiest_port[0], "rank": self.busiest_port[1], "time_s": self.busiest_port[2]},
+            "largest_network_receive": {"bytes": receive[0], "rank": receive[1]},
+            "largest_network_send": {"bytes": send[0], "rank": send[1]},
+            "busiest_port": {"port": port[0], "rank": port[1], "time_s": port[2]},
         }
 
 
@@ -168,9 +190,10 @@ class LowerBound:
     """No plan refits faster than ``time`` (see the module's docstring for the terms).
 
     ``terms`` maps each family (``destination rank``, ``destination rank with copies``,
-    ``destination domain``, ``source domain``) to its largest value in seconds; ``binding`` names the largest, ``where`` the
-    rank or domain, ``volume`` its bytes and ``ports`` how many ports share them.
-    ``bytes`` is the planner's lower bound in bytes (what destinations need and do not hold).
+    ``destination domain``, ``source domain``) to its largest value in seconds; ``binding``
+    names the largest, ``where`` the rank or domain, ``volume`` its bytes and ``ports`` how
+    many ports share them. ``bytes`` is the planner's lower bound in bytes (what destinations
+    need and do not hold).
     """
 
     time: float
@@ -197,7 +220,8 @@ class LowerBound:
         side = "enter" if self.binding == "destination domain" else "leave"
         first = self.where * topology.domain_size
         return (
-            f"{human_bytes(self.volume)} must {side} domain {self.where} (ranks {first}..{first + topology.domain_size - 1}) "
+            f"{human_bytes(self.volume)} must {side} domain {self.where} "
+            f"(ranks {first}..{first + topology.domain_size - 1}) "
             f"through {self.ports} NIC{'s' if self.ports != 1 else ''}"
         )
 
@@ -213,72 +237,109 @@ class LowerBound:
         }
 
 
+@attrs.frozen(eq=False)
+class _KindMoves:
+    """The moves of one kind, column by column: sending and receiving rank (as indexes
+    into :attr:`_Moves.ranks`), bucket, phase and bytes."""
+
+    src: _Int32s
+    dst: _Int32s
+    bucket: _Int64s
+    phase: _Int64s
+    nbytes: _Int64s
+
+
+@attrs.frozen(eq=False)
+class _Messages:
+    """The distinct messages among the moves of one kind: bucket, phase, sending and
+    receiving rank (as indexes) of each."""
+
+    bucket: _Int64s
+    phase: _Int64s
+    src: _Int64s
+    dst: _Int64s
+
+
+@attrs.frozen(eq=False)
 class _Moves:
     """The columns of a plan the cost model reads, split by kind (ranks as indexes 0..R-1)."""
 
-    def __init__(self, plan: Plan):
+    #: the job's ranks (source and destination meshes), sorted: moves name them by index
+    ranks: _Int64s
+    buckets: int
+    phases: int
+    #: per kind (0 local, 1 domain, 2 network)
+    of_kind: dict[int, _KindMoves]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Moves:
         a = plan.arrays
-        self.ranks = np.union1d(
+        ranks = np.union1d(
             np.asarray(plan.source.mesh.ranks, dtype=np.int64), np.asarray(plan.destination.mesh.ranks, dtype=np.int64)
         )
-        src = np.asarray(a.move_src)
-        dst = np.asarray(a.move_dst)
-        if len(self.ranks) and self.ranks[-1] < 1 << 24:
-            table = np.zeros(int(self.ranks[-1]) + 1, dtype=np.int32)
-            table[self.ranks] = np.arange(len(self.ranks), dtype=np.int32)
+        src: _Int32s = np.asarray(a.move_src, dtype=np.int32)
+        dst: _Int32s = np.asarray(a.move_dst, dtype=np.int32)
+        if len(ranks) and ranks[-1] < 1 << 24:
+            table = np.zeros(int(ranks[-1]) + 1, dtype=np.int32)
+            table[ranks] = np.arange(len(ranks), dtype=np.int32)
             src, dst = table[src], table[dst]
         else:
-            src = np.searchsorted(self.ranks, src).astype(np.int32)
-            dst = np.searchsorted(self.ranks, dst).astype(np.int32)
-        kind = np.asarray(a.move_kind)
-        bucket = np.asarray(a.move_bucket)
-        region = np.asarray(a.move_region)
+            src = np.searchsorted(ranks, src).astype(np.int32)
+            dst = np.searchsorted(ranks, dst).astype(np.int32)
+        kind = np.asarray(a.move_kind, dtype=np.uint8)
+        bucket = np.asarray(a.move_bucket, dtype=np.int32)
+        region = np.asarray(a.move_region, dtype=np.int32)
         nbytes = np.asarray(a.region_bytes, dtype=np.int64)[region]
         # The phase of a move: gather 0, moves across ranks 1, relays 2, extraction 3. A
         # broadcast tensor's stages are its phases; a resharded tensor's stage 0 (its moves
         # from source storages) and stage 1 (relays) are phases 1 and 2, so that in a hybrid
         # plan both policies' network moves and relays line up.
-        stage = np.asarray(a.move_stage).astype(np.int8)
+        phase = np.asarray(a.move_stage).astype(np.int8)
         resharded = np.array([p == "reshard" for p in plan.policies], dtype=np.int8)
         if resharded.any():
-            stage = stage + resharded[np.asarray(a.region_tensor)[region]]
-        self.buckets = plan.num_buckets
-        self.phases = int(stage.max()) + 1 if len(stage) else 1
-        #: per kind (0 local, 1 domain, 2 network): src, dst, bucket, phase, bytes of its moves
-        self.of_kind: dict[int, tuple[np.ndarray, ...]] = {}
+            phase = phase + resharded[np.asarray(a.region_tensor)[region]]
+        of_kind = {}
         for k in (0, 1, 2):
             idx = np.flatnonzero(kind == k)
-            self.of_kind[k] = (src[idx], dst[idx], bucket[idx].astype(np.int64), stage[idx].astype(np.int64), nbytes[idx])
+            of_kind[k] = _KindMoves(
+                src[idx], dst[idx], bucket[idx].astype(np.int64), phase[idx].astype(np.int64), nbytes[idx]
+            )
+        return cls(
+            ranks=ranks,
+            buckets=plan.num_buckets,
+            phases=int(phase.max()) + 1 if len(phase) else 1,
+            of_kind=of_kind,
+        )
 
 
-def _messages(m: _Moves, kind: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(bucket, phase, src, dst) of every distinct message among the moves of ``kind``."""
+def _messages(m: _Moves, kind: int) -> _Messages:
+    """Every distinct message among the moves of ``kind``."""
     R = len(m.ranks)
     S = m.phases
-    src, dst, bucket, stage, _ = m.of_kind[kind]
+    moves = m.of_kind[kind]
     if m.buckets * S * R * R < 2**62:
-        key = ((bucket * S + stage) * R + src) * R + dst
+        key = ((moves.bucket * S + moves.phase) * R + moves.src) * R + moves.dst
         key.sort()
         if len(key):
             key = key[np.concatenate(([True], key[1:] != key[:-1]))]
         dst, key = key % R, key // R
         src, key = key % R, key // R
-        return key // S, key % S, src, dst
-    rows = np.unique(np.stack([bucket, stage, src, dst]), axis=1)
-    return rows[0], rows[1], rows[2], rows[3]
+        return _Messages(bucket=key // S, phase=key % S, src=src, dst=dst)
+    rows = np.unique(np.stack([moves.bucket, moves.phase, moves.src, moves.dst]), axis=1)
+    return _Messages(bucket=rows[0], phase=rows[1], src=rows[2], dst=rows[3])
 
 
 def _step_maxima(
-    byte_step: np.ndarray,
-    byte_rank: np.ndarray,
-    nbytes: np.ndarray,
-    msg_step: np.ndarray | None,
-    msg_rank: np.ndarray | None,
+    byte_step: _Int64s,
+    byte_rank: _Int32s,
+    nbytes: _Int64s,
+    msg_step: _Int64s | None,
+    msg_rank: _Int64s | None,
     n_steps: int,
     R: int,
     latency: float,
     bandwidth: float,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[_Floats, _Floats]:
     """Per step, the largest ``latency x messages + bytes / bandwidth`` of one port kind
     over the ranks, and the latency part of it. Moves give the bytes at (step, rank),
     messages (when given) the counts."""
@@ -291,62 +352,64 @@ def _step_maxima(
     used[byte_rank] = True
     column = np.cumsum(used, dtype=np.int64) - 1
     R = int(column[-1]) + 1
-    byte_rank = column[byte_rank]
-    msg_rank = column[msg_rank] if msg_rank is not None else None
+    byte_column = column[byte_rank]
+    msg_column = column[msg_rank] if msg_rank is not None else None
     chunk = max(1, (1 << 23) // R)  # steps per pass: at most 8M cells per dense array
     for lo in range(0, n_steps, chunk):
         hi = min(n_steps, lo + chunk)
         whole = lo == 0 and hi == n_steps
         cells = (hi - lo) * R
         sel = slice(None) if whole else (byte_step >= lo) & (byte_step < hi)
-        t = np.bincount((byte_step[sel] - lo) * R + byte_rank[sel], weights=nbytes[sel], minlength=cells)
+        t = _byte_sums((byte_step[sel] - lo) * R + byte_column[sel], nbytes[sel], cells)
         t *= 1.0 / bandwidth
         msgs = None
-        if msg_step is not None:
+        if msg_step is not None and msg_column is not None:
             sel = slice(None) if whole else (msg_step >= lo) & (msg_step < hi)
-            msgs = np.bincount((msg_step[sel] - lo) * R + msg_rank[sel], minlength=cells)
+            msgs = np.bincount((msg_step[sel] - lo) * R + msg_column[sel], minlength=cells)
             t += latency * msgs
-        t = t.reshape(hi - lo, R)
-        best = t.argmax(axis=1)
+        grid = t.reshape(hi - lo, R)
+        best = grid.argmax(axis=1)
         rows = np.arange(hi - lo)
-        out[lo:hi] = t[rows, best]
+        out[lo:hi] = grid[rows, best]
         if msgs is not None:
             lat[lo:hi] = latency * msgs.reshape(hi - lo, R)[rows, best]
     return out, lat
 
 
 def _schedule(
-    m: _Moves, messages: dict[int, tuple[np.ndarray, ...]], topology: Topology, pipelined: bool
+    m: _Moves, messages: dict[int, _Messages], topology: CompleteTopology, pipelined: bool
 ) -> tuple[float, int, dict[str, float], float]:
     """Total time, number of steps, seconds bound by each port kind, and latency seconds."""
     S = m.phases
     R = len(m.ranks)
 
-    def steps_of(bucket: np.ndarray, stage: np.ndarray) -> np.ndarray:
-        return bucket + stage if pipelined else bucket * S + stage
+    def steps_of(bucket: _Int64s, phase: _Int64s) -> _Int64s:
+        return bucket + phase if pipelined else bucket * S + phase
 
     n_steps = (m.buckets + S - 1 if pipelined else m.buckets * S) if m.buckets else 0
     if n_steps == 0:
-        return 0.0, 0, {p: 0.0 for p in PORTS}, 0.0
+        return 0.0, 0, dict.fromkeys(PORTS, 0.0), 0.0
     per_port = []
     for port in PORTS:
-        kind = 0 if port == "local copy" else 2 if port.startswith("network") else 1
-        src, dst, bucket, stage, nbytes = m.of_kind[kind]
-        step = steps_of(bucket, stage)
+        kind = _port_kind(port)
+        moves = m.of_kind[kind]
+        step = steps_of(moves.bucket, moves.phase)
         if kind == 0:
-            per_port.append(_step_maxima(step, src, nbytes, None, None, n_steps, R, 0.0, topology.copy_bandwidth))
+            per_port.append(
+                _step_maxima(step, moves.src, moves.nbytes, None, None, n_steps, R, 0.0, topology.copy_bandwidth)
+            )
             continue
         sending = port.endswith("send")
-        mb, ms, msrc, mdst = messages[kind]
+        msg = messages[kind]
         bw = topology.network_bandwidth if kind == 2 else topology.domain_bandwidth
         latency = topology.network_latency if kind == 2 else topology.domain_latency
         per_port.append(
             _step_maxima(
                 step,
-                src if sending else dst,
-                nbytes,
-                steps_of(mb, ms),
-                msrc if sending else mdst,
+                moves.src if sending else moves.dst,
+                moves.nbytes,
+                steps_of(msg.bucket, msg.phase),
+                msg.src if sending else msg.dst,
                 n_steps,
                 R,
                 latency,
@@ -362,29 +425,32 @@ def _schedule(
     return float(step_time.sum()), int(np.count_nonzero(step_time)), bound_by, latency
 
 
+#: an estimate's policy by the set of its plan's policies (any other set: "hybrid")
+_POLICY_NAMES: dict[tuple[str, ...], str] = {("reshard",): "reshard", ("broadcast",): "gather-and-broadcast"}
+
+
 def estimate(plan: Plan, topology: Topology, policy: str | None = None, *, sequential: bool = False) -> Estimate:
     """The estimated time of ``plan`` on ``topology`` (its missing settings are taken from
-    :data:`FALLBACK_PRESET`; its domain size must be the plan's). ``sequential`` also
-    computes :attr:`Estimate.sequential_time` (otherwise None), which costs as much again."""
-    return _estimate(_Moves(plan), plan, topology, policy, sequential)
+    :data:`~layoutlang.model.topology.FALLBACK_PRESET`; its domain size must be the plan's).
+    ``sequential`` also computes :attr:`Estimate.sequential_time` (otherwise None), which
+    costs as much again."""
+    return _estimate(_Moves.of(plan), plan, topology, policy, sequential)
 
 
 def _estimate(m: _Moves, plan: Plan, topology: Topology, policy: str | None, sequential: bool) -> Estimate:
-    topology, _ = complete_topology(topology)
-    if topology.domain_size != plan.domain_size:
-        raise ValueError(f"the plan has domains of {plan.domain_size} ranks, the topology of {topology.domain_size}")
+    links, _ = complete_topology(topology)
+    if links.domain_size != plan.domain_size:
+        raise ValueError(f"the plan has domains of {plan.domain_size} ranks, the topology of {links.domain_size}")
     messages = {k: _messages(m, k) for k in (1, 2)}
-    time, steps, bound_by, latency = _schedule(m, messages, topology, pipelined=True)
-    unpipelined = _schedule(m, messages, topology, pipelined=False)[0] if sequential else None
+    time, steps, bound_by, latency = _schedule(m, messages, links, pipelined=True)
+    unpipelined = _schedule(m, messages, links, pipelined=False)[0] if sequential else None
     if policy is None:
-        policy = {("reshard",): "reshard", ("broadcast",): "gather-and-broadcast"}.get(
-            tuple(sorted(set(plan.policies))), "hybrid"
-        )
+        policy = _POLICY_NAMES.get(tuple(sorted(set(plan.policies))), "hybrid")
     R = len(m.ranks)
-    src, dst, _, _, nbytes = m.of_kind[2]
-    sent = np.bincount(src, weights=nbytes, minlength=R) if R else np.zeros(1)
-    received = np.bincount(dst, weights=nbytes, minlength=R) if R else np.zeros(1)
-    busiest = _busiest_port(m, messages, topology)
+    network = m.of_kind[2]
+    sent = _byte_sums(network.src, network.nbytes, R) if R else np.zeros(1)
+    received = _byte_sums(network.dst, network.nbytes, R) if R else np.zeros(1)
+    busiest = _busiest_port(m, messages, links)
     return Estimate(
         policy=policy,
         plan=plan.name,
@@ -392,8 +458,8 @@ def _estimate(m: _Moves, plan: Plan, topology: Topology, policy: str | None, seq
         sequential_time=unpipelined,
         steps=steps,
         buckets=plan.num_buckets,
-        bytes={KINDS[k]: int(m.of_kind[k][4].sum()) for k in (0, 1, 2)},
-        messages={"domain": len(messages[1][0]), "network": len(messages[2][0])},
+        bytes={KINDS[k]: int(m.of_kind[k].nbytes.sum()) for k in (0, 1, 2)},
+        messages={"domain": len(messages[1].bucket), "network": len(messages[2].bucket)},
         bound_by=bound_by,
         latency=latency,
         largest_network_receive=(int(received.max()), int(m.ranks[received.argmax()])) if R else (0, 0),
@@ -402,23 +468,23 @@ def _estimate(m: _Moves, plan: Plan, topology: Topology, policy: str | None, seq
     )
 
 
-def _busiest_port(m: _Moves, messages: dict[int, tuple[np.ndarray, ...]], topology: Topology) -> tuple[str, int, float]:
+def _busiest_port(m: _Moves, messages: dict[int, _Messages], topology: CompleteTopology) -> tuple[str, int, float]:
     """(port, rank, seconds) of the port busiest over the whole refit: what the refit would
     take if no step ever waited for another port (a bound on the cost of the steps)."""
     R = len(m.ranks)
     best = ("local copy", int(m.ranks[0]) if R else 0, 0.0)
     for port in PORTS:
-        kind = 0 if port == "local copy" else 2 if port.startswith("network") else 1
-        src, dst, _, _, nbytes = m.of_kind[kind]
+        kind = _port_kind(port)
+        moves = m.of_kind[kind]
         if kind == 0:
-            t = np.bincount(src, weights=nbytes, minlength=R) / topology.copy_bandwidth
+            t = _byte_sums(moves.src, moves.nbytes, R) / topology.copy_bandwidth
         else:
             sending = port.endswith("send")
             net = kind == 2
             bw = topology.network_bandwidth if net else topology.domain_bandwidth
             latency = topology.network_latency if net else topology.domain_latency
-            ranks = messages[kind][2] if sending else messages[kind][3]
-            t = np.bincount(src if sending else dst, weights=nbytes, minlength=R) / bw
+            ranks = messages[kind].src if sending else messages[kind].dst
+            t = _byte_sums(moves.src if sending else moves.dst, moves.nbytes, R) / bw
             t += latency * np.bincount(ranks, minlength=R)
         if R and t.max() > best[2]:
             best = (port, int(m.ranks[t.argmax()]), float(t.max()))
@@ -434,50 +500,56 @@ def lower_bound(plan: Plan, topology: Topology) -> LowerBound:
     ``plan`` must reshard every tensor (it is read for the bytes each destination rank and
     domain needs, not for its schedule); see the module's docstring for the definition.
     """
-    return _lower_bound(_Moves(plan), plan, topology)
+    return _lower_bound(_Moves.of(plan), plan, topology)
 
 
 def _lower_bound(m: _Moves, plan: Plan, topology: Topology) -> LowerBound:
     if set(plan.policies) - {"reshard"}:
         raise ValueError("the lower bound is read from a plan that reshards every tensor (policy='reshard')")
-    topology, _ = complete_topology(topology)
-    if topology.domain_size != plan.domain_size:
-        raise ValueError(f"the plan has domains of {plan.domain_size} ranks, the topology of {topology.domain_size}")
+    links, _ = complete_topology(topology)
+    if links.domain_size != plan.domain_size:
+        raise ValueError(f"the plan has domains of {plan.domain_size} ranks, the topology of {links.domain_size}")
     ds = plan.domain_size
     a = plan.arrays
-    job = np.union1d(np.asarray(plan.source.mesh.ranks, dtype=np.int64), np.asarray(plan.destination.mesh.ranks, dtype=np.int64))
+    job = m.ranks  # the union of both meshes' ranks, sorted
     domains, domain_index, per_domain = np.unique(job // ds, return_inverse=True, return_counts=True)
-    b_net, b_dom, b_copy = topology.network_bandwidth, topology.domain_bandwidth, topology.copy_bandwidth
+    b_net, b_dom, b_copy = links.network_bandwidth, links.domain_bandwidth, links.copy_bandwidth
+    # (seconds, rank or domain, bytes, ports) of the largest term of each family
+    terms: dict[str, tuple[float, int, int, int]] = {}
 
     # 1. destination ranks: what they receive (need) and write (hold) in the reshard plan
     R = len(job)
-    received = [np.bincount(m.of_kind[k][1], weights=m.of_kind[k][4], minlength=R) for k in (0, 1, 2)]
+    received = [_byte_sums(m.of_kind[k].dst, m.of_kind[k].nbytes, R) for k in (0, 1, 2)]
     need = received[1] + received[2]
     hold = need + received[0]
     inbound = b_net + np.where(per_domain[domain_index] > 1, b_dom, 0.0)
-    terms = {}
-    for name, volume, capacity in (
+    for family, volumes, capacity in (
         ("destination rank", need, inbound),
         ("destination rank with copies", hold, inbound + b_copy),
     ):
-        t = volume / capacity
+        t = volumes / capacity
         i = int(t.argmax()) if R else 0
-        terms[name] = (float(t[i]), int(job[i]), int(volume[i]), 1) if R else (0.0, 0, 0, 1)
+        terms[family] = (float(t[i]), int(job[i]), int(volumes[i]), 1) if R else (0.0, 0, 0, 1)
 
     # 2. destination domains: each byte a domain needs and does not hold enters it once
-    _, net_dst, _, _, net_bytes = m.of_kind[2]
-    ingress = np.bincount(domain_index[net_dst], weights=net_bytes, minlength=len(domains))
+    network = m.of_kind[2]
+    ingress = _byte_sums(domain_index[network.dst], network.nbytes, len(domains))
     region_bytes = np.asarray(a.region_bytes, dtype=np.int64)
     region = np.asarray(a.move_region)[np.asarray(a.move_kind) == 2]
     t = ingress / (per_domain * b_net)
     j = int(t.argmax()) if len(t) else 0
-    terms["destination domain"] = (float(t[j]) if len(t) else 0.0, int(domains[j]), int(ingress[j]) if len(t) else 0, int(per_domain[j]))
+    terms["destination domain"] = (
+        float(t[j]) if len(t) else 0.0,
+        int(domains[j]),
+        int(ingress[j]) if len(t) else 0,
+        int(per_domain[j]),
+    )
 
     # 3. source domains: tensors held only inside one domain must leave it once
     source = plan.source
     resolved = source.resolved
     home = np.full(len(resolved.names), -1, dtype=np.int64)
-    cache: dict[tuple, int] = {}
+    cache: dict[tuple[int, tuple[tuple[str, int], ...]], int] = {}
     for tensor in range(len(resolved.names)):
         key = (resolved.spec_of[tensor], resolved.submesh_of[tensor])
         if key not in cache:
@@ -488,14 +560,17 @@ def _lower_bound(m: _Moves, plan: Plan, topology: Topology) -> LowerBound:
     crossing = np.zeros(len(region_bytes), dtype=bool)
     crossing[region] = True
     crossing &= region_home >= 0
-    egress = np.bincount(
-        np.searchsorted(domains, region_home[crossing]), weights=region_bytes[crossing], minlength=len(domains)
-    )
+    egress = _byte_sums(np.searchsorted(domains, region_home[crossing]), region_bytes[crossing], len(domains))
     t = egress / (per_domain * b_net)
     k = int(t.argmax()) if len(t) else 0
-    terms["source domain"] = (float(t[k]) if len(t) else 0.0, int(domains[k]), int(egress[k]) if len(t) else 0, int(per_domain[k]))
+    terms["source domain"] = (
+        float(t[k]) if len(t) else 0.0,
+        int(domains[k]),
+        int(egress[k]) if len(t) else 0,
+        int(per_domain[k]),
+    )
 
-    binding = max(terms, key=lambda name: terms[name][0])
+    binding = max(terms, key=lambda family: terms[family][0])
     time, where, volume, ports = terms[binding]
     return LowerBound(
         time=time,
@@ -503,7 +578,7 @@ def _lower_bound(m: _Moves, plan: Plan, topology: Topology) -> LowerBound:
         where=where,
         volume=volume,
         ports=ports,
-        terms={name: value[0] for name, value in terms.items()},
+        terms={family: value[0] for family, value in terms.items()},
         bytes=int(a.lower_bound_bytes),
         ingress={int(d): int(v) for d, v in zip(domains, ingress) if v},
         egress={int(d): int(v) for d, v in zip(domains, egress) if v},
@@ -522,7 +597,7 @@ class Simulation:
     destination: str
     source_ranks: int
     destination_ranks: int
-    topology: Topology
+    topology: CompleteTopology
     assumed: tuple[str, ...]
     bucket_bytes: int
     estimates: tuple[Estimate, ...]
@@ -557,14 +632,23 @@ class Simulation:
 
 
 def _compile(program: Program, statement: Reshard, domain_size: int, bucket_bytes: int, policy: str | None) -> Plan:
+    """The plan of ``statement`` with one ``policy`` for every tensor (None: the statement's own)."""
     source = program.layout(statement.source)
     destination = program.layout(statement.destination)
-    policies: Sequence[str] | str = policy if policy is not None else [
-        statement.policy_for(name) for name in source.resolved.names
-    ]
-    return plan_layouts(
-        source, destination, name=statement.name, domain_size=domain_size, bucket_bytes=bucket_bytes, policies=policies
+    policies: Sequence[str] | str = (
+        policy if policy is not None else [statement.policy_for(name) for name in source.resolved.names]
     )
+    try:
+        return plan_layouts(
+            source,
+            destination,
+            name=statement.name,
+            domain_size=domain_size,
+            bucket_bytes=bucket_bytes,
+            policies=policies,
+        )
+    except LayoutError as err:
+        raise err.with_span(statement.span) from None
 
 
 def simulate(
@@ -588,24 +672,23 @@ def simulate(
             )
         topology = TOPOLOGY_PRESETS[topology]
     topo, assumed = complete_topology(topology if topology is not None else program.topology)
-    policies: list[tuple[str, str | None]] = [("reshard", "reshard"), ("gather-and-broadcast", "broadcast")]
-    if any(policy == "broadcast" for _, policy in statement.policies):
-        policies.append(("hybrid", None))
     source = program.layout(statement.source)
-    estimates = []
-    bound = None
-    for label, policy in policies:  # one plan at a time: the largest hold tens of millions of moves
-        try:
-            plan = _compile(program, statement, topo.domain_size, bucket_bytes, policy)
-        except LayoutError as err:
-            raise err.with_span(statement.span) from None
+    # One plan in memory at a time: the largest hold tens of millions of moves. The reshard
+    # plan comes first, and the bound is read from it.
+    plan = _compile(program, statement, topo.domain_size, bucket_bytes, "reshard")
+    moves = _Moves.of(plan)
+    estimates = [_estimate(moves, plan, topo, "reshard", sequential)]
+    bound = _lower_bound(moves, plan, topo)
+    del plan, moves
+    others: list[tuple[str, str | None]] = [("gather-and-broadcast", "broadcast")]
+    if any(policy == "broadcast" for _, policy in statement.policies):
+        others.append(("hybrid", None))
+    for label, policy in others:
+        plan = _compile(program, statement, topo.domain_size, bucket_bytes, policy)
         if label == "hybrid" and set(plan.policies) != {"broadcast", "reshard"}:
             continue  # the statement's policies resolve to one policy: no third row
-        moves = _Moves(plan)
-        estimates.append(_estimate(moves, plan, topo, label, sequential))
-        if bound is None:
-            bound = _lower_bound(moves, plan, topo)
-        del plan, moves
+        estimates.append(_estimate(_Moves.of(plan), plan, topo, label, sequential))
+        del plan
     destination = program.layout(statement.destination)
     return Simulation(
         reshard=statement.name,
