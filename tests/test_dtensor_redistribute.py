@@ -37,18 +37,12 @@ import itertools
 import dtensor_jobs
 import pytest
 
-from layoutlang.cli.launch import LocalWorkers
-
-pytestmark = pytest.mark.timeout(300)
+# The `pool` of every test (tests/conftest.py): a world of exactly 8 ranks for the meshes of
+# dtensor_jobs.MESHES, built once by `warm` before the first test. The module's own: the
+# workers keep those meshes, and the last test leaves point-to-point operations unmatched.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.workers(8, scope="module", warm=dtensor_jobs.warm)]
 
 DTYPES = ["float32", "bfloat16", "int64"]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with LocalWorkers(8, timeout=60) as workers_pool:
-        workers_pool.run(dtensor_jobs.warm)
-        yield workers_pool
 
 
 def case(src, src_p, dst, dst_p, shape, dtype="float32", **options):

@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 import elastic
 from elastic import ExcludedError, Membership, MembershipError, decode_members, encode_members
-from layoutlang.cli.launch import LocalWorkers
 from layoutlang.errors import ExecutionError
 
 SIZE = 4
@@ -32,10 +31,9 @@ def _wait_keys(store, keys, timeout):
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with LocalWorkers(SIZE, timeout=60) as workers_pool:
-        yield workers_pool
+# The `pool` of the multi-process tests (tests/conftest.py): exactly SIZE ranks (the jobs'
+# membership is the whole world), the module's own (its store keeps the tests' keys).
+pytestmark = pytest.mark.workers(SIZE, scope="module")
 
 
 # ----------------------------------------------------------------- in one process
@@ -188,19 +186,17 @@ def test_sigstopped_worker_is_excluded_then_regrown(pool):
 
 
 @pytest.mark.timeout(90)
-def test_sigkilled_worker_is_detected_and_survivors_rebuild_at_once():
+@pytest.mark.workers(SIZE, scope="function")  # a pool of its own: it kills a worker
+def test_sigkilled_worker_is_detected_and_survivors_rebuild_at_once(pool):
     ns, victim = "kill", 2
-    with (
-        LocalWorkers(SIZE, timeout=60) as killpool,
-        elastic.ExitWatcher(killpool.store, killpool.processes, namespace=ns),
-    ):
-        killpool.submit(elastic_jobs.sigkill_detect_and_rebuild, ns, victim)
-        _wait_keys(killpool.store, [f"{ns}-ctl/ready/{r}" for r in range(SIZE)], 40)
+    with elastic.ExitWatcher(pool.store, pool.processes, namespace=ns):
+        pool.submit(elastic_jobs.sigkill_detect_and_rebuild, ns, victim)
+        _wait_keys(pool.store, [f"{ns}-ctl/ready/{r}" for r in range(SIZE)], 40)
         time.sleep(0.3)
         killed_at = time.time()
-        os.kill(killpool.processes[victim].pid, signal.SIGKILL)
-        results = killpool.results_by_rank(timeout=40)
-        _wait_keys(killpool.store, [f"{ns}/gen0/exited/{victim}"], 5)
+        os.kill(pool.processes[victim].pid, signal.SIGKILL)
+        results = pool.results_by_rank(timeout=40)
+        _wait_keys(pool.store, [f"{ns}/gen0/exited/{victim}"], 5)
     survivors = [r for r in range(SIZE) if r != victim]
     assert sorted(results) == survivors, results
     assert all(ok for ok, _ in results.values()), results

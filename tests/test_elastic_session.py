@@ -23,9 +23,10 @@ import pytest
 
 from elastic import ExitWatcher
 from layoutlang.cli.elastic_job import refit_job
-from layoutlang.cli.launch import LocalWorkers
 
-pytestmark = pytest.mark.timeout(180)
+# The `pool` of every test (tests/conftest.py): 9 ranks, the module's own, since its tests
+# kill workers and replace them (pool.respawn) with workers that have no default group.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.workers(9, scope="module")]
 
 PROGRAM = """
 topology { domain_size = 2 }
@@ -55,12 +56,6 @@ NO_REPLICA = PROGRAM.replace("mesh train [dp = 2, tp = 2]", "mesh train [tp = 4]
 
 STEPS = 4
 _namespaces = count()
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with LocalWorkers(9, timeout=60) as workers:
-        yield workers
 
 
 def drain(pool, wait: float = 1.0) -> None:

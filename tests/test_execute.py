@@ -14,9 +14,7 @@ import pytest
 import workers
 
 import layoutlang
-from layoutlang.cli.launch import LocalWorkers, WorkerError
-
-pytestmark = pytest.mark.timeout(300)
+from layoutlang.cli.launch import WorkerError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PAIRS = ["tp_to_dp", "refit", "moe_ep", "colocated", "uneven"]
@@ -29,11 +27,12 @@ def participants_of(path: Path) -> list[int]:
     return sorted(set(source.mesh.ranks) | set(destination.mesh.ranks))
 
 
-@pytest.fixture(scope="module")
-def pool():
-    size = max(len(participants_of(EXAMPLES / f"{name}.layout")) for name in PAIRS)
-    with LocalWorkers(size, timeout=60) as workers_pool:
-        yield workers_pool
+# The `pool` of every test: workers started once (tests/conftest.py), as many as the largest
+# example has ranks; in each test, worker i plays program rank participants[i].
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.workers(max(len(participants_of(EXAMPLES / f"{name}.layout")) for name in PAIRS)),
+]
 
 
 @pytest.mark.parametrize("policy", ["reshard", "broadcast"])
@@ -137,13 +136,14 @@ def test_a_rank_in_no_mesh_is_refused(pool):
     assert results[:3] == ["ExecutionError: rank 3 of the reshard has no process in this job (rank_map)"] * 3
 
 
-def test_a_peer_dying_mid_transfer_is_an_error_within_the_timeout():
+# its worker 0 dies: a pool of its own, one worker per rank of the example
+@pytest.mark.workers(len(participants_of(EXAMPLES / "tp_to_dp.layout")), scope="function", timeout=30)
+def test_a_peer_dying_mid_transfer_is_an_error_within_the_timeout(pool):
     path = EXAMPLES / "tp_to_dp.layout"
     participants = participants_of(path)
     timeout = 5.0
-    with LocalWorkers(len(participants), timeout=30) as dying_pool:
-        dying_pool.submit(workers.refit_with_a_dying_peer, str(path), participants, 0, timeout)
-        results = dying_pool.results_by_rank(timeout=60)
+    pool.submit(workers.refit_with_a_dying_peer, str(path), participants, 0, timeout)
+    results = pool.results_by_rank(timeout=60)
     survivors = {r: v for r, v in results.items() if r != 0}
     assert survivors, "no survivor reported"
     for ok, value in survivors.values():
@@ -156,7 +156,6 @@ def test_a_peer_dying_mid_transfer_is_an_error_within_the_timeout():
         assert v["seconds"] < timeout + 10
 
 
-def test_worker_errors_name_the_rank():
-    with LocalWorkers(2, timeout=30) as small:
-        with pytest.raises(WorkerError, match="rank 0"):
-            small.run(workers.refit, "/nonexistent.layout", [0, 1])
+def test_worker_errors_name_the_rank(pool):
+    with pytest.raises(WorkerError, match="rank 0"):
+        pool.run(workers.refit, "/nonexistent.layout", [0, 1])
