@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import layoutlang
-from layoutlang.lang import syntax
-from layoutlang.lang.elaborate import read_source
+from layoutlang.lang import parse, read_source
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,10 +31,11 @@ def timed(label: str, fn, rows: list[tuple[str, float]]):
 def main(path: Path) -> None:
     rows: list[tuple[str, float]] = []
     text = read_source(path)
-    timed("parse (text -> syntax tree)", lambda: syntax.parse(text, str(path)), rows)
+    timed("parse (text -> syntax tree)", lambda: parse(text, str(path)), rows)
     program = timed("load (includes, imports, names)", lambda: layoutlang.load(path), rows)
     for layout in program.layouts.values():
-        timed(f"resolve layout {layout.name} (rules, sub-meshes, storages, compile)", lambda: layout.resolved, rows)
+        label = f"resolve layout {layout.name} (rules, sub-meshes, storages, compile)"
+        timed(label, lambda layout=layout: layout.resolved, rows)
     summaries = {}
     for layout in program.layouts.values():
         summaries[layout.name] = timed(f"boxes of every tensor on every rank of {layout.name}", layout.summary, rows)

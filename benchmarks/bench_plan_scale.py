@@ -598,7 +598,8 @@ def summary(results: list[dict[str, Any]]) -> None:
             validate = f"{r['validate_s']:.3f}" if r.get("validate_s") is not None else "FAILED"
             print(
                 f"  {r['case']:<12} {r['tensors']:>8,} {r['parameters'] / 1e9:>7.0f}B {ranks:>10} "
-                f"{r['load_resolve_s']:>8.2f}s {r['compile_s']:>7.3f}s {r['core_s']:>6.3f}s {r['end_to_end_s']:>6.2f}s {r['moves']:>11,} "
+                f"{r['load_resolve_s']:>8.2f}s {r['compile_s']:>7.3f}s {r['core_s']:>6.3f}s "
+                f"{r['end_to_end_s']:>6.2f}s {r['moves']:>11,} "
                 f"{tib(r['moved']):>10} {r['ratio']:>6.3f} {bcast:>8} {validate:>8}s {r['rss_end_mib']:>6,.0f}MiB"
             )
     for r in results:

@@ -72,14 +72,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's layoutlang
 
 import torch
 import torch.distributed as dist
 
 import layoutlang
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 
 SHRINK_TARGET_RATIO = 5.0  # shrink must be at least this many times faster than restart-all
 SHRINK_TARGET_SECONDS = 1.0
@@ -216,9 +217,10 @@ def run_torchrun(layout: Path, *, world: int, steps: int, victim: int, kill_step
             lines = log_path.read_text(errors="replace").splitlines()
             # the workers' errors (first of each kind), then torchrun's summary
             causes = list(dict.fromkeys(line.strip() for line in lines if re.search(r"\w(Error|Exception): ", line)))
-            tail = causes[:6] + ["..."] + lines[-12:]
+            tail = [*causes[:6], "...", *lines[-12:]]
             return {"wall": wall, "errors": errors, "log_tail": tail, "killed": killed}
-        stamps = {k: [r[k] - killed for r in restarts] for k in ("started", "imported", "group", "loaded", "first_byte")}
+        phases = ("started", "imported", "group", "loaded", "first_byte")
+        stamps = {k: [r[k] - killed for r in restarts] for k in phases}
         mismatches, verified_bytes = [], 0
         for rank, checked in sorted(checks.items()):
             for check in checked:
@@ -289,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_recovery: {os.cpu_count()} cores, torch {torch.__version__}, Python {sys.version.split()[0]}; "
           f"load average {os.getloadavg()[0]:.1f}")
     print(f"  program {shown}: {len(source.tensors)} tensors, {logical / 2**20:.2f} MiB; "
-          f"{source.name} on {source.mesh.name} {dict(source.mesh.axes)} ranks {source.mesh.ranks[0]}..{source.mesh.ranks[-1]}"
+          f"{source.name} on {source.mesh.name} {dict(source.mesh.axes)} "
+          f"ranks {source.mesh.ranks[0]}..{source.mesh.ranks[-1]}"
           f" -> {destination.name} on {destination.mesh.name} {dict(destination.mesh.axes)} ranks "
           f"{destination.mesh.ranks[0]}..{destination.mesh.ranks[-1]}; {world} processes (gloo, CPU)")
     print(f"  {args.steps} refits per run; rank {args.victim} SIGKILLs itself halfway through refit {args.kill_step}'s "
@@ -322,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[path].append(result)
                 bad = result["errors"] or result.get("mismatches")
                 failed |= bool(bad)
-                status = "FAILED" if result["errors"] else ("VERIFICATION FAILED" if result.get("mismatches") else "verified")
+                verified = "VERIFICATION FAILED" if result.get("mismatches") else "verified"
+                status = "FAILED" if result["errors"] else verified
                 print(f"  {path:<8} run {n + 1}: failure -> first byte {_fmt(result.get('seconds'))} "
                       f"(slowest rank {_fmt(result.get('slowest'))}); run took {result['wall']:.1f} s; {status} "
                       f"(load average {os.getloadavg()[0]:.1f})", flush=True)
@@ -349,7 +353,10 @@ def _print_results(runs: dict[str, list[dict[str, Any]]], args) -> dict[str, Any
     labels = {"shrink": "shrink (elastic)", "torchrun": "torchrun restart-all"}
     summary: dict[str, Any] = {}
     print()
-    print("failure (SIGKILL of the victim) -> first byte moved on the new group: least over ranks; best and median of runs")
+    print(
+        "failure (SIGKILL of the victim) -> first byte moved on the new group: least over ranks; "
+        "best and median of runs"
+    )
     print(f"{'path':<24} {'best':>8} {'median':>8}   (repeats)")
     for path, results in runs.items():
         times = [r["seconds"] for r in results if r.get("seconds") is not None and not r["errors"]]

@@ -75,8 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's layoutlang
 
 import torch
 import torch.distributed as dist
@@ -84,6 +83,8 @@ import torch.distributed as dist
 import layoutlang
 from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
 from layoutlang.runtime import Resharder
+
+HERE = Path(__file__).resolve().parent
 
 WORLD = 8
 MiB = 2**20
@@ -382,7 +383,9 @@ def _summarize(method: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
         summary["sent"] = {k: sum(r["report"]["sent"][k] for r in best_run) for k in kinds}
         summary["received"] = {k: sum(r["report"]["received"][k] for r in best_run) for k in kinds}
         summary["executor_seconds"] = max(r["report"]["seconds"] for r in best_run)
-        summary["peak_staging_per_rank"] = [max(run[k]["report"]["peak_staging_bytes"] for run in runs) for k in range(WORLD)]
+        summary["peak_staging_per_rank"] = [
+            max(run[k]["report"]["peak_staging_bytes"] for run in runs) for k in range(WORLD)
+        ]
     if method == "dcp":
         summary["save_seconds"] = max(r["phases"].get("save", 0.0) for r in best_run)
         summary["load_seconds"] = max(r["phases"].get("load", 0.0) for r in best_run)
@@ -397,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-budget", type=int, default=256 * MiB,
                         help="Resharder memory_budget in bytes (default 256 MiB: buckets of 128 MiB)")
     parser.add_argument("--dtensor-size", type=int, default=None, help="rows = cols of the one-mesh tensors (8192)")
-    parser.add_argument("--only", default=None, help="comma-separated methods: " + ",".join(REFIT_METHODS + DTENSOR_METHODS))
+    parser.add_argument(
+        "--only", default=None, help="comma-separated methods: " + ",".join(REFIT_METHODS + DTENSOR_METHODS)
+    )
     parser.add_argument("--tmp", default=None, help="folder for the DCP checkpoint (default: the system temp dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a worker task may take")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -435,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         s = plan.stats
         print(f"  plan {m:<9}: local {_size(s.bytes['local'])}, domain {_size(s.bytes['domain'])}, network "
               f"{_size(s.bytes['network'])}, {s.buckets} buckets, {s.messages} messages")
-    print(f"  one-mesh case: 4 x [{dt_size}, {dt_size}] fp32 ({_size(4 * dt_size * dt_size * 4)}) on a 2x4 mesh of ranks 0..7")
+    print(
+        f"  one-mesh case: 4 x [{dt_size}, {dt_size}] fp32 ({_size(4 * dt_size * dt_size * 4)}) "
+        "on a 2x4 mesh of ranks 0..7"
+    )
     print(f"  {WORLD} gloo workers on {os.cpu_count()} cores; memory_budget {_size(args.memory_budget)}; "
           f"warm-up + best of {runs}; torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}")
 
@@ -460,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                     checkpoint = os.path.join(checkpoint_root, f"{method}-{n}") if method == "dcp" else None
                     result = pool.run(run_method, method, checkpoint, n == 0, timeout=args.timeout)
                     if checkpoint is not None:
-                        result[0]["checkpoint_bytes"] = sum(f.stat().st_size for f in Path(checkpoint).rglob("*") if f.is_file())
+                        files = [f for f in Path(checkpoint).rglob("*") if f.is_file()]
+                        result[0]["checkpoint_bytes"] = sum(f.stat().st_size for f in files)
                         shutil.rmtree(checkpoint, ignore_errors=True)
                     collected[method].append(result)
                     t = max(r["seconds"] for r in result)
@@ -506,7 +515,8 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
     print("-" * len(header))
     for method, s in summaries.items():
         if "sent" in s:
-            moved = f"local {_size(s['sent']['local'])}, domain {_size(s['sent']['domain'])}, net {_size(s['sent']['network'])}"
+            sent = s["sent"]
+            moved = f"local {_size(sent['local'])}, domain {_size(sent['domain'])}, net {_size(sent['network'])}"
         elif method == "dcp":
             moved = f"written {_size(s['wchar'])}, read {_size(s['rchar'])}"
         else:

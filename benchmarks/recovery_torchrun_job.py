@@ -31,21 +31,22 @@ import time
 
 STARTED = time.time()  # before any import: close to when torchrun started this process
 
-import argparse
-import json
-import os
-import signal
-from datetime import timedelta
-from pathlib import Path
+# The imports follow STARTED on purpose (E402): the restart timeline counts them.
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import torch
-import torch.distributed as dist
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 IMPORTED = time.time()
 
-import layoutlang
-from layoutlang.io.weights import fill_synthetic, verify
-from layoutlang.runtime import Resharder
+import layoutlang  # noqa: E402
+from layoutlang.io.weights import fill_synthetic, verify  # noqa: E402
+from layoutlang.runtime import Resharder  # noqa: E402
 
 
 def main() -> int:
