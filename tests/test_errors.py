@@ -505,7 +505,8 @@ def test_interleaved_blocks_that_do_not_divide_the_local_parts():
     assert_error(
         err,
         LayoutValueError,
-        "storage 'qk' of layout 'l' on rank 0: part 0 has 6 local elements along dim 0, not a multiple of its block size 4",
+        "storage 'qk' of layout 'l' on rank 0: "
+        "part 0 has 6 local elements along dim 0, not a multiple of its block size 4",
         6,
         3,
     )

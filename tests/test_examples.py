@@ -167,7 +167,8 @@ def test_moe_inference_puts_each_expert_on_one_rank(moe):
     for expert in range(8):
         assert infer.holders(f"model.layers.1.mlp.experts.{expert}.down_proj.weight") == [8 + expert]
     gate_up = "model.layers.1.mlp.experts.5.gate_up_proj.weight"
-    assert regions(infer, "model.layers.1.mlp.experts.5.up_proj.weight", 13) == [("0:64, 0:128", gate_up, "64:128, 0:128")]
+    up = "model.layers.1.mlp.experts.5.up_proj.weight"
+    assert regions(infer, up, 13) == [("0:64, 0:128", gate_up, "64:128, 0:128")]
     assert moe.reshard("refit").source == "megatron_moe"
 
 

@@ -14,7 +14,7 @@ from layoutlang.plan import compile_plan
 
 pytestmark = pytest.mark.timeout(120)
 
-PRESETS = Path(layoutlang.__file__).parent / "presets"
+PRESETS = Path(layoutlang.__file__).parent / "lang" / "presets"
 
 #: name: (logical tensors, parameters, the published size it rounds to, in billions, and its precision)
 MODELS = {
@@ -148,7 +148,9 @@ def test_qwen3_moe_megatron_and_vllm_ep():
 
 
 def test_qwen3_moe_expert_tensor_parallel_and_vllm_tp():
-    program = layoutlang.loads(QWEN.format(train="megatron_etp", infer="vllm", train_layout="megatron", infer_layout="vllm"))
+    program = layoutlang.loads(
+        QWEN.format(train="megatron_etp", infer="vllm", train_layout="megatron", infer_layout="vllm")
+    )
     train, infer = program.layout("megatron"), program.layout("vllm")
     expert = "model.layers.30.mlp.experts.37.down_proj.weight"
     assert [b.sizes for b in train.boxes(expert, 20)] == [(2048, 384)]  # row-parallel over tp = 2

@@ -12,7 +12,7 @@ Limits:
   written out here, so a family that renames a module needs a change here.
 * Shapes follow the config alone; a checkpoint edited by hand (pruned heads, extra
   adapters) is not described. Read its safetensors header instead
-  (:mod:`layoutlang.interop.safetensors`).
+  (:mod:`layoutlang.io.safetensors`).
 * Quantized checkpoints: only block-wise FP8 (``quant_method: "fp8"`` with a
   ``weight_block_size``, as DeepSeek-V3 and the Qwen3 FP8 releases ship) is described:
   each quantized projection weight is stored as fp8 with an fp32 ``weight_scale_inv`` of
@@ -23,7 +23,6 @@ Limits:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -32,6 +31,7 @@ from typing import Any
 
 from ..errors import ModelDescriptionError
 from ..model.dtypes import DTYPES, canonical_dtype
+from ._files import TensorEntry, read_json_object
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -40,9 +40,6 @@ __all__ = [
     "read_config",
     "tensors_from_hf_config",
 ]
-
-#: a logical tensor as (name, global shape, dtype short name): the fields of layoutlang.model.LogicalTensor
-TensorEntry = tuple[str, tuple[int, ...], str]
 
 _DEFAULT_DTYPE = "bf16"
 #: dtype of the per-block dequantization scales of FP8 checkpoints
@@ -58,26 +55,7 @@ def _config_file(path: str | os.PathLike[str]) -> Path:
 
 def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path`` (a file, or a model folder holding one)."""
-    file = _config_file(path)
-    try:
-        raw = file.read_bytes()
-    except FileNotFoundError:
-        raise ModelDescriptionError(f"{file}: Hugging Face config not found") from None
-    except OSError as exc:
-        raise ModelDescriptionError(f"{file}: cannot read Hugging Face config: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelDescriptionError(f"{file}: Hugging Face config is not UTF-8 (byte {exc.start})") from None
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ModelDescriptionError(
-            f"{file}: Hugging Face config is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    if not isinstance(config, dict):
-        raise ModelDescriptionError(f"{file}: Hugging Face config must be a JSON object, not {type(config).__name__}")
-    return config
+    return read_json_object(_config_file(path), "Hugging Face config")
 
 
 def hf_config_constants(config: dict[str, Any]) -> dict[str, int]:
@@ -96,7 +74,7 @@ def tensors_from_hf_config(
 ) -> list[TensorEntry]:
     """Every weight tensor of the model described by the ``config.json`` at ``path``.
 
-    ``dtype`` (any spelling :func:`~layoutlang.dtypes.canonical_dtype` knows) overrides the
+    ``dtype`` (any spelling :func:`~layoutlang.model.dtypes.canonical_dtype` knows) overrides the
     config's ``torch_dtype`` and describes an unquantized checkpoint; without it the config's
     ``torch_dtype`` (or ``dtype``) is used, else bf16. ``include_mtp`` adds DeepSeek-V3's
     multi-token-prediction layers (``num_nextn_predict_layers``), which the model proper does
@@ -105,12 +83,12 @@ def tensors_from_hf_config(
     file = _config_file(path)
     config = read_config(file)
     model_type = config.get("model_type")
-    builder = _BUILDERS.get(model_type) if isinstance(model_type, str) else None
-    if builder is None:
+    if not isinstance(model_type, str) or model_type not in _BUILDERS:
         supported = ", ".join(SUPPORTED_MODEL_TYPES)
         if model_type is None:
             raise ModelDescriptionError(f"{file}: config has no 'model_type' (supported: {supported})")
         raise ModelDescriptionError(f"{file}: unsupported model_type {model_type!r} (supported: {supported})")
+    builder = _BUILDERS[model_type]
     reader = _ConfigReader(config, model_type, file)
     out = _TensorList(reader, _model_dtype(reader, dtype), explicit_dtype=dtype is not None)
     builder(reader, out, include_mtp)
@@ -168,6 +146,7 @@ class _ConfigReader:
 
 def _model_dtype(reader: _ConfigReader, dtype: str | None) -> str:
     """The dtype argument, else the config's ``torch_dtype``/``dtype``, else bf16."""
+    spelling: object
     if dtype is not None:
         source, spelling = "dtype argument", dtype
     else:

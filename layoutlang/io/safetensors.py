@@ -17,30 +17,44 @@ no header extension it may add later is understood.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
 from ..errors import ModelDescriptionError
-from ..model.dtypes import canonical_dtype, itemsize
+from ..model.dtypes import itemsize
+from ._files import TensorEntry, parse_json_object, read_json_object
 
 __all__ = [
     "MAX_HEADER_BYTES",
+    "SAFETENSORS_DTYPE",
     "SAFETENSORS_DTYPES",
     "TensorEntry",
+    "checkpoint_file",
     "read_safetensors_header",
+    "read_weight_map",
     "tensors_from_safetensors",
 ]
 
-#: a logical tensor as (name, global shape, dtype short name): the fields of layoutlang.model.LogicalTensor
-TensorEntry = tuple[str, tuple[int, ...], str]
-
+#: the safetensors spelling of each short dtype name
+SAFETENSORS_DTYPE: dict[str, str] = {
+    "bf16": "BF16",
+    "fp16": "F16",
+    "fp32": "F32",
+    "fp64": "F64",
+    "fp8_e4m3": "F8_E4M3",
+    "fp8_e5m2": "F8_E5M2",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "bool": "BOOL",
+}
 #: safetensors dtype spellings this module maps to short names
-SAFETENSORS_DTYPES: tuple[str, ...] = (
-    "BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I8", "U8", "I16", "I32", "I64", "BOOL",
-)  # fmt: skip
+SAFETENSORS_DTYPES: tuple[str, ...] = tuple(SAFETENSORS_DTYPE.values())
+_SHORT_DTYPE = {spelling: short for short, spelling in SAFETENSORS_DTYPE.items()}
 
 #: the largest header accepted, as in the safetensors library: more is a corrupt length
 MAX_HEADER_BYTES = 100_000_000
@@ -87,7 +101,7 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
         raise ModelDescriptionError(f"{file}: is a folder, not a safetensors file") from None
     except OSError as exc:
         raise ModelDescriptionError(f"{file}: cannot read safetensors file: {exc.strerror}") from None
-    header = _parse_json_object(file, raw_header, "safetensors header")
+    header = parse_json_object(file, raw_header, "safetensors header")
     data_size = file_size - data_start
     for name, entry in header.items():
         if name != _METADATA_KEY:
@@ -103,13 +117,30 @@ def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[TensorEntry]:
     in name order), or a model folder holding ``model.safetensors.index.json`` or
     ``model.safetensors``. Raises :class:`ModelDescriptionError` naming the file at fault.
     """
+    file = checkpoint_file(path)
+    if file.suffix == ".json":
+        return _tensors_from_index(file)
+    return _tensors_from_file(file)
+
+
+def checkpoint_file(path: str | os.PathLike[str]) -> Path:
+    """The file to read a checkpoint from: ``path`` itself, or in a model folder its
+    ``model.safetensors.index.json`` if it has one, else its ``model.safetensors``."""
     file = Path(path)
     if file.is_dir():
         index = file / _INDEX_FILE
         file = index if index.exists() else file / _SINGLE_FILE
-    if file.suffix == ".json":
-        return _tensors_from_index(file)
-    return _tensors_from_file(file)
+    return file
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` of a sharded checkpoint's index: the shard file of each tensor."""
+    weight_map = read_json_object(index, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise ModelDescriptionError(
+            f"{index}: not a safetensors index: needs a 'weight_map' object from tensor names to shard files"
+        )
+    return weight_map
 
 
 def _tensors_from_file(file: Path) -> list[TensorEntry]:
@@ -134,17 +165,7 @@ def _tensors_from_file(file: Path) -> list[TensorEntry]:
 
 def _tensors_from_index(index: Path) -> list[TensorEntry]:
     """All tensors of the shards an index names, checked against its ``weight_map``."""
-    try:
-        raw = index.read_bytes()
-    except FileNotFoundError:
-        raise ModelDescriptionError(f"{index}: safetensors index not found") from None
-    except OSError as exc:
-        raise ModelDescriptionError(f"{index}: cannot read safetensors index: {exc.strerror}") from None
-    weight_map = _parse_json_object(index, raw, "safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
-        raise ModelDescriptionError(
-            f"{index}: not a safetensors index: needs a 'weight_map' object from tensor names to shard files"
-        )
+    weight_map = read_weight_map(index)
     tensors: list[TensorEntry] = []
     shard_of: dict[str, str] = {}
     for shard in sorted(set(weight_map.values())):
@@ -165,22 +186,6 @@ def _tensors_from_index(index: Path) -> list[TensorEntry]:
             found = f"; it is in {shard_of[name]!r}" if name in shard_of else ""
             raise ModelDescriptionError(f"{index}: weight_map puts {name!r} in {shard!r}, whose header lacks it{found}")
     return tensors
-
-
-def _parse_json_object(file: Path, raw: bytes, what: str) -> dict[str, Any]:
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelDescriptionError(f"{file}: {what} is not UTF-8 (byte {exc.start})") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ModelDescriptionError(
-            f"{file}: {what} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    if not isinstance(value, dict):
-        raise ModelDescriptionError(f"{file}: {what} must be a JSON object, not {type(value).__name__}")
-    return value
 
 
 def _check_entry(file: Path, name: str, entry: Any, data_size: int) -> None:
@@ -211,7 +216,7 @@ def _check_entry(file: Path, name: str, entry: Any, data_size: int) -> None:
 
 
 def _short_dtype(file: Path, name: str, spelling: str) -> str:
-    short = canonical_dtype(spelling) if spelling in SAFETENSORS_DTYPES else None
+    short = _SHORT_DTYPE.get(spelling)
     if short is None:
         raise ModelDescriptionError(
             f"{file}: tensor {name!r} has unknown dtype {spelling!r} (known: {', '.join(SAFETENSORS_DTYPES)})"

@@ -21,34 +21,25 @@ import torch
 
 from .._text import region
 from ..errors import ModelDescriptionError
-from ..model import Layout
-from ..model.dtypes import DTYPES
-from .torch_dtypes import torch_dtype
-from .safetensors import read_safetensors_header
+from ..model import Box, Layout
+from .safetensors import SAFETENSORS_DTYPE, checkpoint_file, read_safetensors_header, read_weight_map
+from .torch_dtypes import dtype_name, torch_dtype
 
 __all__ = [
-    "synthetic_box",
-    "fill_synthetic",
-    "Verification",
-    "verify",
     "SafetensorsCheckpoint",
+    "Verification",
+    "fill_synthetic",
+    "synthetic_box",
+    "verify",
     "write_safetensors",
 ]
 
-_SAFETENSORS_DTYPE = {
-    "bf16": "BF16",
-    "fp16": "F16",
-    "fp32": "F32",
-    "fp64": "F64",
-    "fp8_e4m3": "F8_E4M3",
-    "fp8_e5m2": "F8_E5M2",
-    "int8": "I8",
-    "uint8": "U8",
-    "int16": "I16",
-    "int32": "I32",
-    "int64": "I64",
-    "bool": "BOOL",
-}
+
+def _in_storage(storages: Mapping[str, torch.Tensor], box: Box) -> torch.Tensor:
+    """The elements of ``box`` in its storage."""
+    # a layout names the storage of every box it hands out (only shard_boxes' boxes have none)
+    assert box.storage is not None
+    return storages[box.storage][box.storage_slices()]
 
 
 def _modulus(dtype: str) -> int:
@@ -56,7 +47,9 @@ def _modulus(dtype: str) -> int:
     return {"bool": 2, "fp8_e4m3": 17, "fp8_e5m2": 17, "uint8": 251}.get(dtype, 251)
 
 
-def synthetic_box(tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int = 0) -> torch.Tensor:
+def synthetic_box(
+    tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int = 0
+) -> torch.Tensor:
     """The synthetic values of a box of a logical tensor (same on every rank); each
     ``version`` (a training step) gives other values."""
     index = torch.zeros((), dtype=torch.int64)
@@ -74,7 +67,11 @@ def synthetic_box(tensor_index: int, shape: tuple[int, ...], dtype: str, offsets
 
 
 def fill_synthetic(
-    layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], tensors: Iterable[str] | None = None, version: int = 0
+    layout: Layout,
+    rank: int,
+    storages: Mapping[str, torch.Tensor],
+    tensors: Iterable[str] | None = None,
+    version: int = 0,
 ) -> int:
     """Write the synthetic values (of ``version``) of every box ``rank`` holds into its storages; returns bytes."""
     names = layout.resolved.names
@@ -84,7 +81,8 @@ def fill_synthetic(
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
             values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
-            storages[box.storage][box.storage_slices()] = values.to(storages[box.storage].device)
+            held = _in_storage(storages, box)
+            held[...] = values.to(held.device)
             written += values.numel() * values.element_size()
     return written
 
@@ -119,20 +117,27 @@ def verify(
         tensor = layout.tensors[name]
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
-            got = storages[box.storage][box.storage_slices()]
-            expected = truth(name, index, box) if truth else synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
+            got = _in_storage(storages, box)
+            if truth:
+                expected = truth(name, index, box)
+            else:
+                expected = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
             expected = expected.to(device=got.device, dtype=got.dtype)
             boxes += 1
             nbytes += got.numel() * got.element_size()
-            if not torch.equal(got.view(torch.uint8) if got.dtype == torch.bool else got, expected.view(torch.uint8) if expected.dtype == torch.bool else expected):
-                if len(mismatches) < limit:
-                    wrong = (got != expected).nonzero()
-                    first = tuple(int(o) + int(i) for o, i in zip(box.offsets, wrong[0])) if len(wrong) else ()
-                    mismatches.append(
-                        f"rank {rank}: {name}{region(box.offsets, box.sizes)} in storage '{box.storage}': "
-                        f"{len(wrong)} wrong elements, the first at {list(first)}"
-                    )
+            if not torch.equal(_bits(got), _bits(expected)) and len(mismatches) < limit:
+                wrong = (got != expected).nonzero()
+                first = tuple(int(o) + int(i) for o, i in zip(box.offsets, wrong[0])) if len(wrong) else ()
+                mismatches.append(
+                    f"rank {rank}: {name}{region(box.offsets, box.sizes)} in storage '{box.storage}': "
+                    f"{len(wrong)} wrong elements, the first at {list(first)}"
+                )
     return Verification(rank, boxes, nbytes, tuple(mismatches))
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    # bool tensors are compared by their bytes, as the other dtypes are by their values
+    return values.view(torch.uint8) if values.dtype == torch.bool else values
 
 
 # ------------------------------------------------------------------- safetensors
@@ -144,22 +149,12 @@ class SafetensorsCheckpoint:
     touches only the pages of its rows."""
 
     def __init__(self, path: str | os.PathLike[str]):
-        path = Path(path)
-        if path.is_dir():
-            index = path / "model.safetensors.index.json"
-            path = index if index.exists() else path / "model.safetensors"
+        start = checkpoint_file(path)
         self.files: dict[str, tuple[Path, dict, int]] = {}
-        if path.suffix == ".json":
-            try:
-                weight_map = json.loads(path.read_text("utf-8"))["weight_map"]
-            except (OSError, ValueError, KeyError) as err:
-                raise ModelDescriptionError(f"{path}: not a safetensors index ({err})") from None
-            shards = sorted(set(weight_map.values()))
-        else:
-            shards = [path.name]
+        shards = sorted(set(read_weight_map(start).values())) if start.suffix == ".json" else [start.name]
         self._maps: dict[Path, np.memmap] = {}
         for shard in shards:
-            file = path.parent / shard
+            file = start.parent / shard
             header, data_start = read_safetensors_header(file)
             for name, entry in header.items():
                 if name != "__metadata__":
@@ -170,9 +165,10 @@ class SafetensorsCheckpoint:
         if name not in self.files:
             raise ModelDescriptionError(f"the checkpoint has no tensor '{name}'")
         file, entry, data_start = self.files[name]
-        if tuple(entry["shape"]) != tuple(shape) or entry["dtype"] != _SAFETENSORS_DTYPE[dtype]:
+        if tuple(entry["shape"]) != tuple(shape) or entry["dtype"] != SAFETENSORS_DTYPE[dtype]:
             raise ModelDescriptionError(
-                f"{file}: tensor '{name}' is {entry['dtype']} {entry['shape']}, the program declares {dtype} {list(shape)}"
+                f"{file}: tensor '{name}' is {entry['dtype']} {entry['shape']}, "
+                f"the program declares {dtype} {list(shape)}"
             )
         if file not in self._maps:
             # copy-on-write: torch wants writable memory; the file is never changed
@@ -189,12 +185,14 @@ class SafetensorsCheckpoint:
             tensor = layout.tensors[name]
             for box in layout.boxes(name, rank):
                 values = self.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
-                storages[box.storage][box.storage_slices()] = values
+                _in_storage(storages, box)[...] = values
                 written += values.numel() * values.element_size()
         return written
 
 
-def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> None:
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
     """Write tensors to a .safetensors file (header, then the raw bytes in order)."""
     header: dict[str, object] = {}
     if metadata:
@@ -202,11 +200,15 @@ def write_safetensors(path: str | os.PathLike[str], tensors: Mapping[str, torch.
     offset = 0
     blobs = []
     for name, tensor in tensors.items():
-        dtype = next((k for k, v in DTYPES.items() if getattr(torch, v[1]) == tensor.dtype), None)
+        dtype = dtype_name(tensor.dtype)
         if dtype is None:
             raise ModelDescriptionError(f"cannot write tensor '{name}' of dtype {tensor.dtype} to safetensors")
         data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPE[dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         offset += len(data)
         blobs.append(data)
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Union
+import math
+from collections.abc import Collection, Iterable, Mapping
 
 import attrs
 
@@ -13,8 +13,25 @@ from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 
 
 def _axes_tuple(axes: Mapping[str, int] | Iterable[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
-    items = tuple(axes.items()) if isinstance(axes, Mapping) else tuple(tuple(a) for a in axes)
+    items = tuple(axes.items()) if isinstance(axes, Mapping) else tuple(axes)
     return tuple((str(name), int(size)) for name, size in items)
+
+
+def check_axis_name(mesh: str, axis: str, earlier: Collection[str]) -> None:
+    """Raise if ``axis`` is one of the ``earlier`` axes of ``mesh``."""
+    if axis in earlier:
+        raise LayoutNameError(f"mesh '{mesh}' declares axis '{axis}' twice")
+
+
+def check_axis_size(mesh: str, axis: str, size: int) -> None:
+    """Raise if ``axis`` of ``mesh`` cannot have ``size`` positions."""
+    if size < 1:
+        raise LayoutValueError(f"axis '{axis}' of mesh '{mesh}' has size {size}; sizes are at least 1")
+
+
+def shape_text(axes: Iterable[tuple[str, int]]) -> str:
+    """``dp=2 x tp=4``: a mesh's axes as messages show them."""
+    return " x ".join(f"{axis}={size}" for axis, size in axes)
 
 
 def _ranks_repr(ranks: tuple[int, ...]) -> str:
@@ -43,22 +60,16 @@ class Mesh:
         ranks: Iterable[int] | None = None,
     ):
         axes_t = _axes_tuple(axes)
-        names = [a for a, _ in axes_t]
         if not axes_t:
             raise LayoutValueError(f"mesh '{name}' has no axes")
-        for axis, size in axes_t:
-            if names.count(axis) > 1:
-                raise LayoutValueError(f"mesh '{name}' declares axis '{axis}' twice")
-            if size < 1:
-                raise LayoutValueError(f"axis '{axis}' of mesh '{name}' has size {size}; sizes are at least 1")
-        size = 1
-        for _, s in axes_t:
-            size *= s
+        for i, (axis, size) in enumerate(axes_t):
+            check_axis_name(name, axis, [a for a, _ in axes_t[:i]])
+            check_axis_size(name, axis, size)
+        size = math.prod(s for _, s in axes_t)
         ranks_t = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
         if len(ranks_t) != size:
-            shape = " x ".join(f"{a}={s}" for a, s in axes_t)
             raise LayoutValueError(
-                f"mesh '{name}' ({shape}) has {size} positions but {len(ranks_t)} ranks"
+                f"mesh '{name}' ({shape_text(axes_t)}) has {size} positions but {len(ranks_t)} ranks"
             )
         index: dict[int, int] = {}
         for i, r in enumerate(ranks_t):
@@ -160,4 +171,4 @@ class Replicate:
         return "Replicate()"
 
 
-Placement = Union[Shard, Replicate]
+Placement = Shard | Replicate

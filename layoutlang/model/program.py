@@ -56,7 +56,7 @@ class Program:
     tensors: Mapping[str, LogicalTensor]
     layouts: Mapping[str, Layout]
     reshards: Mapping[str, Reshard]
-    topology: Topology = Topology()
+    topology: Topology = attrs.field(factory=Topology)
     constants: Mapping[str, int] = attrs.field(factory=dict)
     path: str = "<string>"
 

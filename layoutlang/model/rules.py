@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import attrs
 
@@ -14,6 +14,28 @@ from .mesh import Placement
 # ------------------------------------------------------------------------- rules
 
 CaptureFn = Callable[[Mapping[str, int]], int]
+"""An expression of a pattern's captures (``l // 4``), given their values."""
+
+SubmeshIndex = int | CaptureFn
+"""A sub-mesh coordinate: fixed, or computed from a pattern's captures."""
+
+
+def _placement_items(
+    placements: Mapping[str, Placement] | Iterable[tuple[str, Placement]],
+) -> tuple[tuple[str, Placement], ...]:
+    return tuple(dict(placements).items())
+
+
+def _submesh_items(
+    submesh: Mapping[str, SubmeshIndex] | Iterable[tuple[str, SubmeshIndex]],
+) -> tuple[tuple[str, SubmeshIndex], ...]:
+    return tuple(dict(submesh).items())
+
+
+def _order_items(
+    order: Mapping[int, Iterable[str]] | Iterable[tuple[int, Iterable[str]]],
+) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    return tuple((int(dim), tuple(axes)) for dim, axes in dict(order).items())
 
 
 @attrs.frozen
@@ -23,13 +45,14 @@ class Rule:
     In a pattern, ``*`` matches any text and ``{name}`` captures a whole run of digits as an
     integer. ``placements`` maps axes to placements (axes not named replicate);
     ``submesh`` maps axes to a coordinate, an integer or a function of the captures;
-    ``order`` gives an explicit nesting order of the axes sharding one dim.
+    ``order`` gives an explicit nesting order of the axes sharding one dim. Each is given
+    as a mapping and kept as a tuple of its items, so that a rule is hashable.
     """
 
     pattern: str | None
-    placements: Mapping[str, Placement] = attrs.field(factory=dict, converter=lambda m: tuple(dict(m).items()))
-    submesh: Mapping[str, int | CaptureFn] = attrs.field(factory=dict, converter=lambda m: tuple(dict(m).items()))
-    order: Mapping[int, tuple[str, ...]] = attrs.field(factory=dict, converter=lambda m: tuple((int(d), tuple(a)) for d, a in dict(m).items()))
+    placements: tuple[tuple[str, Placement], ...] = attrs.field(default=(), converter=_placement_items)
+    submesh: tuple[tuple[str, SubmeshIndex], ...] = attrs.field(default=(), converter=_submesh_items)
+    order: tuple[tuple[int, tuple[str, ...]], ...] = attrs.field(default=(), converter=_order_items)
     span: Span | None = attrs.field(default=None, eq=False)
 
     @property
@@ -48,7 +71,9 @@ class Rule:
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """``*`` matches any text, ``{name}`` a whole run of digits (captured as ``name``)."""
     if re.search(r"\}\{", pattern):
-        raise LayoutValueError(f"pattern \"{pattern}\": two captures must be separated by text (a capture takes a whole run of digits)")
+        raise LayoutValueError(
+            f'pattern "{pattern}": two captures must be separated by text (a capture takes a whole run of digits)'
+        )
     out = []
     pos = 0
     for m in re.finditer(r"\{([A-Za-z_][A-Za-z0-9_]*)\}|\*", pattern):
@@ -60,6 +85,10 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
         pos = m.end()
     out.append(re.escape(pattern[pos:]))
     return re.compile("".join(out))
+
+
+def _parts(parts: Iterable[str]) -> tuple[str, ...]:
+    return tuple(parts)
 
 
 @attrs.frozen
@@ -74,7 +103,7 @@ class StorageRule:
     """
 
     name: str
-    parts: tuple[str, ...] = attrs.field(converter=tuple)
+    parts: tuple[str, ...] = attrs.field(converter=_parts)
     dim: int = 0
     blocks: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None

@@ -1,0 +1,185 @@
+"""The ``layout`` and ``reshard`` statements, once every tensor is known.
+
+A layout's rules become :class:`~layoutlang.model.Rule` objects (placements per axis,
+sub-mesh coordinates as functions of a pattern's captures, explicit nesting orders), its
+storages :class:`~layoutlang.model.StorageRule` objects. Matching rules to tensors is the
+model's, and happens lazily (:meth:`~layoutlang.model.Program.check` does all of it);
+what can be checked from the text alone is checked here, pointing at the text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
+from ..model import Layout, LogicalTensor, Mesh, Replicate, Reshard, Rule, Shard, StorageRule
+from ..model.rules import CaptureFn
+from . import ast
+from .expressions import compile_expression, evaluate
+from .limits import INT32_MAX, INT64_MAX
+from .patterns import name_template, pattern_captures
+from .scope import Scope
+
+__all__ = ["SHARD_OPTIONS", "layout", "reshard"]
+
+#: the options of ``shard(dim, ...)``
+SHARD_OPTIONS = ("blocks", "chunks", "pad")
+
+
+def layout(scope: Scope, node: ast.LayoutDecl, tensors: Mapping[str, LogicalTensor]) -> Layout:
+    """The layout a statement declares, over ``tensors``."""
+    if node.mesh not in scope.meshes:
+        raise LayoutNameError(
+            f"unknown mesh '{node.mesh}' in layout '{node.name}' (meshes: {', '.join(scope.meshes) or 'none'})",
+            node.mesh_span,
+            did_you_mean(node.mesh, scope.meshes),
+        )
+    mesh = scope.meshes[node.mesh]
+    rules = []
+    patterns: dict[str | None, Span] = {}
+    for decl in node.rules:
+        if decl.pattern in patterns:
+            what = "a second default rule" if decl.pattern is None else f'pattern "{decl.pattern}" appears twice'
+            raise LayoutNameError(
+                f"{what} in layout '{node.name}' (first at {patterns[decl.pattern]})", decl.pattern_span
+            )
+        patterns[decl.pattern] = decl.pattern_span
+        rules.append(_rule(scope, decl, mesh, node.name))
+    storages = [_storage(scope, decl) for decl in node.storages]
+    return Layout(node.name, mesh, tensors, rules, storages, node.span)
+
+
+class _Axes:
+    """The axes one rule has placed so far: each once, and each an axis of the mesh."""
+
+    def __init__(self, mesh: Mesh, layout: str) -> None:
+        self._mesh = mesh
+        self._layout = layout
+        self.spans: dict[str, Span] = {}
+
+    def claim(self, axis: str, span: Span) -> None:
+        try:
+            self._mesh.axis_index(axis)
+        except LayoutError as err:
+            err.with_span(span)
+            raise
+        if axis in self.spans:
+            raise LayoutValueError(
+                f"axis '{axis}' is placed twice in one rule of layout '{self._layout}' "
+                f"(first at column {self.spans[axis].column})",
+                span,
+            )
+        self.spans[axis] = span
+
+
+def _rule(scope: Scope, decl: ast.RuleDecl, mesh: Mesh, layout: str) -> Rule:
+    captures = pattern_captures(decl.pattern, decl.pattern_span) if decl.pattern else []
+    placements: dict[str, Shard | Replicate] = {}
+    submesh: dict[str, CaptureFn] = {}
+    order: dict[int, tuple[str, ...]] = {}
+    axes = _Axes(mesh, layout)
+    for entry in decl.entries:
+        if isinstance(entry, ast.SelectEntry):
+            axes.claim(entry.axis, entry.axis_span or entry.span)
+            submesh[entry.axis] = compile_expression(entry.index, scope.constants, captures)
+            continue
+        for i, axis in enumerate(entry.axes):
+            axes.claim(axis, entry.axis_spans[i] if i < len(entry.axis_spans) else entry.span)
+        if isinstance(entry.placement, ast.ReplicateExpr):
+            if entry.ordered:
+                raise LayoutValueError("an explicit order of axes applies to shard(...), not replicate", entry.span)
+            placements[entry.axes[0]] = Replicate()
+            continue
+        shard = _shard(scope, entry.placement, ordered=entry.ordered)
+        for axis in entry.axes:
+            placements[axis] = shard
+        if entry.ordered:
+            if shard.dim in order:
+                raise LayoutValueError(f"dim {shard.dim} is given two explicit orders", entry.span)
+            order[shard.dim] = entry.axes
+    # Axes sharding a dim that also has an explicit order must be in that order.
+    for axis, p in placements.items():
+        if isinstance(p, Shard) and p.dim in order and axis not in order[p.dim]:
+            raise LayoutValueError(
+                f"axis '{axis}' shards dim {p.dim}, which has the explicit order ({', '.join(order[p.dim])}); "
+                "list every axis of that dim in the order",
+                axes.spans[axis],
+            )
+    return Rule(decl.pattern, placements, submesh, order, decl.span)
+
+
+def _shard(scope: Scope, node: ast.ShardExpr, ordered: bool) -> Shard:
+    dim = evaluate(node.dim, scope.constants)
+    options: dict[str, int] = {}
+    for option in node.options:
+        if option.name not in SHARD_OPTIONS:
+            raise LayoutNameError(
+                f"unknown shard option '{option.name}' (options: {', '.join(SHARD_OPTIONS)})",
+                option.span,
+                did_you_mean(option.name, SHARD_OPTIONS),
+            )
+        if option.name in options:
+            raise LayoutNameError(f"shard option '{option.name}' is given twice", option.span)
+        if ordered and option.name != "pad":
+            raise LayoutValueError(
+                f"'{option.name}' applies to one axis; with an explicit order of axes only 'pad' is allowed",
+                option.span,
+            )
+        value = evaluate(option.value, scope.constants)
+        if value < 1:
+            raise LayoutValueError(f"shard option '{option.name}' must be at least 1, not {value}", option.span)
+        if value > INT32_MAX:
+            raise LayoutValueError(f"shard option '{option.name}' is {value}; at most {INT32_MAX}", option.span)
+        options[option.name] = value
+    return Shard(dim, **options)
+
+
+def _storage(scope: Scope, decl: ast.StorageDecl) -> StorageRule:
+    (first, first_span), *others = decl.parts
+    first_captures = pattern_captures(first, first_span, allow_star=False)
+    for part, span in others:
+        for name in pattern_captures(part, span, allow_star=False):
+            if name not in first_captures:
+                raise LayoutNameError(f"'{{{name}}}' is not captured by the first part \"{first}\"", span)
+    name_fn = name_template(decl.name, decl.name_span, scope.constants, first_captures)
+    shape = tuple(evaluate(e, scope.constants) for e in decl.shape) if decl.shape is not None else None
+    if shape is not None and any(n < 0 or n > INT64_MAX for n in shape):
+        raise LayoutValueError(f"storage '{decl.name}' is declared with an impossible shape {list(shape)}", decl.span)
+    dim = evaluate(decl.along, scope.constants) if decl.along is not None else 0
+    if dim < 0:
+        raise LayoutValueError(f"storage '{decl.name}' fuses along dim {dim}; dims start at 0", decl.span)
+    blocks = None
+    if decl.blocks is not None:
+        blocks = tuple(evaluate(e, scope.constants) for e in decl.blocks)
+        if len(blocks) != len(decl.parts):
+            raise LayoutValueError(
+                f"storage '{decl.name}' has {len(decl.parts)} parts but {len(blocks)} block sizes", decl.span
+            )
+        if any(b < 1 for b in blocks):
+            raise LayoutValueError(f"storage '{decl.name}': block sizes must be at least 1", decl.span)
+        if any(b > INT64_MAX for b in blocks):
+            raise LayoutValueError(f"storage '{decl.name}': block size {max(blocks)} is too large", decl.span)
+    parts = [part for part, _ in decl.parts]
+    return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span)
+
+
+def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout]) -> Reshard:
+    """The reshard a statement declares between two of ``layouts``."""
+    for name, span in ((decl.source, decl.source_span), (decl.destination, decl.destination_span)):
+        if name not in layouts:
+            raise LayoutNameError(
+                f"unknown layout '{name}' (layouts: {', '.join(layouts) or 'none'})",
+                span,
+                did_you_mean(name, layouts),
+            )
+    seen: dict[str | None, Span] = {}
+    policies = []
+    for p in decl.policies:
+        if p.pattern in seen:
+            raise LayoutNameError("a pattern is given two policies", p.pattern_span)
+        if p.pattern is not None:
+            pattern_captures(p.pattern, p.pattern_span)
+        seen[p.pattern] = p.pattern_span
+        policies.append((p.pattern, p.policy))
+    name = decl.name or f"{decl.source}->{decl.destination}"
+    return Reshard(name, decl.source, decl.destination, tuple(policies), decl.span)

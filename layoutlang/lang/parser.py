@@ -1,0 +1,578 @@
+"""Text to syntax tree.
+
+:func:`parse` turns the text of one ``.layout`` file into an :class:`~layoutlang.lang.ast.File`
+of statements; :func:`parse_expression` reads an expression embedded in a string (``{l % 4}``
+in a storage name). The grammar is package data (``grammars/layout.lark``), read into an
+LALR parser once, on first use. Includes are not followed here (see
+:mod:`layoutlang.lang.includes`); names are not resolved here.
+
+Lark's exceptions never leave this module: they become a
+:class:`~layoutlang.errors.LayoutSyntaxError` with the file, line, column, the source line
+and a caret, and for common mistakes a hint. The hints come from a table of bad examples
+(:data:`_MISTAKES`): an error raised in the parser state one of them ends in gets its hint
+(lark's ``match_examples``).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Iterable
+from importlib import resources
+from typing import Any
+
+import attrs
+import lark
+from lark import Token, Transformer, Tree, v_args
+from lark.exceptions import (
+    LarkError,
+    UnexpectedCharacters,
+    UnexpectedEOF,
+    UnexpectedInput,
+    UnexpectedToken,
+    VisitError,
+)
+from lark.tree import Meta
+
+from ..errors import LayoutError, LayoutSyntaxError, Span
+from . import ast
+
+__all__ = ["STATEMENT_KEYWORDS", "parse", "parse_expression"]
+
+#: the words a statement starts with, in the order the language reference gives them
+STATEMENT_KEYWORDS = ("include", "let", "topology", "mesh", "tensor", "tensors", "layout", "reshard")
+
+# Python refuses to read integers of more digits; none is meaningful in a layout
+_MAX_DIGITS = 1000
+_QUANTITY = re.compile(r"([0-9_.eE+-]+?) ?([A-Za-z/]+)?")
+
+
+@functools.cache
+def _parser() -> lark.Lark:
+    grammar = resources.files("layoutlang.lang").joinpath("grammars/layout.lark").read_text("utf-8")
+    return lark.Lark(
+        grammar,
+        parser="lalr",
+        start=["start", "expr"],
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
+
+
+def _parse_program(text: str) -> Tree[Token]:
+    return _parser().parse(text, start="start")
+
+
+# ------------------------------------------------------------------ the builder
+
+
+@attrs.frozen
+class _Ranks:
+    """``on ranks ...`` of a mesh, before the mesh node is built."""
+
+    items: tuple[ast.Expr | ast.Range, ...]
+    span: Span
+
+
+@attrs.frozen
+class _Along:
+    dim: ast.Expr
+
+
+@attrs.frozen
+class _Blocks:
+    sizes: tuple[ast.Expr, ...]
+
+
+def _unquote(token: Token) -> str:
+    return str(token)[1:-1]
+
+
+@v_args(meta=True)
+class _Builder(Transformer[Token, Any]):
+    """Maps parse-tree rules to syntax-tree classes; only tokens are converted by hand.
+
+    Each method is named after a rule (or an alias) of the grammar and receives the rule's
+    position and its children, already built.
+    """
+
+    def __init__(self, path: str, lines: list[str], line_offset: int = 0, column_offset: int = 0):
+        super().__init__()
+        self._path = path
+        self._lines = lines
+        self._line_offset = line_offset
+        self._column_offset = column_offset
+
+    # -- spans
+    def _span(self, line: int, column: int, end_line: int, end_column: int) -> Span:
+        if line == 1:
+            column += self._column_offset
+        if end_line == 1:
+            end_column += self._column_offset
+        line += self._line_offset
+        end_line += self._line_offset
+        source = self._lines[line - 1] if 0 < line <= len(self._lines) else ""
+        return Span(self._path, line, column, end_line, end_column, source)
+
+    def _meta(self, meta: Meta) -> Span:
+        return self._span(meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tok(self, token: Token) -> Span:
+        line, column, end_line, end_column = token.line, token.column, token.end_line, token.end_column
+        # the lexer places every token it makes; only hand-made tokens lack a place
+        assert line is not None and column is not None and end_line is not None and end_column is not None
+        return self._span(line, column, end_line, end_column)
+
+    # -- expressions
+    def int(self, meta: Meta, children: list[Token]) -> ast.Num:
+        (tok,) = children
+        digits = tok.replace("_", "")
+        if len(digits) > _MAX_DIGITS:
+            raise LayoutSyntaxError(f"an integer of {len(digits)} digits is too long", self._tok(tok))
+        return ast.Num(int(digits), self._tok(tok))
+
+    def name(self, meta: Meta, children: list[Token]) -> ast.Name:
+        (tok,) = children
+        return ast.Name(str(tok), self._tok(tok))
+
+    def attr(self, meta: Meta, children: list[Token]) -> ast.Attr:
+        obj, key = children
+        return ast.Attr(str(obj), str(key), self._meta(meta))
+
+    def _binop(self, op: str, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        left, right = children
+        return ast.BinOp(op, left, right, self._meta(meta))
+
+    def add(self, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        return self._binop("+", meta, children)
+
+    def sub(self, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        return self._binop("-", meta, children)
+
+    def mul(self, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        return self._binop("*", meta, children)
+
+    def floordiv(self, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        return self._binop("//", meta, children)
+
+    def mod(self, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
+        return self._binop("%", meta, children)
+
+    def neg(self, meta: Meta, children: list[ast.Expr]) -> ast.Neg:
+        return ast.Neg(children[0], self._meta(meta))
+
+    # -- statements
+    def start(self, meta: Meta, children: list[ast.Statement]) -> tuple[ast.Statement, ...]:
+        return tuple(children)
+
+    def include(self, meta: Meta, children: list[Token]) -> ast.Include:
+        return ast.Include(_unquote(children[0]), self._meta(meta))
+
+    def let(self, meta: Meta, children: list[Any]) -> ast.Let:
+        name, value = children
+        return ast.Let(str(name), value, self._meta(meta))
+
+    def topology(self, meta: Meta, children: list[Any]) -> ast.Topology:
+        name, *entries = children
+        present = tuple(e for e in entries if e is not None)  # the block is optional after a preset name
+        return ast.Topology(str(name) if name is not None else None, present, self._meta(meta))
+
+    def topology_entry(self, meta: Meta, children: list[Token]) -> ast.TopologyEntry:
+        key, quantity = children
+        match = _QUANTITY.fullmatch(str(quantity))
+        if match is None:  # the grammar's QUANTITY is narrower than this pattern
+            raise LayoutSyntaxError(f"cannot read the quantity '{quantity}'", self._tok(quantity))
+        number, unit = match.group(1), match.group(2)
+        return ast.TopologyEntry(str(key), float(number.replace("_", "")), unit, self._meta(meta))
+
+    def range(self, meta: Meta, children: list[ast.Expr]) -> ast.Range:
+        start, stop = children
+        return ast.Range(start, stop, self._meta(meta))
+
+    def axis(self, meta: Meta, children: list[Any]) -> ast.AxisDecl:
+        name, size = children
+        return ast.AxisDecl(str(name), size, self._meta(meta))
+
+    def mesh_ranks(self, meta: Meta, children: list[Any]) -> _Ranks:
+        (ranks,) = children
+        items = ranks if isinstance(ranks, tuple) else (ranks,)
+        return _Ranks(items, self._meta(meta))
+
+    def rank_list(self, meta: Meta, children: list[Any]) -> tuple[ast.Expr | ast.Range, ...]:
+        return tuple(c for c in children if c is not None)
+
+    def mesh(self, meta: Meta, children: list[Any]) -> ast.MeshDecl:
+        name, *rest = children
+        axes = tuple(a for a in rest if isinstance(a, ast.AxisDecl))
+        ranks = next((r for r in rest if isinstance(r, _Ranks)), None)
+        items, ranks_span = (ranks.items, ranks.span) if ranks is not None else (None, None)
+        return ast.MeshDecl(str(name), axes, items, ranks_span, self._meta(meta))
+
+    def shape(self, meta: Meta, children: list[ast.Expr | None]) -> tuple[ast.Expr, ...]:
+        return tuple(c for c in children if c is not None)
+
+    def binding(self, meta: Meta, children: list[Any]) -> ast.Binding:
+        name, rng = children
+        return ast.Binding(str(name), rng, self._meta(meta))
+
+    def for_clause(self, meta: Meta, children: list[ast.Binding]) -> tuple[ast.Binding, ...]:
+        return tuple(children)
+
+    def tensor(self, meta: Meta, children: list[Any]) -> ast.TensorDecl:
+        name, shape, dtype, bindings = children
+        return ast.TensorDecl(
+            _unquote(name),
+            self._tok(name),
+            shape,
+            str(dtype),
+            self._tok(dtype),
+            bindings or (),
+            self._meta(meta),
+        )
+
+    def tensors_from(self, meta: Meta, children: list[Token | None]) -> ast.TensorsFrom:
+        kind, path, alias, dtype = children
+        assert kind is not None and path is not None  # required by the grammar
+        return ast.TensorsFrom(
+            str(kind),
+            self._tok(kind),
+            _unquote(path),
+            self._tok(path),
+            str(alias) if alias is not None else None,
+            str(dtype) if dtype is not None else None,
+            self._meta(meta),
+        )
+
+    # -- layouts
+    def rule_target(self, meta: Meta, children: list[Token]) -> tuple[str | None, Span]:
+        (tok,) = children
+        return (None if tok.type == "DEFAULT" else _unquote(tok), self._tok(tok))
+
+    def replicate_all(self, meta: Meta, children: list[Token]) -> tuple[()]:
+        return ()
+
+    def rule_body(self, meta: Meta, children: list[ast.SelectEntry | ast.PlacementEntry]) -> tuple[Any, ...]:
+        return tuple(children)
+
+    def rule(self, meta: Meta, children: list[Any]) -> ast.RuleDecl:
+        (pattern, pattern_span), entries = children
+        return ast.RuleDecl(pattern, pattern_span, entries, self._meta(meta))
+
+    def select(self, meta: Meta, children: list[Any]) -> ast.SelectEntry:
+        axis, index = children
+        return ast.SelectEntry(str(axis), index, self._meta(meta), self._tok(axis))
+
+    def axis_placement(self, meta: Meta, children: list[Any]) -> ast.PlacementEntry:
+        axis, placement = children
+        return ast.PlacementEntry((str(axis),), placement, False, self._meta(meta), (self._tok(axis),))
+
+    def ordered_placement(self, meta: Meta, children: list[Any]) -> ast.PlacementEntry:
+        *axes, placement = children
+        spans = tuple(self._tok(a) for a in axes)
+        return ast.PlacementEntry(tuple(str(a) for a in axes), placement, True, self._meta(meta), spans)
+
+    def replicate(self, meta: Meta, children: list[Token]) -> ast.ReplicateExpr:
+        return ast.ReplicateExpr(self._meta(meta))
+
+    def shard(self, meta: Meta, children: list[Any]) -> ast.ShardExpr:
+        dim, *options = children
+        return ast.ShardExpr(dim, tuple(options), self._meta(meta))
+
+    def option(self, meta: Meta, children: list[Any]) -> ast.OptionDecl:
+        name, value = children
+        return ast.OptionDecl(str(name), value, self._meta(meta))
+
+    def along(self, meta: Meta, children: list[ast.Expr]) -> _Along:
+        return _Along(children[0])
+
+    def blocks(self, meta: Meta, children: list[Any]) -> _Blocks:
+        return _Blocks(tuple(children[1:]))  # after the BLOCKS keyword
+
+    def storage(self, meta: Meta, children: list[Any]) -> ast.StorageDecl:
+        name, shape, *rest = children
+        along = next((item.dim for item in rest if isinstance(item, _Along)), None)
+        blocks = next((item.sizes for item in rest if isinstance(item, _Blocks)), None)
+        parts = tuple((_unquote(item), self._tok(item)) for item in rest if isinstance(item, Token))
+        return ast.StorageDecl(_unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta))
+
+    def layout(self, meta: Meta, children: list[Any]) -> ast.LayoutDecl:
+        name, mesh, *items = children
+        rules = tuple(i for i in items if isinstance(i, ast.RuleDecl))
+        storages = tuple(i for i in items if isinstance(i, ast.StorageDecl))
+        return ast.LayoutDecl(str(name), str(mesh), self._tok(mesh), rules, storages, self._meta(meta))
+
+    # -- reshards
+    def policy(self, meta: Meta, children: list[Token]) -> str:
+        return str(children[0])
+
+    def policy_rule(self, meta: Meta, children: list[Any]) -> ast.PolicyDecl:
+        (pattern, pattern_span), policy = children
+        return ast.PolicyDecl(pattern, pattern_span, policy, self._meta(meta))
+
+    def reshard_body(self, meta: Meta, children: list[ast.PolicyDecl]) -> tuple[ast.PolicyDecl, ...]:
+        return tuple(children)
+
+    def reshard(self, meta: Meta, children: list[Any]) -> ast.ReshardDecl:
+        name, source, destination, policies = children
+        return ast.ReshardDecl(
+            str(name) if name is not None else None,
+            str(source),
+            self._tok(source),
+            str(destination),
+            self._tok(destination),
+            policies or (),
+            self._meta(meta),
+        )
+
+
+# ------------------------------------------------------------------- mistakes
+
+Hint = Callable[[Token], str | None]
+"""What a mistake's hint says, given the unexpected token (None: nothing that helps)."""
+
+
+def _on(token_types: Iterable[str], text: str) -> Hint:
+    """``text`` when the unexpected token is of one of ``token_types``."""
+    types = frozenset(token_types)
+    return lambda token: text if token.type in types else None
+
+
+def _quote_it(token: Token) -> str | None:
+    if token.type == "NAME":
+        return f'tensor names and patterns are quoted: "{token}"'
+    if token.type in ("LBRACE", "RBRACE"):
+        return 'tensor names and patterns are quoted: "layers.{l}.mlp.*"'
+    return None
+
+
+def _lower_case(token: Token) -> str | None:
+    if token in ("Shard", "Replicate", "shard_", "Shard0"):
+        return "placements are written in lower case: shard(0), replicate"
+    return None
+
+
+#: Common mistakes: a hint and bad examples that make it. An error raised in the parser
+#: state where one of the examples fails gets that hint (lark's ``match_examples``, which
+#: prefers an example failing on the same token, then on a token of the same type); the
+#: hint may still decline a token it does not fit.
+_MISTAKES: tuple[tuple[Hint, tuple[str, ...]], ...] = (
+    (
+        _quote_it,
+        (
+            "include w",
+            "tensor w [4] fp32",
+            "tensor {l}",
+            'tensors from hf w "config.json"',
+            "layout l on m { w: replicate }",
+            "layout l on m { {l}: replicate }",
+            'layout l on m { "a": replicate w: replicate }',
+            'layout l on m { "a": tp = shard(0) w: replicate }',
+            'layout l on m { "a": tp = shard(0, pad = 2) w: replicate }',
+            'layout l on m { "a": tp = replicate w: replicate }',
+            'layout l on m { "a": (tp, dp) = shard(0) w: replicate }',
+            'layout l on m { "a": pp[0] w: replicate }',
+            "layout l on m { storage s = a }",
+            'layout l on m { storage "s" = a }',
+            'layout l on m { storage "s" [4] = a }',
+            'layout l on m { storage "s" = "a" | b }',
+            'layout l on m { storage "s" = "a" w: replicate }',
+            'layout l on m { storage "s" = "a" | "b" w: replicate }',
+            'layout l on m { storage "s" = "a" blocks(2) w: replicate }',
+            "reshard a -> b { w: broadcast }",
+            'reshard a -> b { "a": reshard w: broadcast }',
+        ),
+    ),
+    (
+        _on(["EQUAL"], "a rule's pattern is followed by ':'"),
+        (
+            'layout l on m { "w" = shard(0) }',
+            "layout l on m { default = shard(0) }",
+        ),
+    ),
+    (
+        _on(["NAME", "LPAR"], 'a rule is written  "pattern": axis = shard(dim), ...'),
+        (
+            'layout l on m { "w" tp = shard(0) }',
+            'layout l on m { "w" (tp, dp) = shard(0) }',
+            "layout l on m { default tp = shard(0) }",
+            "layout l on m { default (tp, dp) = shard(0) }",
+        ),
+    ),
+    (
+        _on(["COLON"], "an axis is placed with '=': tp = shard(0)"),
+        (
+            'layout l on m { "w": tp : shard(0) }',
+            'layout l on m { "w": (tp, dp) : shard(0) }',
+            "mesh m [tp : 2]",
+        ),
+    ),
+    (
+        _lower_case,
+        (
+            'layout l on m { "w": tp = Shard(0) }',
+            'layout l on m { "w": (tp, dp) = Shard(0) }',
+        ),
+    ),
+)
+
+
+@attrs.frozen
+class _State:
+    """A parser state known by its LR state alone.
+
+    Lark compares parser states by the depth of their stack too, which changes with where a
+    construct sits (a file's first statement or a later one, a rule's first entry or a
+    later one) but not what may follow; examples are compared by what may follow.
+    """
+
+    position: Any
+
+
+def _in_state(err: UnexpectedInput) -> UnexpectedInput:
+    err.state = _State(err.state.position)
+    return err
+
+
+def _parse_example(text: str) -> Tree[Token]:
+    try:
+        return _parse_program(text)
+    except UnexpectedInput as err:
+        raise _in_state(err) from None
+
+#: Characters that start no token of the language, and what their writer probably meant:
+#: (a message replacing "unexpected character", or None; the hint).
+_CHARACTER_MISTAKES: dict[str, tuple[str | None, str]] = {
+    "/": (None, "integer division is written '//'"),
+    "'": (None, "names are quoted with double quotes"),
+    # the string token did not match: no closing quote on this line
+    '"': ("a quoted name is not closed on this line", "a quoted name ends with '\"' before the end of its line"),
+}
+
+_UNCLOSED_BLOCK = "a '{' block is not closed"
+
+# Readable names for the grammar's terminals, used in "expected ..." messages.
+_TERMINAL_NAMES = {
+    "STRING": 'a quoted name ("...")',
+    "NAME": "a name",
+    "INT": "an integer",
+    "QUANTITY": "a number (with an optional unit such as GB/s or us)",
+    "DEFAULT": "'default'",
+    "REPLICATE": "'replicate'",
+    "BLOCKS": "'blocks'",
+    "$END": "the end of the file",
+}
+
+
+def _describe_expected(expected: Iterable[str]) -> str:
+    names = []
+    for term in sorted(expected):
+        if term in _TERMINAL_NAMES:
+            names.append(_TERMINAL_NAMES[term])
+        else:
+            pattern = _parser().get_terminal(term).pattern
+            names.append(f"'{pattern.value}'" if pattern.type == "str" else term.lower())
+    names = sorted(set(names))
+    if len(names) > 8:
+        return ", ".join(names[:8]) + ", ..."
+    return ", ".join(names)
+
+
+def _hint_for(err: UnexpectedToken) -> str | None:
+    """The hint of the mistake that fails where ``err`` does, if it is a common one."""
+    if err.token.type == "$END" and "RBRACE" in err.expected:
+        # the file may end in any state inside a block; what may follow tells them all
+        return _UNCLOSED_BLOCK
+    hint = _in_state(err).match_examples(_parse_example, _MISTAKES, token_type_match_fallback=True)
+    return hint(err.token) if hint is not None else None
+
+
+def _error_from_lark(err: LarkError, path: str, lines: list[str]) -> LayoutSyntaxError:
+    line = getattr(err, "line", None) or len(lines) or 1
+    column = getattr(err, "column", None) or 1
+    if isinstance(err, UnexpectedEOF) or (isinstance(err, UnexpectedToken) and err.token.type == "$END"):
+        line = max(1, len(lines))
+        column = len(lines[-1].rstrip("\n")) + 1 if lines else 1
+    source = lines[line - 1] if 0 < line <= len(lines) else ""
+    hint: str | None
+    if isinstance(err, UnexpectedToken):
+        token = err.token
+        width = max(1, len(str(token))) if token.type != "$END" else 1
+        shown = "end of the file" if token.type == "$END" else f"'{token}'"
+        message = f"unexpected {shown}; expected {_describe_expected(err.expected)}"
+        hint = _hint_for(err)
+        span = Span(path, line, column, line, column + width, source)
+    elif isinstance(err, UnexpectedCharacters):
+        char = err.char
+        message = f"unexpected character '{char}'"
+        if err.allowed:
+            message += f"; expected {_describe_expected(err.allowed)}"
+        replaced, hint = _CHARACTER_MISTAKES.get(char, (None, None))
+        message = replaced or message
+        span = Span(path, line, column, line, column + 1, source)
+    else:  # UnexpectedEOF and anything else lark may raise
+        expected = getattr(err, "expected", None) or ()
+        message = "unexpected end of the file"
+        if expected:
+            message += f"; expected {_describe_expected(expected)}"
+        hint = None
+        span = Span(path, line, column, line, column + 1, source)
+    return LayoutSyntaxError(message, span, hint)
+
+
+# ----------------------------------------------------------------------- entry
+
+
+def parse(text: str, path: str = "<string>") -> ast.File:
+    """Parse the text of one ``.layout`` file; raises LayoutSyntaxError with a caret."""
+    lines = text.splitlines(keepends=True)
+    if all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines):
+        raise LayoutSyntaxError(
+            "the file holds no statements",
+            Span(path, 1, 1, 1, 2, lines[0] if lines else ""),
+            "a program declares at least one of: " + ", ".join(STATEMENT_KEYWORDS),
+        )
+    try:
+        tree = _parse_program(text)
+    except LarkError as err:
+        raise _error_from_lark(err, path, lines) from None
+    builder = _Builder(path, lines)
+    statements = []
+    for node in tree.children:  # one statement at a time, so that a failure has a place
+        assert isinstance(node, Tree)  # every child of the start rule is a statement
+        statements.append(_build(builder, node))
+    return ast.File(path, text, tuple(statements))
+
+
+def _build(builder: _Builder, node: Tree[Token]) -> Any:
+    try:
+        return builder.transform(node)
+    except VisitError as err:
+        if isinstance(err.orig_exc, LayoutError):
+            raise err.orig_exc from None
+        if not isinstance(err.orig_exc, RecursionError):
+            raise
+    except RecursionError:
+        pass
+    raise LayoutSyntaxError(
+        "the statement nests too deeply to be read",
+        builder._meta(node.meta),
+        "split long expressions with 'let' constants",
+    )
+
+
+def parse_expression(text: str, span: Span) -> ast.Expr:
+    """Parse an expression embedded in a string (``{l % 4}`` in a storage name) at ``span``.
+
+    Positions in the result point into the enclosing file: ``span`` is where ``text`` starts.
+    """
+    try:
+        tree = _parser().parse(text, start="expr")
+    except LarkError as err:
+        column = span.column + max(0, (getattr(err, "column", 1) or 1) - 1)
+        raise LayoutSyntaxError(
+            f"cannot read the expression '{text}'",
+            Span(span.path, span.line, column, span.line, column + 1, span.source_line),
+            "expressions use integers, names, + - * // % and parentheses",
+        ) from None
+    lines = [""] * (span.line - 1) + [span.source_line]
+    return _Builder(span.path, lines, span.line - 1, span.column - 1).transform(tree)

@@ -1,0 +1,127 @@
+"""The ``tensor`` and ``tensors from`` statements: logical tensors, written out or imported.
+
+``tensor "layers.{l}.w" [4096, 4096] bf16 for l in 0..31`` generates one tensor per value
+of its bindings; ``tensors from hf "config.json" as cfg`` imports every weight of a
+Hugging Face model (and its integer settings as constants ``cfg.NAME``), ``tensors from
+safetensors "model.safetensors"`` every tensor of a checkpoint's headers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+from collections.abc import Mapping
+
+from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
+from ..io import hf, safetensors
+from ..model import LogicalTensor
+from ..model.dtypes import DTYPES, canonical_dtype, itemsize
+from . import ast
+from .expressions import evaluate
+from .limits import INT64_MAX, MAX_GENERATED_TENSORS
+from .scope import Scope
+
+__all__ = ["SOURCE_KINDS", "tensor", "tensors_from"]
+
+#: the model descriptions ``tensors from KIND`` reads
+SOURCE_KINDS = ("hf", "safetensors")
+
+_PLACEHOLDER = re.compile(r"\{([^}]*)\}")
+
+
+def _dtype(name: str, span: Span) -> str:
+    """The short name of a dtype as written, or an error pointing at it."""
+    short = canonical_dtype(name)
+    if short is None:
+        raise LayoutValueError(f"unknown dtype '{name}' (known: {', '.join(DTYPES)})", span, did_you_mean(name, DTYPES))
+    return short
+
+
+def _declare(scope: Scope, name: str, shape: tuple[int, ...], dtype: str, span: Span) -> None:
+    scope.tensors.check_new(name, span)
+    for d, n in enumerate(shape):
+        if n < 0:
+            raise LayoutValueError(f"tensor '{name}' has negative size {n} in dim {d}", span)
+    if any(n > INT64_MAX for n in shape) or math.prod(shape) * itemsize(dtype) > INT64_MAX:
+        raise LayoutValueError(f"tensor '{name}' of shape {list(shape)} is too large (more than 2**63 - 1 bytes)", span)
+    scope.tensors.declare(name, LogicalTensor(name, shape, dtype), span)
+
+
+def _instantiate(template: str, values: Mapping[str, int]) -> str:
+    """``layers.{l}.w`` with the value of every ``{name}``."""
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+def tensor(scope: Scope, node: ast.TensorDecl) -> None:
+    """Declare the tensor (or, with a ``for`` clause, the tensors) of a statement."""
+    element = _dtype(node.dtype, node.dtype_span)
+    names = [b.name for b in node.bindings]
+    for b in node.bindings:
+        if names.count(b.name) > 1:
+            raise LayoutNameError(f"'{b.name}' is bound twice", b.span)
+    placeholders = _PLACEHOLDER.findall(node.name)
+    for p in placeholders:
+        if p not in names:
+            raise LayoutNameError(
+                f"'{{{p}}}' in tensor name '{node.name}' is not bound by a 'for' clause",
+                node.name_span,
+                f"add: for {p} in 0..N" if re.fullmatch(r"[A-Za-z_]\w*", p) else None,
+            )
+    if not placeholders and node.bindings:
+        raise LayoutValueError(
+            f"tensor name '{node.name}' does not use its 'for' bindings; "
+            "every generated tensor would have the same name",
+            node.name_span,
+        )
+    ranges = []
+    for b in node.bindings:
+        start, stop = evaluate(b.range.start, scope.constants), evaluate(b.range.stop, scope.constants)
+        if stop < start:
+            raise LayoutValueError(f"empty range {start}..{stop} (both ends are included)", b.range.span)
+        ranges.append(range(start, stop + 1))
+    count = math.prod(r.stop - r.start for r in ranges)  # len() overflows on huge ranges
+    if count > MAX_GENERATED_TENSORS:
+        widest = max(zip(ranges, node.bindings), key=lambda rb: rb[0].stop - rb[0].start)[1]
+        raise LayoutValueError(
+            f"the 'for' clause of tensor '{node.name}' generates {count} tensors; at most "
+            f"{MAX_GENERATED_TENSORS} per statement",
+            widest.span,
+        )
+    for values in itertools.product(*ranges):
+        env = {**scope.constants, **dict(zip(names, values))}
+        name = _instantiate(node.name, env)
+        shape = tuple(evaluate(e, env) for e in node.shape)
+        _declare(scope, name, shape, element, node.span)
+
+
+def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
+    """Declare every tensor of a model description read from ``folder``."""
+    if node.kind not in SOURCE_KINDS:
+        raise LayoutNameError(
+            f"unknown model description '{node.kind}' (one of: {', '.join(SOURCE_KINDS)})",
+            node.kind_span,
+            did_you_mean(node.kind, SOURCE_KINDS),
+        )
+    element = _dtype(node.dtype, node.span) if node.dtype else None
+    path = os.path.join(folder, node.path)
+    try:
+        if node.kind == "hf":
+            found = hf.tensors_from_hf_config(path, dtype=element)
+            if node.alias:
+                for key, value in hf.hf_config_constants(hf.read_config(path)).items():
+                    scope.constants.define(f"{node.alias}.{key}", value)
+        else:
+            if node.alias:
+                raise LayoutValueError(
+                    "'as' names the constants of a Hugging Face config; safetensors has none", node.span
+                )
+            found = safetensors.tensors_from_safetensors(path)
+            if element:
+                found = [(n, s, element) for n, s, _ in found]
+    except LayoutError as err:
+        err.with_span(node.path_span)
+        raise
+    for name, shape, tensor_dtype in found:
+        _declare(scope, name, tuple(shape), tensor_dtype, node.span)
