@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -15,6 +15,31 @@ from .rules import Rule, Storage, StorageRule, _substitute, compile_pattern
 from .tensor import Box, LogicalTensor, TensorPlacement
 
 # ------------------------------------------------------------------------ layout
+
+
+def _compiled(rule: Rule) -> tuple[Rule, re.Pattern[str] | None]:
+    """A rule and the regular expression of its pattern (None: the default rule)."""
+    if rule.pattern is None:
+        return rule, None
+    try:
+        return rule, compile_pattern(rule.pattern)
+    except LayoutError as err:
+        err.with_span(rule.span)
+        raise
+
+
+def _captures(regex: re.Pattern[str] | None, name: str) -> dict[str, int]:
+    """The digits a rule's pattern captures from a tensor name it matches."""
+    match = regex.fullmatch(name) if regex is not None else None
+    return {k: int(v) for k, v in match.groupdict().items()} if match is not None else {}
+
+
+def _rules(rules: Iterable[Rule]) -> tuple[Rule, ...]:
+    return tuple(rules)
+
+
+def _storage_rules(storages: Iterable[StorageRule]) -> tuple[StorageRule, ...]:
+    return tuple(storages)
 
 
 class _Resolved:
@@ -45,12 +70,7 @@ class _Resolved:
     def _resolve_rules(self) -> None:
         layout = self.layout
         rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
-        compiled = []
-        for _, rule in rules:
-            try:
-                compiled.append((rule, compile_pattern(rule.pattern) if rule.pattern is not None else None))
-            except LayoutError as err:
-                raise err.with_span(rule.span)
+        compiled = [_compiled(rule) for _, rule in rules]
         # Names that differ only in their digits match the same rules when no pattern has a
         # literal digit (captures match whole digit runs), so the search is cached by skeleton.
         cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
@@ -68,9 +88,7 @@ class _Resolved:
                 if key is not None:
                     by_skeleton[key] = chosen
             rule, regex = compiled[chosen]
-            captures: dict[str, int] = {}
-            if regex is not None:
-                captures = {k: int(v) for k, v in regex.fullmatch(name).groupdict().items()}
+            captures = _captures(regex, name)
             ndim = len(tensor.shape)
             sid = spec_of_rule.get((chosen, ndim))
             if sid is None:
@@ -117,7 +135,8 @@ class _Resolved:
         try:
             return placement.spec(ndim, tensor)
         except LayoutError as err:
-            raise err.with_span(rule.span)
+            err.with_span(rule.span)
+            raise
 
     def _submesh(self, tensor: str, rule: Rule, captures: dict[str, int]) -> tuple[tuple[str, int], ...]:
         sizes = self._axis_sizes
@@ -152,7 +171,8 @@ class _Resolved:
                     parts = tuple(_substitute(p, captures) for p in rule.parts)
                     storage_name = rule.storage_name(captures)
                 except LayoutError as err:
-                    raise err.with_span(rule.span)
+                    err.with_span(rule.span)
+                    raise
                 if len(set(parts)) != len(parts):
                     raise LayoutValueError(
                         f"storage '{storage_name}' of layout '{layout.name}' names a tensor twice", rule.span
@@ -160,7 +180,8 @@ class _Resolved:
                 for part in parts:
                     if part not in layout.tensors:
                         raise LayoutNameError(
-                            f"storage '{storage_name}' of layout '{layout.name}' names tensor '{part}', which is not declared",
+                            f"storage '{storage_name}' of layout '{layout.name}' names tensor '{part}', "
+                            "which is not declared",
                             rule.span,
                             did_you_mean(part, layout.tensors),
                         )
@@ -181,7 +202,8 @@ class _Resolved:
                 self._add_storage(storage)
             if not matched:
                 raise LayoutNameError(
-                    f"storage '{rule.name}' of layout '{layout.name}': no tensor matches its first part '{rule.parts[0]}'",
+                    f"storage '{rule.name}' of layout '{layout.name}': "
+                    f"no tensor matches its first part '{rule.parts[0]}'",
                     rule.span,
                     did_you_mean(rule.parts[0], layout.tensors),
                 )
@@ -231,10 +253,10 @@ class Layout:
     name: str
     mesh: Mesh
     tensors: Mapping[str, LogicalTensor]
-    rules: tuple[Rule, ...] = attrs.field(converter=tuple)
-    storages: tuple[StorageRule, ...] = attrs.field(default=(), converter=tuple)
+    rules: tuple[Rule, ...] = attrs.field(converter=_rules)
+    storages: tuple[StorageRule, ...] = attrs.field(default=(), converter=_storage_rules)
     span: Span | None = attrs.field(default=None, repr=False)
-    _resolved: list = attrs.field(factory=list, init=False, repr=False)
+    _resolved: list[_Resolved] = attrs.field(factory=list, init=False, repr=False)
 
     def __repr__(self) -> str:
         return f"Layout({self.name!r}, mesh={self.mesh.name!r}, rules={len(self.rules)}, tensors={len(self.tensors)})"

@@ -190,15 +190,7 @@ def shard_boxes(
     for n, dim in zip(shape, spec):
         _, runs = _core.dim_runs(int(n), dim, coords, list(mesh.shape))
         runs_per_dim.append(runs)
-    boxes = []
-    for pick in itertools.product(*runs_per_dim):
-        boxes.append(
-            Box(
-                None,
-                tuple(r[0] for r in pick),
-                tuple(r[1] for r in pick),
-                None,
-                tuple(r[2] for r in pick),
-            )
-        )
-    return boxes
+    return [
+        Box(None, tuple(r[0] for r in pick), tuple(r[1] for r in pick), None, tuple(r[2] for r in pick))
+        for pick in itertools.product(*runs_per_dim)
+    ]
