@@ -1,5 +1,9 @@
-// The only file that knows Python: converts plain Python values to the core's arrays and
-// back, and maps the core's exceptions to layoutlang.errors (one translator).
+// The only file of the layout core that knows Python: converts plain Python values to the
+// core's arrays and back. It imports no Python package. What crosses the boundary is typed:
+// enums for move kinds, spaces and policies, a named class for every result, and one
+// exception type, `CoreError`, whose fields (kind, tensor, rank, detail) the Python model
+// and planner read to name the tensor for the user (the core knows tensors by index).
+// The stub `_core.pyi` is generated from this module at build time (nanobind_add_stub).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -9,6 +13,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -17,6 +22,7 @@
 #include "shard_math.hpp"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 using namespace layoutlang;
 
 // The NCCL core's bindings (csrc/nccl/bindings_nccl.cpp): the `_core.nccl` submodule.
@@ -24,10 +30,43 @@ void register_nccl_bindings(nb::module_& m);
 
 namespace {
 
-using SplitTuple = std::tuple<int32_t, int32_t, int32_t>;        // axis, pieces, blocks
-using DimTuple = std::tuple<int64_t, std::vector<SplitTuple>>;    // pad multiple, splits
+using SplitTuple = std::tuple<int32_t, int32_t, int32_t>;      // axis, pieces, blocks
+using DimTuple = std::tuple<int64_t, std::vector<SplitTuple>>;  // pad multiple, splits
 using Shape = std::vector<int64_t>;
-using BoxTuple = std::tuple<Shape, Shape, Shape>;                 // offsets, sizes, storage offsets
+
+// ------------------------------------------------------------------ named results
+
+// [start, stop) of one chunk.
+struct Interval {
+  int64_t start = 0;
+  int64_t stop = 0;
+};
+
+// What one mesh coordinate holds of one dim: its local length (padding included) and the
+// runs of global indices, in local order.
+struct DimRuns {
+  int64_t length = 0;
+  std::vector<Run> runs;
+};
+
+// A box of a logical tensor: offsets and sizes in global coordinates.
+struct Box {
+  Shape offsets;
+  Shape sizes;
+};
+
+std::string text(const Shape& values) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
+std::string text(const Run& r) {
+  return "Run(global_start=" + std::to_string(r.global_start) + ", length=" + std::to_string(r.length) +
+         ", local_start=" + std::to_string(r.local_start) + ")";
+}
+
+// ------------------------------------------------------------------ inputs
 
 DimSpec to_dim_spec(const DimTuple& dim) {
   DimSpec spec;
@@ -41,13 +80,6 @@ ShardSpec to_spec(const std::vector<DimTuple>& dims) {
   spec.reserve(dims.size());
   for (const DimTuple& dim : dims) spec.push_back(to_dim_spec(dim));
   return spec;
-}
-
-std::vector<BoxTuple> to_tuples(const std::vector<BoxRecord>& boxes) {
-  std::vector<BoxTuple> out;
-  out.reserve(boxes.size());
-  for (const BoxRecord& b : boxes) out.emplace_back(b.offsets, b.sizes, b.storage_offsets);
-  return out;
 }
 
 void make_core(
@@ -72,6 +104,8 @@ void make_core(
                         std::move(core_tensors), std::move(core_storages));
 }
 
+// ------------------------------------------------------------------ plan columns
+
 template <class T>
 using Column = nb::ndarray<nb::numpy, const T, nb::ndim<1>>;
 
@@ -82,73 +116,214 @@ Column<T> view(const std::vector<T>& column, nb::handle owner) {
   return Column<T>(column.data(), 1, shape, owner);
 }
 
+// A read-only (ranks, 3) view of per-rank totals by kind.
+nb::ndarray<nb::numpy, const int64_t, nb::ndim<2>> by_rank(const std::vector<int64_t>& values, nb::handle owner) {
+  const std::size_t shape[2] = {values.size() / 3, 3};
+  return nb::ndarray<nb::numpy, const int64_t, nb::ndim<2>>(values.data(), 2, shape, owner);
+}
+
 template <class T>
-std::vector<T> copy(const nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>& array) {
+using Input = nb::ndarray<const T, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+template <class T>
+std::vector<T> copy(const Input<T>& array) {
   return std::vector<T>(array.data(), array.data() + array.shape(0));
 }
 
 #define PLAN_COLUMN(type, name) \
   def_prop_ro(#name, [](nb::handle self) { return view<type>(nb::cast<const PlanData&>(self).name, self); })
 
+std::vector<uint8_t> policy_codes(const std::vector<Policy>& policies) {
+  return std::vector<uint8_t>(policies.begin(), policies.end());
+}
+
+// ------------------------------------------------------------------ errors
+
+// The registered exception type. A plain Python exception class (made with the C API, so
+// the module imports nothing); its fields are set on each instance by the translator.
+nb::handle core_error;
+
+nb::object new_exception(nb::module_& m, const char* name, PyObject* base, const char* doc, nb::dict fields) {
+  const std::string qualified = nb::cast<std::string>(m.attr("__name__")) + "." + name;
+  PyObject* type = PyErr_NewExceptionWithDoc(qualified.c_str(), doc, base, fields.ptr());
+  if (type == nullptr) throw nb::python_error();
+  nb::object result = nb::steal(type);
+  m.attr(name) = result;
+  return result;
+}
+
+void raise_core_error(const CoreValueError& e) {
+  nb::object exc = core_error(nb::str(e.what()));
+  exc.attr("kind") = nb::str(e.kind().c_str());
+  exc.attr("detail") = nb::str(e.detail().c_str());
+  exc.attr("tensor") = e.tensor() >= 0 ? nb::object(nb::int_(e.tensor())) : nb::none();
+  exc.attr("rank") = e.rank() >= 0 ? nb::object(nb::int_(e.rank())) : nb::none();
+  PyErr_SetObject(core_error.ptr(), exc.ptr());
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
-  m.doc() = "layoutlang's C++ core: shard interval math and compiled layouts.";
+  m.doc() = "layoutlang's C++ core: shard interval math, compiled layouts and the planner.";
 
+  nb::dict fields;
+  fields["kind"] = "argument";
+  fields["detail"] = "";
+  fields["tensor"] = nb::none();
+  fields["rank"] = nb::none();
+  core_error = new_exception(
+                   m, "CoreError", PyExc_ValueError,
+                   "A mistake in what the core was given. ``kind`` says what is wrong (argument, mesh, "
+                   "placement, tensor, storage, mismatch, coverage, lost, plan); ``tensor`` is the index of "
+                   "the tensor concerned and ``rank`` the rank (each None when none is); ``detail`` is the "
+                   "message without the tensor.",
+                   fields)
+                   .release();
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const CoreValueError& e) {
-      nb::object cls = nb::module_::import_("layoutlang.errors").attr("LayoutValueError");
-      PyErr_SetObject(cls.ptr(), nb::str(e.what()).ptr());
+      raise_core_error(e);
     }
   });
 
-  m.def("chunk_bounds", &chunk_bounds, nb::arg("n"), nb::arg("k"), nb::arg("i"),
-        "[start, stop) of chunk i when n elements are cut into k chunks as torch.chunk does.");
+  // ---------------------------------------------------------------- enums
+  nb::enum_<MoveKind>(m, "MoveKind", nb::is_arithmetic(), "Where a move goes: the same rank, domain or network.")
+      .value("local", kLocal)
+      .value("domain", kDomain)
+      .value("network", kNetwork);
+  nb::enum_<Space>(m, "Space", nb::is_arithmetic(),
+                   "Where a move reads or writes on its rank: source storage, destination storage, scratch.")
+      .value("source", kSource)
+      .value("destination", kDestination)
+      .value("scratch", kScratch);
+  nb::enum_<Policy>(m, "Policy", nb::is_arithmetic(), "How a tensor moves: exact overlaps, or gather and broadcast.")
+      .value("reshard", kReshard)
+      .value("broadcast", kBroadcast);
+
+  // ---------------------------------------------------------------- result classes
+  nb::class_<Interval>(m, "Interval", "[start, stop) of one chunk.")
+      .def_ro("start", &Interval::start)
+      .def_ro("stop", &Interval::stop)
+      .def("__repr__", [](const Interval& i) {
+        return "Interval(start=" + std::to_string(i.start) + ", stop=" + std::to_string(i.stop) + ")";
+      });
+
+  nb::class_<Run>(m, "Run", "Global indices [global_start, global_start + length), at local_start locally.")
+      .def_ro("global_start", &Run::global_start)
+      .def_ro("length", &Run::length)
+      .def_ro("local_start", &Run::local_start)
+      .def("__repr__", [](const Run& r) { return text(r); });
+
+  nb::class_<DimRuns>(m, "DimRuns", "What one mesh coordinate holds of one dim: local length and runs.")
+      .def_ro("length", &DimRuns::length)
+      .def_ro("runs", &DimRuns::runs)
+      .def("__repr__", [](const DimRuns& d) {
+        std::string runs;
+        for (std::size_t i = 0; i < d.runs.size(); ++i) runs += (i ? ", " : "") + text(d.runs[i]);
+        return "DimRuns(length=" + std::to_string(d.length) + ", runs=[" + runs + "])";
+      });
+
+  nb::class_<Box>(m, "Box", "A box of a logical tensor: offsets and sizes in global coordinates.")
+      .def_ro("offsets", &Box::offsets)
+      .def_ro("sizes", &Box::sizes)
+      .def("__repr__",
+           [](const Box& b) { return "Box(offsets=" + text(b.offsets) + ", sizes=" + text(b.sizes) + ")"; });
+
+  nb::class_<BoxRecord>(m, "PlacedBox", "A box a rank holds, with its place (offsets) in the rank's storage.")
+      .def_ro("offsets", &BoxRecord::offsets)
+      .def_ro("sizes", &BoxRecord::sizes)
+      .def_ro("storage_offsets", &BoxRecord::storage_offsets)
+      .def("__repr__", [](const BoxRecord& b) {
+        return "PlacedBox(offsets=" + text(b.offsets) + ", sizes=" + text(b.sizes) +
+               ", storage_offsets=" + text(b.storage_offsets) + ")";
+      });
+
+  nb::class_<Problem>(m, "StorageProblem", "A storage that is wrong on one rank (LayoutCore.validate).")
+      .def_ro("kind", &Problem::kind, "storage-shape, storage-blocks, storage-rank or storage-declared.")
+      .def_ro("storage", &Problem::storage, "The storage's index in the layout.")
+      .def_ro("rank", &Problem::rank)
+      .def_ro("message", &Problem::message)
+      .def("__repr__", [](const Problem& p) {
+        return "StorageProblem(kind='" + p.kind + "', storage=" + std::to_string(p.storage) +
+               ", rank=" + std::to_string(p.rank) + ", message='" + p.message + "')";
+      });
+
+  nb::class_<RankSummary>(m, "RankSummary", "What one rank holds, counted over every box of every tensor.")
+      .def_ro("rank", &RankSummary::rank)
+      .def_ro("tensors", &RankSummary::tensors)
+      .def_ro("boxes", &RankSummary::boxes)
+      .def_ro("elements", &RankSummary::elements)
+      .def_ro("bytes", &RankSummary::bytes)
+      .def("__repr__", [](const RankSummary& r) {
+        return "RankSummary(rank=" + std::to_string(r.rank) + ", tensors=" + std::to_string(r.tensors) +
+               ", boxes=" + std::to_string(r.boxes) + ", elements=" + std::to_string(r.elements) +
+               ", bytes=" + std::to_string(r.bytes) + ")";
+      });
+
+  nb::class_<PlanTotals>(m, "PlanTotals", "What a plan moves: by kind, and per rank by kind.")
+      .def_prop_ro(
+          "bytes", [](const PlanTotals& t) { return Shape(t.bytes, t.bytes + 3); },
+          "Bytes moved, indexed by MoveKind.")
+      .def_prop_ro(
+          "moves", [](const PlanTotals& t) { return Shape(t.moves, t.moves + 3); }, "Moves, indexed by MoveKind.")
+      .def_ro("messages", &PlanTotals::messages,
+              "Messages: all moves between one pair of ranks in one bucket and stage travel as one.")
+      .def_prop_ro(
+          "sent", [](nb::handle self) { return by_rank(nb::cast<const PlanTotals&>(self).sent, self); },
+          "Bytes each rank sends, shape (ranks, 3): [rank, MoveKind].")
+      .def_prop_ro(
+          "received", [](nb::handle self) { return by_rank(nb::cast<const PlanTotals&>(self).received, self); },
+          "Bytes each rank receives, shape (ranks, 3): [rank, MoveKind].");
+
+  // ---------------------------------------------------------------- shard math
+  m.def(
+      "chunk_bounds",
+      [](int64_t n, int64_t k, int64_t i) {
+        const auto [start, stop] = chunk_bounds(n, k, i);
+        return Interval{start, stop};
+      },
+      "n"_a, "k"_a, "i"_a, "Chunk i when n elements are cut into k chunks as torch.chunk does.");
 
   m.def(
       "dim_runs",
       [](int64_t n, const DimTuple& dim, const Shape& coords, const Shape& axis_sizes) {
         const DimSpec spec = to_dim_spec(dim);
         check_spec(ShardSpec{spec}, 1, axis_sizes);
-        if (coords.size() != axis_sizes.size()) throw CoreValueError("one coordinate per axis");
-        std::vector<Run> runs;
-        const int64_t length = dim_runs(n, spec, coords.data(), axis_sizes.data(), runs);
-        std::vector<std::tuple<int64_t, int64_t, int64_t>> out;
-        for (const Run& r : runs) out.emplace_back(r.global_start, r.length, r.local_start);
-        return std::make_pair(length, out);
+        if (coords.size() != axis_sizes.size()) throw CoreValueError("argument", "one coordinate per axis");
+        DimRuns out;
+        out.length = dim_runs(n, spec, coords.data(), axis_sizes.data(), out.runs);
+        return out;
       },
-      nb::arg("n"), nb::arg("dim"), nb::arg("coords"), nb::arg("axis_sizes"),
-      "(local length, [(global start, length, local start)]) of one dim at one mesh coordinate.");
+      "n"_a, "dim"_a, "coords"_a, "axis_sizes"_a,
+      "The local length and runs of one dim, spec (pad multiple, [(axis, pieces, blocks)]), at one mesh "
+      "coordinate.");
 
   m.def(
       "intersect_boxes",
-      [](const Shape& a_off, const Shape& a_size, const Shape& b_off,
-         const Shape& b_size) -> std::optional<std::pair<Shape, Shape>> {
+      [](const Shape& a_off, const Shape& a_size, const Shape& b_off, const Shape& b_size) -> std::optional<Box> {
         if (a_off.size() != b_off.size() || a_size.size() != a_off.size() || b_size.size() != b_off.size()) {
-          throw CoreValueError("boxes of different ranks (number of dims)");
+          throw CoreValueError("argument", "boxes of different ranks (number of dims)");
         }
-        Shape off(a_off.size()), size(a_off.size());
+        Box box{Shape(a_off.size()), Shape(a_off.size())};
         for (std::size_t d = 0; d < a_off.size(); ++d) {
           const auto [lo, hi] = intersect(a_off[d], a_off[d] + a_size[d], b_off[d], b_off[d] + b_size[d]);
           if (hi <= lo) return std::nullopt;
-          off[d] = lo;
-          size[d] = hi - lo;
+          box.offsets[d] = lo;
+          box.sizes[d] = hi - lo;
         }
-        return std::make_pair(off, size);
+        return box;
       },
-      nb::arg("a_offsets"), nb::arg("a_sizes"), nb::arg("b_offsets"), nb::arg("b_sizes"),
-      "The box both boxes cover, or None.");
+      "a_offsets"_a, "a_sizes"_a, "b_offsets"_a, "b_sizes"_a, "The box both boxes cover, or None.");
 
-  nb::class_<LayoutCore>(m, "LayoutCore")
-      .def("__init__", &make_core, nb::arg("axis_sizes"), nb::arg("ranks"), nb::arg("specs"),
-           nb::arg("tensors"), nb::arg("storages"))
+  // ---------------------------------------------------------------- compiled layouts
+  nb::class_<LayoutCore>(m, "LayoutCore", "A layout compiled to plain arrays (see csrc/layout_core.hpp).")
+      .def("__init__", &make_core, "axis_sizes"_a, "ranks"_a, "specs"_a, "tensors"_a, "storages"_a)
       .def_prop_ro("axis_sizes", &LayoutCore::axis_sizes)
       .def_prop_ro("ranks", &LayoutCore::ranks)
-      .def("mesh_index", &LayoutCore::mesh_index, nb::arg("rank"))
-      .def("holds", &LayoutCore::holds, nb::arg("tensor"), nb::arg("rank"))
-      .def("holders", &LayoutCore::holders, nb::arg("tensor"))
+      .def("mesh_index", &LayoutCore::mesh_index, "rank"_a)
+      .def("holds", &LayoutCore::holds, "tensor"_a, "rank"_a)
+      .def("holders", &LayoutCore::holders, "tensor"_a)
       .def(
           "local_shape",
           [](const LayoutCore& core, int32_t tensor, int64_t rank) -> std::optional<Shape> {
@@ -156,7 +331,7 @@ NB_MODULE(_core, m) {
             if (!core.local_shape(tensor, rank, shape)) return std::nullopt;
             return shape;
           },
-          nb::arg("tensor"), nb::arg("rank"))
+          "tensor"_a, "rank"_a)
       .def(
           "storage_shape",
           [](const LayoutCore& core, int32_t storage, int64_t rank) -> std::optional<Shape> {
@@ -164,62 +339,73 @@ NB_MODULE(_core, m) {
             if (!core.storage_shape(storage, rank, shape)) return std::nullopt;
             return shape;
           },
-          nb::arg("storage"), nb::arg("rank"))
+          "storage"_a, "rank"_a)
       .def(
           "boxes",
           [](const LayoutCore& core, int32_t tensor, int64_t rank) {
             std::vector<BoxRecord> found;
             core.boxes(tensor, rank, found);
-            return to_tuples(found);
+            return found;
           },
-          nb::arg("tensor"), nb::arg("rank"))
-      .def(
-          "validate",
-          [](const LayoutCore& core, std::size_t max_problems) {
-            std::vector<std::tuple<std::string, int32_t, int64_t, std::string>> out;
-            for (const Problem& p : core.validate(max_problems)) out.emplace_back(p.kind, p.storage, p.rank, p.message);
-            return out;
-          },
-          nb::arg("max_problems") = 20)
+          "tensor"_a, "rank"_a, "The boxes of a tensor that a rank holds, with their places in its storage.")
+      .def("validate", &LayoutCore::validate, "max_problems"_a = 20,
+           "Every storage on every rank it exists on: shapes agree, blocks divide, declared shapes hold.")
       .def(
           "summarize",
           [](const LayoutCore& core) {
-            std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>> out;
-            {
-              nb::gil_scoped_release release;
-              for (const RankSummary& r : core.summarize()) out.emplace_back(r.rank, r.tensors, r.boxes, r.elements, r.bytes);
-            }
-            return out;
+            nb::gil_scoped_release release;
+            return core.summarize();
           },
-          "Per rank: (rank, tensors, boxes, elements, bytes), from every box of every tensor.")
+          "Per rank, from every box of every tensor.")
       .def(
           "locate",
           [](const LayoutCore& core, int32_t tensor, int64_t rank, const Shape& offsets) -> std::optional<Shape> {
-            if (offsets.size() != core.tensor(tensor).shape.size()) throw CoreValueError("one offset per dim");
+            if (offsets.size() != core.tensor(tensor).shape.size()) {
+              throw CoreValueError("argument", "one offset per dim", tensor, rank);
+            }
             Shape out(offsets.size());
             if (!core.locate(tensor, rank, offsets.data(), out.data())) return std::nullopt;
             return out;
           },
-          nb::arg("tensor"), nb::arg("rank"), nb::arg("offsets"),
+          "tensor"_a, "rank"_a, "offsets"_a,
           "Place in the rank's storage of the element at `offsets`, or None when not held.");
 
-  using I32 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-  using I64 = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-  using U8 = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-
-  nb::class_<PlanData>(m, "PlanArrays", "A plan's columns (read-only numpy views).")
-      .def("__init__",
-           [](PlanData* self, I32 region_tensor, I64 region_dims_start, I64 region_offsets, I64 region_sizes,
-              I64 region_bytes, I32 move_region, I32 move_src, I32 move_dst, I32 move_bucket, U8 move_kind,
-              U8 move_stage, U8 move_src_space, U8 move_dst_space, U8 move_source, int32_t num_buckets,
-              int64_t lower_bound_bytes, int64_t broadcast_payload_bytes) {
-             new (self) PlanData{copy(region_tensor), copy(region_dims_start), copy(region_offsets),
-                                 copy(region_sizes),  copy(region_bytes),      copy(move_region),
-                                 copy(move_src),      copy(move_dst),          copy(move_bucket),
-                                 copy(move_kind),     copy(move_stage),        copy(move_src_space),
-                                 copy(move_dst_space), copy(move_source),     num_buckets,
-                                 lower_bound_bytes,    broadcast_payload_bytes};
-           })
+  // ---------------------------------------------------------------- plans
+  nb::class_<PlanData>(m, "PlanArrays",
+                       "A plan's columns (read-only numpy views). Built by the planner, or from named columns.")
+      .def(
+          "__init__",
+          [](PlanData* self, const Input<int32_t>& region_tensor, const Input<int64_t>& region_dims_start,
+             const Input<int64_t>& region_offsets, const Input<int64_t>& region_sizes,
+             const Input<int64_t>& region_bytes, const Input<int32_t>& move_region, const Input<int32_t>& move_src,
+             const Input<int32_t>& move_dst, const Input<int32_t>& move_bucket, const Input<uint8_t>& move_kind,
+             const Input<uint8_t>& move_stage, const Input<uint8_t>& move_src_space,
+             const Input<uint8_t>& move_dst_space, const Input<uint8_t>& move_source, int32_t num_buckets,
+             int64_t lower_bound_bytes, int64_t broadcast_payload_bytes) {
+            PlanData* plan = new (self) PlanData();
+            plan->region_tensor = copy(region_tensor);
+            plan->region_dims_start = copy(region_dims_start);
+            plan->region_offsets = copy(region_offsets);
+            plan->region_sizes = copy(region_sizes);
+            plan->region_bytes = copy(region_bytes);
+            plan->move_region = copy(move_region);
+            plan->move_src = copy(move_src);
+            plan->move_dst = copy(move_dst);
+            plan->move_bucket = copy(move_bucket);
+            plan->move_kind = copy(move_kind);
+            plan->move_stage = copy(move_stage);
+            plan->move_src_space = copy(move_src_space);
+            plan->move_dst_space = copy(move_dst_space);
+            plan->move_source = copy(move_source);
+            plan->num_buckets = num_buckets;
+            plan->lower_bound_bytes = lower_bound_bytes;
+            plan->broadcast_payload_bytes = broadcast_payload_bytes;
+          },
+          // Seventeen columns and totals: by name only, so none can be passed in another's place.
+          nb::kw_only(), "region_tensor"_a, "region_dims_start"_a, "region_offsets"_a, "region_sizes"_a,
+          "region_bytes"_a, "move_region"_a, "move_src"_a, "move_dst"_a, "move_bucket"_a, "move_kind"_a,
+          "move_stage"_a, "move_src_space"_a, "move_dst_space"_a, "move_source"_a, "num_buckets"_a,
+          "lower_bound_bytes"_a, "broadcast_payload_bytes"_a)
       .PLAN_COLUMN(int32_t, region_tensor)
       .PLAN_COLUMN(int64_t, region_dims_start)
       .PLAN_COLUMN(int64_t, region_offsets)
@@ -240,13 +426,14 @@ NB_MODULE(_core, m) {
 
   m.def(
       "build_plan",
-      [](const LayoutCore& source, const LayoutCore& destination, const std::vector<uint8_t>& policies,
+      [](const LayoutCore& source, const LayoutCore& destination, const std::vector<Policy>& policies,
          int64_t domain_size, int64_t bucket_bytes) {
+        const std::vector<uint8_t> codes = policy_codes(policies);
         nb::gil_scoped_release release;
-        return build_plan(source, destination, policies, PlanOptions{domain_size, bucket_bytes});
+        return build_plan(source, destination, codes, PlanOptions{domain_size, bucket_bytes});
       },
-      nb::arg("source"), nb::arg("destination"), nb::arg("policies"), nb::arg("domain_size"),
-      nb::arg("bucket_bytes"), "Compile the plan that turns the source layout into the destination layout.");
+      "source"_a, "destination"_a, "policies"_a, "domain_size"_a, "bucket_bytes"_a,
+      "Compile the plan that turns the source layout into the destination layout (one policy per tensor).");
 
   m.def(
       "build_recovery_plan",
@@ -255,7 +442,7 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         return build_recovery_plan(sources, lost, destination, PlanOptions{domain_size, bucket_bytes});
       },
-      nb::arg("sources"), nb::arg("lost"), nb::arg("destination"), nb::arg("domain_size"), nb::arg("bucket_bytes"),
+      "sources"_a, "lost"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a,
       "Compile a recovery plan: each region from the first source layout that holds it on a rank not lost.");
 
   m.def(
@@ -266,28 +453,16 @@ NB_MODULE(_core, m) {
         return validate_recovery_plan(plan, sources, lost, destination, PlanOptions{domain_size, bucket_bytes},
                                       max_problems);
       },
-      nb::arg("plan"), nb::arg("sources"), nb::arg("lost"), nb::arg("destination"), nb::arg("domain_size"),
-      nb::arg("bucket_bytes"), nb::arg("max_problems") = 20);
+      "plan"_a, "sources"_a, "lost"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "max_problems"_a = 20,
+      "Problems with a recovery plan (empty when it is valid).");
 
   m.def(
       "plan_totals",
       [](const PlanData& plan, int64_t num_ranks) {
-        PlanTotals t;
-        {
-          nb::gil_scoped_release release;
-          t = plan_totals(plan, num_ranks);
-        }
-        nb::dict out;
-        out["bytes"] = std::vector<int64_t>(t.bytes, t.bytes + 3);
-        out["moves"] = std::vector<int64_t>(t.moves, t.moves + 3);
-        out["messages"] = t.messages;
-        out["sent"] = t.sent;
-        out["received"] = t.received;
-        return out;
+        nb::gil_scoped_release release;
+        return plan_totals(plan, num_ranks);
       },
-      nb::arg("plan"), nb::arg("num_ranks"),
-      "Bytes and moves by kind (local, domain, network), messages, and per rank (rank * 3 + kind) "
-      "bytes sent and received.");
+      "plan"_a, "num_ranks"_a, "Bytes and moves by kind, messages, and bytes sent and received per rank by kind.");
 
   m.def(
       "validate_plan",
@@ -296,8 +471,8 @@ NB_MODULE(_core, m) {
         nb::gil_scoped_release release;
         return validate_plan(plan, source, destination, PlanOptions{domain_size, bucket_bytes}, max_problems);
       },
-      nb::arg("plan"), nb::arg("source"), nb::arg("destination"), nb::arg("domain_size"), nb::arg("bucket_bytes"),
-      nb::arg("max_problems") = 20, "Problems with the plan (empty when it is valid).");
+      "plan"_a, "source"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "max_problems"_a = 20,
+      "Problems with the plan (empty when it is valid).");
 
   register_nccl_bindings(m);
 }

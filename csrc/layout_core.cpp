@@ -39,18 +39,18 @@ LayoutCore::LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ran
       storages_(std::move(storages)) {
   int64_t size = 1;
   for (int64_t s : axis_sizes_) {
-    if (s < 1) throw CoreValueError("mesh axis sizes must be at least 1");
+    if (s < 1) throw CoreValueError("mesh", "mesh axis sizes must be at least 1");
     size *= s;
   }
   if (size != static_cast<int64_t>(ranks_.size())) {
-    throw CoreValueError("mesh of " + std::to_string(size) + " positions given " +
-                         std::to_string(ranks_.size()) + " ranks");
+    throw CoreValueError("mesh", "mesh of " + std::to_string(size) + " positions given " +
+                                     std::to_string(ranks_.size()) + " ranks");
   }
   const std::size_t naxes = axis_sizes_.size();
   coords_.assign(ranks_.size() * naxes, 0);
   for (std::size_t i = 0; i < ranks_.size(); ++i) {
     if (!index_of_.emplace(ranks_[i], static_cast<int64_t>(i)).second) {
-      throw CoreValueError("rank " + std::to_string(ranks_[i]) + " appears twice in the mesh");
+      throw CoreValueError("mesh", "rank " + std::to_string(ranks_[i]) + " appears twice in the mesh", -1, ranks_[i]);
     }
     int64_t rest = static_cast<int64_t>(i);
     for (std::size_t a = naxes; a-- > 0;) {
@@ -58,31 +58,34 @@ LayoutCore::LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ran
       rest /= axis_sizes_[a];
     }
   }
-  for (const TensorEntry& t : tensors_) {
+  for (std::size_t ti = 0; ti < tensors_.size(); ++ti) {
+    const TensorEntry& t = tensors_[ti];
+    const auto tensor = static_cast<int32_t>(ti);
     if (t.spec < 0 || static_cast<std::size_t>(t.spec) >= specs_.size()) {
-      throw CoreValueError("tensor refers to a missing placement spec");
+      throw CoreValueError("tensor", "refers to a missing placement spec", tensor);
     }
     if (t.storage < 0 || static_cast<std::size_t>(t.storage) >= storages_.size()) {
-      throw CoreValueError("tensor refers to a missing storage");
+      throw CoreValueError("tensor", "refers to a missing storage", tensor);
     }
-    if (t.fixed.size() != naxes) throw CoreValueError("sub-mesh coordinates do not match the mesh");
+    if (t.fixed.size() != naxes) throw CoreValueError("tensor", "sub-mesh coordinates do not match the mesh", tensor);
     for (std::size_t a = 0; a < naxes; ++a) {
       if (t.fixed[a] >= axis_sizes_[a]) {
-        throw CoreValueError("sub-mesh coordinate " + std::to_string(t.fixed[a]) +
-                             " is out of range for axis " + std::to_string(a) + " of size " +
-                             std::to_string(axis_sizes_[a]));
+        throw CoreValueError("tensor",
+                             "sub-mesh coordinate " + std::to_string(t.fixed[a]) + " is out of range for axis " +
+                                 std::to_string(a) + " of size " + std::to_string(axis_sizes_[a]),
+                             tensor);
       }
     }
-    check_spec(specs_[t.spec], t.shape.size(), axis_sizes_);
+    check_spec(specs_[t.spec], t.shape.size(), axis_sizes_, tensor);
   }
   for (const StorageEntry& s : storages_) {
-    if (s.parts.empty()) throw CoreValueError("storage without parts");
+    if (s.parts.empty()) throw CoreValueError("storage", "storage without parts");
     if (!s.block_sizes.empty() && s.block_sizes.size() != s.parts.size()) {
-      throw CoreValueError("storage needs one block size per part");
+      throw CoreValueError("storage", "storage needs one block size per part");
     }
     for (int32_t p : s.parts) {
       if (p < 0 || static_cast<std::size_t>(p) >= tensors_.size()) {
-        throw CoreValueError("storage refers to a missing tensor");
+        throw CoreValueError("storage", "storage refers to a missing tensor");
       }
     }
   }

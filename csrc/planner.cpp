@@ -124,32 +124,35 @@ class Builder {
     root_load_.assign(n, 0);
     src_group_of_rank_.assign(srcs_.size(), std::vector<int64_t>(n, -1));
     recovery_ = srcs_.size() > 1 || !lost.empty();
-    if (srcs_.size() > 255) throw CoreValueError("a plan reads from at most 255 source layouts");
-    if (options_.domain_size < 1) throw CoreValueError("domain size must be at least 1");
-    if (options_.bucket_bytes < 1) throw CoreValueError("bucket size must be at least 1 byte");
+    if (srcs_.size() > 255) throw CoreValueError("argument", "a plan reads from at most 255 source layouts");
+    if (options_.domain_size < 1) throw CoreValueError("argument", "domain size must be at least 1");
+    if (options_.bucket_bytes < 1) throw CoreValueError("argument", "bucket size must be at least 1 byte");
   }
 
   PlanData build() {
     for (const LayoutCore* src : srcs_) {
       if (src->num_tensors() != dst_.num_tensors() || policies_.size() != src->num_tensors()) {
-        throw CoreValueError("source and destination layouts cover different tensors");
+        throw CoreValueError("mismatch", "source and destination layouts cover different tensors");
       }
     }
     for (int64_t r : dst_.ranks()) {
       if (lost_[static_cast<std::size_t>(r)]) {
-        throw CoreValueError("rank " + std::to_string(r) + " is lost but belongs to the destination layout");
+        throw CoreValueError("lost", "rank " + std::to_string(r) + " is lost but belongs to the destination layout", -1, r);
       }
     }
     if (recovery_) {
       for (uint8_t p : policies_) {
-        if (p != kReshard) throw CoreValueError("recovery plans move exact overlaps: every tensor's policy must be reshard");
+        if (p != kReshard) {
+          throw CoreValueError("argument", "recovery plans move exact overlaps: every tensor's policy must be reshard");
+        }
       }
     }
     for (std::size_t t = 0; t < src_.num_tensors(); ++t) {
       const int64_t itemsize = src_.tensor(static_cast<int32_t>(t)).itemsize;
       if (itemsize > options_.bucket_bytes) {
-        throw CoreValueError("the bucket budget of " + std::to_string(options_.bucket_bytes) +
-                             " bytes is smaller than one element (" + std::to_string(itemsize) + " bytes)");
+        throw CoreValueError("argument", "the bucket budget of " + std::to_string(options_.bucket_bytes) +
+                                             " bytes is smaller than one element (" + std::to_string(itemsize) +
+                                             " bytes)");
       }
     }
     // Every destination rank of every tensor gets at least one move: reserve that much up
@@ -159,7 +162,7 @@ class Builder {
       const auto tid = static_cast<int32_t>(t);
       for (const LayoutCore* src : srcs_) {
         if (src->tensor(tid).shape != dst_.tensor(tid).shape) {
-          throw CoreValueError("tensor " + std::to_string(t) + " has different shapes in the two layouts");
+          throw CoreValueError("mismatch", "its shape differs between the two layouts", tid);
         }
       }
       for (const HoldingGroup& g : dst_groups_.groups(tid)) {
@@ -380,8 +383,9 @@ class Builder {
         covered += v;
       }
       if (covered != numel && !dgroups.empty()) {
-        throw CoreValueError("tensor " + std::to_string(tensor) + ": the source layout holds " +
-                             std::to_string(covered) + " of its " + std::to_string(numel) + " elements");
+        throw CoreValueError("coverage", "the source layout holds " + std::to_string(covered) + " of its " +
+                                             std::to_string(numel) + " elements",
+                             tensor);
       }
       for (std::size_t gi = 0; gi < sgroups.size(); ++gi) {
         for (int64_t r : sgroups[gi].ranks) src_group_of_rank_[k][r] = static_cast<int64_t>(gi);
@@ -418,8 +422,8 @@ class Builder {
         }
         box += (d ? ", " : "") + std::to_string(lo) + ":" + std::to_string(hi);
       }
-      throw CoreValueError("tensor " + std::to_string(tensor) + ": the region [" + box +
-                           "] has no copy on a surviving rank of any source layout");
+      throw CoreValueError("lost", "the region [" + box + "] has no copy on a surviving rank of any source layout",
+                           tensor);
     }
     const std::size_t ndim = need.size();
     std::vector<int64_t> alive;
@@ -900,7 +904,7 @@ PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
 
 PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
                              const LayoutCore& destination, const PlanOptions& options) {
-  if (sources.empty()) throw CoreValueError("a recovery plan needs at least one source layout");
+  if (sources.empty()) throw CoreValueError("argument", "a recovery plan needs at least one source layout");
   const std::vector<uint8_t> policies(destination.num_tensors(), kReshard);
   return Builder(sources, lost, destination, policies, options).build();
 }
@@ -916,7 +920,7 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
     const int64_t bytes = plan.region_bytes[plan.move_region[i]];
     const int64_t src = plan.move_src[i], dst = plan.move_dst[i];
     if (kind > kNetwork || src < 0 || dst < 0 || src >= num_ranks || dst >= num_ranks) {
-      throw CoreValueError("move " + std::to_string(i) + " has a kind or rank out of range");
+      throw CoreValueError("plan", "move " + std::to_string(i) + " has a kind or rank out of range");
     }
     totals.bytes[kind] += bytes;
     totals.moves[kind] += 1;

@@ -80,30 +80,26 @@ int64_t dim_runs(int64_t n, const DimSpec& spec, const int64_t* coords, const in
   return length;
 }
 
-void check_spec(const ShardSpec& spec, std::size_t ndim, const std::vector<int64_t>& axis_sizes) {
+void check_spec(const ShardSpec& spec, std::size_t ndim, const std::vector<int64_t>& axis_sizes,
+                int32_t tensor) {
+  const auto fail = [tensor](const std::string& detail) { throw CoreValueError("placement", detail, tensor); };
   if (spec.size() != ndim) {
-    throw CoreValueError("placement has " + std::to_string(spec.size()) + " dims, tensor has " +
-                         std::to_string(ndim));
+    fail("placement has " + std::to_string(spec.size()) + " dims, tensor has " + std::to_string(ndim));
   }
   for (std::size_t d = 0; d < spec.size(); ++d) {
-    if (spec[d].pad_multiple < 1) {
-      throw CoreValueError("dim " + std::to_string(d) + ": pad multiple must be at least 1");
-    }
+    const std::string dim = "dim " + std::to_string(d) + ": ";
+    if (spec[d].pad_multiple < 1) fail(dim + "pad multiple must be at least 1");
     for (const Split& split : spec[d].splits) {
       if (split.axis < 0 || static_cast<std::size_t>(split.axis) >= axis_sizes.size()) {
-        throw CoreValueError("dim " + std::to_string(d) + ": axis index " +
-                             std::to_string(split.axis) + " is not a mesh axis");
+        fail(dim + "axis index " + std::to_string(split.axis) + " is not a mesh axis");
       }
       const int64_t size = axis_sizes[split.axis];
       const int64_t pieces = split.pieces > 0 ? split.pieces : size;
       if (pieces > size || size % pieces != 0) {
-        throw CoreValueError("dim " + std::to_string(d) + ": " + std::to_string(pieces) +
-                             " chunks do not divide axis " + std::to_string(split.axis) +
-                             " of size " + std::to_string(size));
+        fail(dim + std::to_string(pieces) + " chunks do not divide axis " + std::to_string(split.axis) +
+             " of size " + std::to_string(size));
       }
-      if (split.blocks < 1) {
-        throw CoreValueError("dim " + std::to_string(d) + ": blocks must be at least 1");
-      }
+      if (split.blocks < 1) fail(dim + "blocks must be at least 1");
     }
   }
 }

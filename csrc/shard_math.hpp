@@ -25,10 +25,38 @@
 
 namespace layoutlang {
 
-// A user-facing mistake found by the core; bindings.cpp maps it to LayoutValueError.
+// A mistake in what the core was given. bindings.cpp raises it as `_core.CoreError` with
+// these fields, and the Python model and planner turn it into the LayoutValueError a user
+// reads, naming the tensor by name (the core only knows its index).
+//
+//   kind    what is wrong: "argument" (a call's own arguments), "mesh", "placement" (a
+//           dim's spec), "tensor" and "storage" (entries of a compiled layout), "mismatch"
+//           (the layouts of one plan disagree), "coverage" (a source layout does not hold
+//           a whole tensor), "lost" (nothing survives to read from), "plan" (plan columns
+//           out of range);
+//   tensor  the tensor's index in the layout, or -1;
+//   rank    the rank concerned, or -1;
+//   detail  the message without the tensor: what() is "tensor 3: <detail>" when a tensor
+//           is set, else the detail alone.
 class CoreValueError : public std::invalid_argument {
  public:
-  using std::invalid_argument::invalid_argument;
+  CoreValueError(std::string kind, const std::string& detail, int32_t tensor = -1, int64_t rank = -1)
+      : std::invalid_argument(tensor >= 0 ? "tensor " + std::to_string(tensor) + ": " + detail : detail),
+        kind_(std::move(kind)),
+        detail_(detail),
+        tensor_(tensor),
+        rank_(rank) {}
+
+  const std::string& kind() const { return kind_; }
+  const std::string& detail() const { return detail_; }
+  int32_t tensor() const { return tensor_; }
+  int64_t rank() const { return rank_; }
+
+ private:
+  std::string kind_;
+  std::string detail_;
+  int32_t tensor_;
+  int64_t rank_;
 };
 
 // [start, stop) of chunk i when n elements are cut into k chunks as torch.chunk does.
@@ -75,7 +103,9 @@ inline std::pair<int64_t, int64_t> intersect(int64_t a_start, int64_t a_stop, in
   return {start, std::max(start, stop)};
 }
 
-// Checks a spec against a tensor rank and mesh; throws CoreValueError naming the dim/axis.
-void check_spec(const ShardSpec& spec, std::size_t ndim, const std::vector<int64_t>& axis_sizes);
+// Checks a spec against a tensor's number of dims and the mesh; throws CoreValueError
+// (kind "placement", for `tensor` when one is given) naming the dim and axis.
+void check_spec(const ShardSpec& spec, std::size_t ndim, const std::vector<int64_t>& axis_sizes,
+                int32_t tensor = -1);
 
 }  // namespace layoutlang

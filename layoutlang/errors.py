@@ -26,9 +26,10 @@ never shows a Python traceback for a user's mistake.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import enum
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -53,7 +54,9 @@ __all__ = [
     "NcclUnavailableError",
     "RuntimeFailure",
     "Span",
+    "core_errors",
     "did_you_mean",
+    "from_nccl_core",
 ]
 
 
@@ -152,9 +155,36 @@ class LayoutNameError(LayoutError):
 
 
 class LayoutValueError(LayoutError):
-    """Well-formed text whose meaning cannot be right: sizes, ranks, dims, rules, storages."""
+    """Well-formed text whose meaning cannot be right: sizes, ranks, dims, rules, storages.
+
+    When the C++ core found the mistake (:meth:`from_core`), ``tensor`` names the tensor
+    concerned and ``rank`` the rank (each None when none is).
+    """
 
     kind = "value"
+
+    def __init__(
+        self,
+        message: str,
+        span: Span | None = None,
+        hint: str | None = None,
+        *,
+        tensor: str | None = None,
+        rank: int | None = None,
+    ):
+        super().__init__(message, span, hint)
+        self.tensor = tensor
+        self.rank = rank
+
+    @classmethod
+    def from_core(
+        cls, err: _core.CoreError, tensors: Sequence[str] = (), span: Span | None = None
+    ) -> LayoutValueError:
+        """The error a user reads for a mistake the C++ core found. The core knows tensors by
+        their index; ``tensors`` (the layout's tensor names, in order) names the tensor."""
+        name = tensors[err.tensor] if err.tensor is not None and 0 <= err.tensor < len(tensors) else None
+        message = f"tensor '{name}': {err.detail}" if name is not None else str(err)
+        return cls(message, span, tensor=name, rank=err.rank)
 
 
 class LayoutIncludeError(LayoutError):
@@ -306,3 +336,35 @@ class DataLossError(RuntimeFailure):
     ):
         super().__init__(message, hint=hint)
         self.regions = list(regions)
+
+
+# ------------------------------------------------------------- errors of the C++ core
+
+
+def from_nccl_core(err: _core.nccl.NcclCoreError) -> NcclError | CudaError:
+    """The error a user reads for a failure of the NCCL core, by its ``kind``; the message
+    and fields are the core's."""
+    message = str(err)
+    if err.kind == "timeout":
+        return NcclTimeoutError(message, err.call, err.code)
+    if err.kind == "unavailable":
+        return NcclUnavailableError(message, err.symbol, err.introduced)
+    if err.kind == "cuda":
+        return CudaError(message, err.call, err.code)
+    return NcclError(message, err.call, err.code)
+
+
+@contextlib.contextmanager
+def core_errors(tensors: Sequence[str] = (), span: Span | None = None) -> Iterator[None]:
+    """Calls into the C++ core raise layoutlang's errors: a ``_core.CoreError`` becomes a
+    :class:`LayoutValueError` (naming the tensor from ``tensors``, placed at ``span``), a
+    ``_core.nccl.NcclCoreError`` the :class:`NcclError` family or :class:`CudaError`.
+
+    The core imports no Python package, so it cannot raise these itself.
+    """
+    try:
+        yield
+    except _core.CoreError as err:
+        raise LayoutValueError.from_core(err, tensors, span) from None
+    except _core.nccl.NcclCoreError as err:
+        raise from_nccl_core(err) from None

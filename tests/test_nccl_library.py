@@ -20,7 +20,7 @@ import pytest
 
 from layoutlang.cli import doctor
 from layoutlang.core import _core
-from layoutlang.errors import NcclError, NcclUnavailableError
+from layoutlang.errors import NcclError, NcclUnavailableError, core_errors
 from layoutlang.transport.nccl import FEATURES, LIBRARY_ENV, library_facts, load_library
 
 pytestmark = pytest.mark.timeout(120)
@@ -102,7 +102,7 @@ def test_without_a_cuda_driver_init_fails_with_an_error_naming_the_call():
     if cuda.driver_version:
         pytest.skip("a CUDA driver is present: init would succeed (tests/gpu covers it)")
     lib = load_library(LIBRARY)
-    with pytest.raises(NcclError) as caught:
+    with pytest.raises(NcclError) as caught, core_errors():
         N.Communicator.init(lib, cuda, 1, 0, N.unique_id(lib), timeout=30)
     assert caught.value.call == "ncclCommInitRankConfig"
     assert caught.value.code == 1  # ncclUnhandledCudaError

@@ -75,10 +75,10 @@ def rebuilt(plan: Plan, *, moves=None, bucket_bytes=None, num_buckets=None, **ch
     for name, value in changes.items():
         cols[name] = np.asarray(value)
     arrays = _core.PlanArrays(
-        *(np.ascontiguousarray(cols[name], dtype=dtype) for name, dtype in _COLUMNS),
-        plan.num_buckets if num_buckets is None else num_buckets,
-        int(plan.arrays.lower_bound_bytes),
-        int(plan.arrays.broadcast_payload_bytes),
+        **{name: np.ascontiguousarray(cols[name], dtype=dtype) for name, dtype in _COLUMNS},
+        num_buckets=plan.num_buckets if num_buckets is None else num_buckets,
+        lower_bound_bytes=int(plan.arrays.lower_bound_bytes),
+        broadcast_payload_bytes=int(plan.arrays.broadcast_payload_bytes),
     )
     return Plan(
         plan.source,
@@ -594,7 +594,7 @@ def test_damaged_region_coordinates_are_refused_without_crashing():
     raising LayoutValueError."""
     code = """
 import layoutlang
-from layoutlang.plan import Plan, compile_plan
+from layoutlang.plan import compile_plan, load_plan
 program = layoutlang.load('examples/tp_to_dp.layout')
 data = compile_plan(program).to_bytes()
 damaged = bytearray(data)

@@ -23,8 +23,8 @@ from test_plan_properties import global_values, holdings, load_or_reject, progra
 import layoutlang
 from elastic import DataLossError, lost_regions, remesh
 from layoutlang.core import _core
-from layoutlang.errors import LayoutValueError
-from layoutlang.plan import Plan, plan_recovery
+from layoutlang.errors import LayoutValueError, core_errors
+from layoutlang.plan import Plan, load_plan, plan_recovery
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -169,7 +169,7 @@ def test_the_core_refuses_a_region_without_survivor_on_its_own():
     program = layoutlang.loads(TEXT)
     serve, fsdp = program.layout("serve"), program.layout("fsdp")
     new = remesh(serve, {5, 7}, "fill-spares", spares=[8, 9])
-    with pytest.raises(layoutlang.LayoutError, match=r"tensor 0: the region \[0:4, 3:6\] has no copy"):
+    with pytest.raises(layoutlang.LayoutError, match=r"tensor 0: the region \[0:4, 3:6\] has no copy"), core_errors():
         _core.build_recovery_plan([serve.core, fsdp.core], [0, 2, 5, 7], new.core, 1, 1 << 20)
 
 
@@ -193,16 +193,16 @@ def test_recovery_plans_validate_their_reads_and_are_not_read_back():
         broken = {n: np.array(getattr(plan.arrays, n)) for n, _ in layoutlang.plan.data._COLUMNS}
         broken[column][remote] = value
         arrays = _core.PlanArrays(
-            *(np.ascontiguousarray(broken[n], dtype=d) for n, d in layoutlang.plan.data._COLUMNS),
-            plan.num_buckets,
-            int(plan.arrays.lower_bound_bytes),
-            0,
+            **{n: np.ascontiguousarray(broken[n], dtype=d) for n, d in layoutlang.plan.data._COLUMNS},
+            num_buckets=plan.num_buckets,
+            lower_bound_bytes=int(plan.arrays.lower_bound_bytes),
+            broadcast_payload_bytes=0,
         )
         bad = Plan(plan.source, plan.destination, "bad", plan.policies, 1, plan.bucket_bytes, arrays,
                    sources=plan.sources, lost=plan.lost)
         with pytest.raises(LayoutValueError, match=message):
             bad.validate()
     with pytest.raises(LayoutValueError, match="recovery plan"):
-        Plan.from_bytes(plan.to_bytes(), program)
+        load_plan(plan.to_bytes(), program)
     assert plan.to_json()["lost"] == [5, 7]
     assert {m["source"] for m in plan.to_json()["moves"]} == {"serve", "fsdp"}

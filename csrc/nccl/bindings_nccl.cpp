@@ -1,15 +1,20 @@
 // Python bindings of the NCCL core: the `_core.nccl` submodule. The only file under
-// csrc/nccl that knows Python. Registered from bindings.cpp with one call.
+// csrc/nccl that knows Python; it imports no Python package. Registered from bindings.cpp
+// with one call.
 //
-// Exceptions map to layoutlang.nccl (imported when an error is raised, so importing
-// _core stays light): NcclError / NcclTimeoutError (call, code), NcclUnavailableError
-// (symbol, introduced), CudaError (call, code). Calls that may wait (init, exchange, wait,
-// shrink, grow, revoke, destroy, copies) release the GIL, so ranks running in threads
-// progress together and a waiting thread never blocks the interpreter.
+// Every failure of the NCCL core is raised as one exception type, `NcclCoreError`, whose
+// fields say what failed: `kind` (nccl: a call returned an error; timeout: it did not
+// complete in time; unavailable: no library, or a function missing from it; cuda: a CUDA
+// runtime call failed), `call` and `code` (the function and its result; for unavailable,
+// `call` is the missing symbol and `code` None), `symbol` and `introduced` (unavailable
+// only: the missing function and the NCCL version that introduced it). The transport
+// (layoutlang.transport.nccl) turns it into layoutlang.errors' NcclError family or
+// CudaError. Mocks are passed in by the caller like the real libraries. Calls that may wait
+// (init, exchange, wait, shrink, grow, revoke, destroy, copies) release the GIL, so ranks
+// running in threads progress together and a waiting thread never blocks the interpreter.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
-#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -17,6 +22,7 @@
 
 #include <cstring>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -33,10 +39,20 @@ namespace layoutlang::nccl {
 
 namespace {
 
-void raise_python(const char* name, const nb::tuple& args) {
-  nb::object cls = nb::module_::import_("layoutlang.nccl").attr(name);
-  nb::object exc = cls(*args);
-  PyErr_SetObject(cls.ptr(), exc.ptr());
+// The registered exception type (a plain Python exception class made with the C API).
+nb::handle nccl_core_error;
+
+void raise_failure(const char* kind, const std::exception& e, std::optional<std::string> call,
+                   std::optional<int> code, std::optional<std::string> symbol = std::nullopt,
+                   std::optional<std::string> introduced = std::nullopt) {
+  nb::object exc = nccl_core_error(nb::str(e.what()));
+  exc.attr("kind") = nb::str(kind);
+  exc.attr("call") = call ? nb::object(nb::str(call->c_str())) : nb::none();
+  exc.attr("code") = code ? nb::object(nb::int_(*code)) : nb::none();
+  exc.attr("symbol") = symbol ? nb::object(nb::str(symbol->c_str())) : nb::none();
+  // NCCL older than the oldest version we know of introduced it: "" in C++, None here.
+  exc.attr("introduced") = introduced && !introduced->empty() ? nb::object(nb::str(introduced->c_str())) : nb::none();
+  PyErr_SetObject(nccl_core_error.ptr(), exc.ptr());
 }
 
 UniqueId to_id(const nb::bytes& data) {
@@ -99,17 +115,32 @@ void register_bindings(nb::module_& parent) {
   nb::module_ m = parent.def_submodule(
       "nccl", "NCCL loaded at run time: communicators, grouped point-to-point, failure operations, box copies.");
 
+  nb::dict fields;
+  for (const char* name : {"call", "code", "symbol", "introduced"}) fields[name] = nb::none();
+  fields["kind"] = "nccl";
+  const std::string qualified = nb::cast<std::string>(m.attr("__name__")) + ".NcclCoreError";
+  PyObject* type = PyErr_NewExceptionWithDoc(
+      qualified.c_str(),
+      "A failure of the NCCL core. ``kind``: nccl (a call returned an error), timeout (it did not complete "
+      "in time), unavailable (no library, or a function missing from it) or cuda (a CUDA runtime call "
+      "failed); ``call`` and ``code`` name the function and its result; ``symbol`` and ``introduced`` the "
+      "missing function and the NCCL version that introduced it.",
+      PyExc_RuntimeError, fields.ptr());
+  if (type == nullptr) throw nb::python_error();
+  m.attr("NcclCoreError") = nb::handle(type);
+  nccl_core_error = type;  // the module keeps the reference made here, for the process's life
+
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const NcclTimeout& e) {
-      raise_python("NcclTimeoutError", nb::make_tuple(e.what(), e.call(), e.code()));
+      raise_failure("timeout", e, e.call(), static_cast<int>(e.code()));
     } catch (const NcclError& e) {
-      raise_python("NcclError", nb::make_tuple(e.what(), e.call(), e.code()));
+      raise_failure("nccl", e, e.call(), static_cast<int>(e.code()));
     } catch (const NcclUnavailable& e) {
-      raise_python("NcclUnavailableError", nb::make_tuple(e.what(), e.symbol(), e.introduced()));
+      raise_failure("unavailable", e, e.symbol(), std::nullopt, e.symbol(), e.introduced());
     } catch (const CudaFailure& e) {
-      raise_python("CudaError", nb::make_tuple(e.what(), e.call(), e.code()));
+      raise_failure("cuda", e, e.call(), e.code());
     }
   });
 
@@ -152,6 +183,8 @@ void register_bindings(nb::module_& parent) {
 
   nb::class_<CudaApi>(m, "CudaApi", "The CUDA runtime behind an interface: the real one or the mock.")
       .def("describe", &CudaApi::describe)
+      .def_prop_ro("host_memory", &CudaApi::host_memory,
+                   "Whether its pointers are host addresses (the mock): transports over it move CPU tensors.")
       .def_prop_ro("runtime_version", [](CudaApi& c) {
         int v = 0;
         check_cuda(c, "cudaRuntimeGetVersion", c.runtimeGetVersion(&v));
@@ -234,26 +267,44 @@ void register_bindings(nb::module_& parent) {
           },
           "nranks"_a, "unique_id"_a = nb::none());
 
+  nb::class_<PitchedCopy>(m, "PitchedCopy", "One CUDA runtime copy: depth slices of height rows of width bytes.")
+      .def_ro("dst", &PitchedCopy::dst)
+      .def_ro("src", &PitchedCopy::src)
+      .def_ro("width", &PitchedCopy::width, "Bytes per row.")
+      .def_ro("height", &PitchedCopy::height, "Rows per slice.")
+      .def_ro("depth", &PitchedCopy::depth, "Slices.")
+      .def_ro("dpitch", &PitchedCopy::dpitch, "Bytes between destination rows.")
+      .def_ro("spitch", &PitchedCopy::spitch, "Bytes between source rows.")
+      .def_ro("dheight", &PitchedCopy::dheight, "Destination rows between slices.")
+      .def_ro("sheight", &PitchedCopy::sheight, "Source rows between slices.")
+      .def("__repr__", [](const PitchedCopy& c) {
+        return "PitchedCopy(dst=" + std::to_string(c.dst) + ", src=" + std::to_string(c.src) +
+               ", width=" + std::to_string(c.width) + ", height=" + std::to_string(c.height) +
+               ", depth=" + std::to_string(c.depth) + ", dpitch=" + std::to_string(c.dpitch) +
+               ", spitch=" + std::to_string(c.spitch) + ", dheight=" + std::to_string(c.dheight) +
+               ", sheight=" + std::to_string(c.sheight) + ")";
+      });
+
+  nb::class_<CopyStats>(m, "CopyStats", "What copy_boxes issued: CUDA runtime calls and payload bytes.")
+      .def_ro("calls", &CopyStats::calls)
+      .def_ro("bytes", &CopyStats::bytes)
+      .def("__repr__", [](const CopyStats& s) {
+        return "CopyStats(calls=" + std::to_string(s.calls) + ", bytes=" + std::to_string(s.bytes) + ")";
+      });
+
   m.def(
-      "plan_box_copies",
-      [](const Desc& desc) {
-        std::vector<std::tuple<uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t, uint64_t>> out;
-        for (const PitchedCopy& c : plan_box_copies(to_copies(desc))) {
-          out.emplace_back(c.dst, c.src, c.width, c.height, c.depth, c.dpitch, c.spitch, c.dheight, c.sheight);
-        }
-        return out;
-      },
-      "desc"_a, "The pitched copies for box copies: (dst, src, width, height, depth, dpitch, spitch, dheight, sheight).");
+      "plan_box_copies", [](const Desc& desc) { return plan_box_copies(to_copies(desc)); }, "desc"_a,
+      "The pitched copies that perform box copies, one row each: (dst, src, itemsize, sizes[D], "
+      "dst_strides[D], src_strides[D]).");
 
   m.def(
       "copy_boxes",
       [](CudaApi& cuda, const Desc& desc, uint64_t stream) {
         const auto copies = to_copies(desc);
         nb::gil_scoped_release release;
-        const CopyStats stats = run_box_copies(cuda, plan_box_copies(copies), stream);
-        return std::make_pair(stats.calls, stats.bytes);
+        return run_box_copies(cuda, plan_box_copies(copies), stream);
       },
-      "cuda"_a, "desc"_a, "stream"_a, "Enqueue box copies on a stream; returns (runtime calls, bytes).");
+      "cuda"_a, "desc"_a, "stream"_a, "Enqueue box copies (rows as for plan_box_copies) on a stream.");
 
   m.def("self_test", &run_self_tests, nb::call_guard<nb::gil_scoped_release>(),
         "Run the C++ checks over NcclMock; returns the failures.");

@@ -16,8 +16,9 @@
 namespace layoutlang::nccl {
 
 // ------------------------------------------------------------------------- errors
-// All derive from std::exception; bindings_nccl.cpp maps each to a Python class of
-// layoutlang.nccl (NcclError and its subclasses derive from ExecutionError).
+// All derive from std::exception; bindings_nccl.cpp raises each as `_core.nccl.NcclCoreError`
+// with its fields and a kind (nccl, timeout, unavailable, cuda), which
+// layoutlang.transport.nccl turns into layoutlang.errors' NcclError family and CudaError.
 
 // An NCCL call returned an error (or our own check refused a call, with kInvalidUsage).
 class NcclError : public std::runtime_error {
@@ -110,6 +111,9 @@ class CudaApi {
  public:
   virtual ~CudaApi() = default;
   virtual std::string describe() = 0;
+  // Whether "device" pointers are host addresses (CudaMock): a transport over this runtime
+  // moves CPU tensors. Callers ask this instead of checking which class they were given.
+  virtual bool host_memory() const { return false; }
 
   virtual CudaError memcpyAsync(void* dst, const void* src, std::size_t bytes, void* stream) = 0;
   virtual CudaError memcpy2DAsync(void* dst, std::size_t dpitch, const void* src, std::size_t spitch,

@@ -171,6 +171,7 @@ class CudaMock final : public CudaApi {
   void clear_calls();
 
   std::string describe() override;
+  bool host_memory() const override { return true; }
   CudaError memcpyAsync(void* dst, const void* src, std::size_t bytes, void* stream) override;
   CudaError memcpy2DAsync(void* dst, std::size_t dpitch, const void* src, std::size_t spitch, std::size_t width,
                           std::size_t height, void* stream) override;

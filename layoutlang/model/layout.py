@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 
 from ..core import _core
-from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
+from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, core_errors, did_you_mean
 from .dtypes import itemsize
 from .mesh import Mesh, Placement, Replicate
 from .rules import Rule, Storage, StorageRule, _substitute, compile_pattern
@@ -238,7 +238,8 @@ class _Resolved:
             for s in self.storages
         ]
         specs = [[(pad, list(splits)) for pad, splits in spec] for spec in self.specs]
-        return _core.LayoutCore(list(mesh.shape), list(mesh.ranks), specs, tensors, storages)
+        with core_errors(self.names):
+            return _core.LayoutCore(list(mesh.shape), list(mesh.ranks), specs, tensors, storages)
 
 
 @attrs.frozen(eq=False)
@@ -312,8 +313,8 @@ class Layout:
         index = self._tensor_index(tensor)
         storage = self.resolved.storages[self.resolved.storage_of[index]].name
         return [
-            Box(tensor, tuple(o), tuple(s), storage, tuple(so))
-            for o, s, so in self.core.boxes(index, rank)
+            Box(tensor, tuple(b.offsets), tuple(b.sizes), storage, tuple(b.storage_offsets))
+            for b in self.core.boxes(index, rank)
         ]
 
     def storages_on(self, rank: int) -> dict[str, tuple[int, ...]]:
@@ -341,18 +342,21 @@ class Layout:
 
     def summary(self) -> list[dict[str, int]]:
         """Per rank: tensors, boxes, elements and bytes held (computed from every box)."""
-        keys = ("rank", "tensors", "boxes", "elements", "bytes")
-        return [dict(zip(keys, row)) for row in self.core.summarize()]
+        return [
+            {"rank": r.rank, "tensors": r.tensors, "boxes": r.boxes, "elements": r.elements, "bytes": r.bytes}
+            for r in self.core.summarize()
+        ]
 
     def check(self) -> None:
         """Resolves every tensor and validates every storage on every rank; raises LayoutError."""
         resolved = self.resolved
         problems = self.core.validate(1)
         if problems:
-            kind, sid, rank, message = problems[0]
-            storage = resolved.storages[sid]
+            problem = problems[0]
+            storage = resolved.storages[problem.storage]
             raise LayoutValueError(
-                f"storage '{storage.name}' of layout '{self.name}' on rank {rank}: {message}", storage.span
+                f"storage '{storage.name}' of layout '{self.name}' on rank {problem.rank}: {problem.message}",
+                storage.span,
             )
         # Storage names may repeat only on disjoint ranks (Megatron's per-stage local names).
         for name, sids in resolved.storage_index.items():

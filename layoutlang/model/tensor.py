@@ -188,7 +188,8 @@ def shard_boxes(
     coords = list(mesh.coords(rank).values())
     runs_per_dim = []
     for n, dim in zip(shape, spec):
-        _, runs = _core.dim_runs(int(n), dim, coords, list(mesh.shape))
+        held = _core.dim_runs(int(n), dim, coords, list(mesh.shape))
+        runs = [(r.global_start, r.length, r.local_start) for r in held.runs]
         runs_per_dim.append(runs)
     return [
         Box(None, tuple(r[0] for r in pick), tuple(r[1] for r in pick), None, tuple(r[2] for r in pick))

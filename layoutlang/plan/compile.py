@@ -90,14 +90,10 @@ def plan_layouts(
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
     try:
         arrays = _core.build_plan(
-            source.core,
-            destination.core,
-            [POLICIES.index(p) for p in per_tensor],
-            domain_size,
-            bucket_bytes,
+            source.core, destination.core, [_core.Policy[p] for p in per_tensor], domain_size, bucket_bytes
         )
-    except LayoutError as err:
-        raise LayoutValueError(_name_tensor(err.message, names), destination.span) from None
+    except _core.CoreError as err:
+        raise LayoutValueError.from_core(err, names, destination.span) from None
     return Plan(
         source,
         destination,
@@ -178,8 +174,8 @@ def plan_recovery(
         arrays = _core.build_recovery_plan(
             [layout.core for layout in sources], lost_ranks, destination.core, domain_size, bucket_bytes
         )
-    except LayoutError as err:
-        raise LayoutValueError(_name_tensor(err.message, sources[0].resolved.names), destination.span) from None
+    except _core.CoreError as err:
+        raise LayoutValueError.from_core(err, sources[0].resolved.names, destination.span) from None
     return Plan(
         sources[0],
         destination,
@@ -191,16 +187,6 @@ def plan_recovery(
         sources=sources,
         lost=lost_ranks,
     )
-
-
-def _name_tensor(message: str, names: list[str]) -> str:
-    """The core names tensors by index; users know them by name."""
-    prefix = "tensor "
-    if message.startswith(prefix):
-        index, _, rest = message[len(prefix) :].partition(":")
-        if index.strip().isdigit() and int(index) < len(names):
-            return f"tensor '{names[int(index)]}':{rest}"
-    return message
 
 
 def compile_plan(

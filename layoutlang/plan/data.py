@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -10,18 +11,20 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
 from ..core import _core
-from ..errors import LayoutNameError, LayoutValueError, did_you_mean
+from ..errors import LayoutNameError, LayoutValueError, core_errors, did_you_mean
 from ..model import Layout, compile_pattern
 
-KINDS = ("local", "domain", "network")
-SPACES = ("source", "destination", "scratch")
-POLICIES = ("reshard", "broadcast")
+# The public spelling of the core's enums, as moves, reports and JSON write them.
+KINDS: tuple[str, ...] = tuple(kind.name for kind in _core.MoveKind)  # local, domain, network
+SPACES: tuple[str, ...] = tuple(space.name for space in _core.Space)  # source, destination, scratch
+POLICIES: tuple[str, ...] = tuple(policy.name for policy in _core.Policy)  # reshard, broadcast
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 _MAGIC = b"LAYOUTPLAN\x00\x02"
-_COLUMNS = (
+_COLUMNS: tuple[tuple[str, type[np.integer[Any]]], ...] = (
     ("region_tensor", np.int32),
     ("region_dims_start", np.int64),
     ("region_offsets", np.int64),
@@ -37,6 +40,9 @@ _COLUMNS = (
     ("move_dst_space", np.uint8),
     ("move_source", np.uint8),
 )
+
+#: A place a move reads or writes: (storage name, offsets in the storage), None when not held.
+Place = tuple[str, tuple[int, ...]] | None
 
 
 def layout_digest(layout: Layout) -> str:
@@ -141,6 +147,11 @@ class PlanStats:
         }
 
 
+def _ranks(ranks: Iterable[int]) -> frozenset[int]:
+    return frozenset(int(r) for r in ranks)
+
+
+@attrs.frozen(eq=False)
 class Plan:
     """The moves that turn ``source`` into ``destination`` (pure data, never changed).
 
@@ -151,47 +162,23 @@ class Plan:
     A *recovery plan* (:func:`plan_recovery`) reads from several source layouts in order of
     preference, never from a ``lost`` rank: ``sources`` lists them (``source`` is the first)
     and each move's ``source`` says which one it reads.
+
+    Derived values (statistics, the binary form, the fingerprint) are computed once, on
+    first use. Plans compare by identity: two plans are the same plan when their
+    fingerprints are equal.
     """
 
-    __slots__ = (
-        "source",
-        "sources",
-        "lost",
-        "destination",
-        "name",
-        "policies",
-        "domain_size",
-        "bucket_bytes",
-        "arrays",
-        "_cache",
+    source: Layout
+    destination: Layout
+    name: str
+    policies: tuple[str, ...] = attrs.field(converter=tuple)
+    domain_size: int
+    bucket_bytes: int
+    arrays: _core.PlanArrays
+    sources: tuple[Layout, ...] = attrs.field(
+        kw_only=True, converter=tuple, default=attrs.Factory(lambda plan: (plan.source,), takes_self=True)
     )
-
-    def __init__(
-        self,
-        source: Layout,
-        destination: Layout,
-        name: str,
-        policies: tuple[str, ...],
-        domain_size: int,
-        bucket_bytes: int,
-        arrays: Any,
-        *,
-        sources: Sequence[Layout] | None = None,
-        lost: Iterable[int] = (),
-    ):
-        object.__setattr__(self, "source", source)
-        object.__setattr__(self, "sources", tuple(sources) if sources is not None else (source,))
-        object.__setattr__(self, "lost", frozenset(int(r) for r in lost))
-        object.__setattr__(self, "destination", destination)
-        object.__setattr__(self, "name", name)
-        object.__setattr__(self, "policies", policies)
-        object.__setattr__(self, "domain_size", domain_size)
-        object.__setattr__(self, "bucket_bytes", bucket_bytes)
-        object.__setattr__(self, "arrays", arrays)
-        object.__setattr__(self, "_cache", {})
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError("a Plan is immutable")
+    lost: frozenset[int] = attrs.field(kw_only=True, converter=_ranks, default=frozenset())
 
     def __repr__(self) -> str:
         return (
@@ -218,18 +205,18 @@ class Plan:
         return int(self.arrays.num_buckets)
 
     # -- reading moves
-    def _column(self, name: str) -> np.ndarray:
+    def _column(self, name: str) -> npt.NDArray[Any]:
         return np.asarray(getattr(self.arrays, name))
 
     def region(self, region: int) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         """(tensor, offsets, sizes) of a region."""
         a = self.arrays
-        tensor = int(a.region_tensor[region])
+        tensor = self.tensors[int(a.region_tensor[region])]
         start = int(a.region_dims_start[region])
-        ndim = len(self.source.tensors[self.tensors[tensor]].shape)
+        ndim = len(self.source.tensors[tensor].shape)
         offsets = tuple(int(x) for x in a.region_offsets[start : start + ndim])
         sizes = tuple(int(x) for x in a.region_sizes[start : start + ndim])
-        return self.tensors[tensor], offsets, sizes
+        return tensor, offsets, sizes
 
     def move(self, index: int) -> Move:
         a = self.arrays
@@ -242,32 +229,33 @@ class Plan:
             sizes,
             int(a.move_src[index]),
             int(a.move_dst[index]),
-            KINDS[a.move_kind[index]],
+            _core.MoveKind(int(a.move_kind[index])).name,
             int(a.move_stage[index]),
             int(a.move_bucket[index]),
-            SPACES[a.move_src_space[index]],
-            SPACES[a.move_dst_space[index]],
+            _core.Space(int(a.move_src_space[index])).name,
+            _core.Space(int(a.move_dst_space[index])).name,
             int(a.region_bytes[region]),
             int(a.move_source[index]),
         )
 
     def moves(self, tensor: str | None = None) -> Iterator[Move]:
         """Every move, or the moves of tensors matching ``tensor`` (a name or a pattern)."""
+        indices: Iterable[int]
         if tensor is None:
-            indices: Sequence[int] = range(self.num_moves)
+            indices = range(self.num_moves)
         else:
-            indices = np.flatnonzero(np.isin(self._move_tensor(), self._tensor_ids(tensor)))
+            indices = np.flatnonzero(np.isin(self._move_tensor, self._tensor_ids(tensor)))
         for i in indices:
             yield self.move(int(i))
 
-    def moves_of_rank(self, rank: int) -> np.ndarray:
+    def moves_of_rank(self, rank: int) -> npt.NDArray[np.intp]:
         """Indices of the moves that read or write on ``rank``, in plan order."""
         return np.flatnonzero((self._column("move_src") == rank) | (self._column("move_dst") == rank))
 
-    def _move_tensor(self) -> np.ndarray:
-        if "move_tensor" not in self._cache:
-            self._cache["move_tensor"] = self._column("region_tensor")[self._column("move_region")]
-        return self._cache["move_tensor"]
+    @functools.cached_property
+    def _move_tensor(self) -> npt.NDArray[np.int32]:
+        """The tensor of every move."""
+        return self._column("region_tensor")[self._column("move_region")]
 
     def _tensor_ids(self, pattern: str) -> list[int]:
         names = self.tensors
@@ -279,71 +267,68 @@ class Plan:
             raise LayoutNameError(f"no tensor matches '{pattern}'", hint=did_you_mean(pattern, names))
         return found
 
-    def place(self, move: Move | int) -> tuple[tuple[str, tuple[int, ...]] | None, tuple[str, tuple[int, ...]] | None]:
+    def place(self, move: Move | int) -> tuple[Place, Place]:
         """Where a move reads and writes: (storage name, offsets in it) on each side.
 
         Scratch buffers hold a whole tensor, so their offsets are the region's own offsets
         and their name is the tensor's.
         """
-        if isinstance(move, int):
-            move = self.move(move)
+        record = self.move(move) if isinstance(move, int) else move
+        return self._locate(record, record.src, record.src_space), self._locate(record, record.dst, record.dst_space)
 
-        def locate(rank: int, space: str):
-            if space == "scratch":
-                return (move.tensor, move.offsets)
-            layout = self.sources[move.source] if space == "source" else self.destination
-            index = layout.resolved.index[move.tensor]
+    def _locate(self, move: Move, rank: int, space: str) -> Place:
+        if space == "scratch":
+            return (move.tensor, move.offsets)
+        layout = self.sources[move.source] if space == "source" else self.destination
+        resolved = layout.resolved
+        index = resolved.index[move.tensor]
+        with core_errors(resolved.names):
             offsets = layout.core.locate(index, rank, list(move.offsets))
-            storage = layout.resolved.storages[layout.resolved.storage_of[index]].name
-            return (storage, tuple(offsets)) if offsets is not None else None
-
-        return locate(move.src, move.src_space), locate(move.dst, move.dst_space)
+        storage = resolved.storages[resolved.storage_of[index]].name
+        return (storage, tuple(offsets)) if offsets is not None else None
 
     # -- checks
     def validate(self) -> None:
         """Raises LayoutValueError unless every destination byte is written exactly once,
         every read lies in what its rank holds (or received in an earlier stage or bucket),
         and every move's kind matches its ranks' domains."""
-        if self.is_recovery:
-            problems = _core.validate_recovery_plan(
-                self.arrays,
-                [layout.core for layout in self.sources],
-                sorted(self.lost),
-                self.destination.core,
-                self.domain_size,
-                self.bucket_bytes,
-            )
-        else:
-            problems = _core.validate_plan(
-                self.arrays, self.source.core, self.destination.core, self.domain_size, self.bucket_bytes
-            )
+        with core_errors(self.tensors):
+            if self.is_recovery:
+                problems = _core.validate_recovery_plan(
+                    self.arrays,
+                    [layout.core for layout in self.sources],
+                    sorted(self.lost),
+                    self.destination.core,
+                    self.domain_size,
+                    self.bucket_bytes,
+                )
+            else:
+                problems = _core.validate_plan(
+                    self.arrays, self.source.core, self.destination.core, self.domain_size, self.bucket_bytes
+                )
         if problems:
             raise LayoutValueError(f"plan '{self.name}' is invalid: " + "; ".join(problems))
 
     # -- statistics
-    @property
+    @functools.cached_property
     def stats(self) -> PlanStats:
-        if "stats" not in self._cache:
-            self._cache["stats"] = self._compute_stats()
-        return self._cache["stats"]
-
-    def _compute_stats(self) -> PlanStats:
+        """Bytes, moves and messages by kind, in total and per rank (computed once)."""
         ranks = sorted(set(self.destination.mesh.ranks).union(*(s.mesh.ranks for s in self.sources)))
-        totals = _core.plan_totals(self.arrays, max(ranks) + 1)
-        sent = np.asarray(totals["sent"], dtype=np.int64).reshape(-1, 3)
-        received = np.asarray(totals["received"], dtype=np.int64).reshape(-1, 3)
+        with core_errors(self.tensors):
+            totals = _core.plan_totals(self.arrays, max(ranks) + 1)
+        sent, received = np.asarray(totals.sent), np.asarray(totals.received)
         per_rank = {
             r: {
-                "sent": {k: int(sent[r, i]) for i, k in enumerate(KINDS)},
-                "received": {k: int(received[r, i]) for i, k in enumerate(KINDS)},
+                "sent": {kind.name: int(sent[r, kind]) for kind in _core.MoveKind},
+                "received": {kind.name: int(received[r, kind]) for kind in _core.MoveKind},
             }
             for r in ranks
         }
-        network = KINDS.index("network")
+        network = _core.MoveKind.network
         return PlanStats(
-            dict(zip(KINDS, totals["bytes"])),
-            dict(zip(KINDS, totals["moves"])),
-            totals["messages"],
+            {kind.name: totals.bytes[kind] for kind in _core.MoveKind},
+            {kind.name: totals.moves[kind] for kind in _core.MoveKind},
+            totals.messages,
             self.num_buckets,
             int(self.arrays.lower_bound_bytes),
             int(self.arrays.broadcast_payload_bytes),
@@ -380,24 +365,24 @@ class Plan:
             "broadcast_payload_bytes": int(self.arrays.broadcast_payload_bytes),
         }
 
+    @functools.cached_property
+    def _bytes(self) -> bytes:
+        header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
+        parts = [_MAGIC, struct.pack("<Q", len(header)), header]
+        for name, dtype in _COLUMNS:
+            column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
+            parts.append(struct.pack("<Q", column.size))
+            parts.append(column.tobytes())
+        return b"".join(parts)
+
     def to_bytes(self) -> bytes:
         """The compact binary form: a JSON header, then every column as little-endian arrays."""
-        if "bytes" not in self._cache:
-            header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
-            parts = [_MAGIC, struct.pack("<Q", len(header)), header]
-            for name, dtype in _COLUMNS:
-                column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
-                parts.append(struct.pack("<Q", column.size))
-                parts.append(column.tobytes())
-            self._cache["bytes"] = b"".join(parts)
-        return self._cache["bytes"]
+        return self._bytes
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """SHA-256 of the binary form: equal on every rank that compiled the same plan."""
-        if "fingerprint" not in self._cache:
-            self._cache["fingerprint"] = hashlib.sha256(self.to_bytes()).hexdigest()
-        return self._cache["fingerprint"]
+        return hashlib.sha256(self.to_bytes()).hexdigest()
 
     def to_json(self, moves: bool = True) -> dict[str, Any]:
         """A JSON-ready description: the header, statistics and (optionally) every move."""

@@ -64,10 +64,10 @@ def _from_header(header: dict[str, Any], columns: dict[str, np.ndarray], program
                 f"the plan was compiled for a different {side} layout '{layout.name}' than {program.path} declares"
             )
     arrays = _core.PlanArrays(
-        *(columns[name] for name, _ in _COLUMNS),
-        header["num_buckets"],
-        header["lower_bound_bytes"],
-        header["broadcast_payload_bytes"],
+        **columns,
+        num_buckets=header["num_buckets"],
+        lower_bound_bytes=header["lower_bound_bytes"],
+        broadcast_payload_bytes=header["broadcast_payload_bytes"],
     )
     broadcast = set(header["broadcast_tensors"])
     policies = tuple("broadcast" if i in broadcast else "reshard" for i in range(len(header["tensors"])))

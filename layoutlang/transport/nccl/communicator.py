@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
 from ...core import _core
-from ...errors import NcclError, NcclUnavailableError
+from ...errors import NcclError, NcclUnavailableError, core_errors
 from .library import load_cuda_runtime, load_library
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,16 @@ def _receive(store: Any, key: str, rank: int, timeout: float) -> bytes:
     return value
 
 
+def new_unique_id(api: _core.nccl.NcclApi) -> bytes:
+    """A fresh id for creating a communicator (ncclGetUniqueId), as 128 bytes."""
+    with core_errors():
+        return _core.nccl.unique_id(api)
+
+
+#: One transfer of an exchange: (peer, pointer, bytes), the peer a rank of the communicator.
+Transfer = tuple[int, int, int]
+
+
 class Communicator:
     """An NCCL communicator (a thin Python face of ``_core.nccl.Communicator``).
 
@@ -50,9 +60,12 @@ class Communicator:
     excludes ranks (after a failure, default mode revokes first; ``mode="abort"`` lets
     NCCL terminate the parent's operations); :meth:`grow` adds ranks that :meth:`join`
     with the coordinator's single-use id. Shrink and grow release the parent.
+
+    Every failure raises layoutlang's :class:`~layoutlang.errors.NcclError` family or
+    :class:`~layoutlang.errors.CudaError`.
     """
 
-    def __init__(self, core: Any, api: Any, cuda: Any):
+    def __init__(self, core: _core.nccl.Communicator, api: _core.nccl.NcclApi, cuda: _core.nccl.CudaApi):
         self.core, self.api, self.cuda = core, api, cuda
 
     def __repr__(self) -> str:
@@ -66,8 +79,8 @@ class Communicator:
         size: int,
         *,
         key: str = "layoutlang/nccl/init",
-        api: Any = None,
-        cuda: Any = None,
+        api: _core.nccl.NcclApi | None = None,
+        cuda: _core.nccl.CudaApi | None = None,
         timeout: float = 300.0,
         blocking: bool = False,
     ) -> Communicator:
@@ -75,13 +88,28 @@ class Communicator:
         until every rank has read it (so the key can be reused for the next communicator)."""
         api = api if api is not None else load_library()
         cuda = cuda if cuda is not None else load_cuda_runtime()
-        nccl = _core.nccl
         if rank == 0:
-            unique_id = nccl.unique_id(api)
+            unique_id = new_unique_id(api)
             _publish(store, key, unique_id, range(1, size), timeout)
         else:
             unique_id = _receive(store, key, rank, timeout)
-        core = nccl.Communicator.init(api, cuda, size, rank, unique_id, blocking=blocking, timeout=timeout)
+        return cls.init(api, cuda, size, rank, unique_id, blocking=blocking, timeout=timeout)
+
+    @classmethod
+    def init(
+        cls,
+        api: _core.nccl.NcclApi,
+        cuda: _core.nccl.CudaApi,
+        size: int,
+        rank: int,
+        unique_id: bytes,
+        *,
+        blocking: bool = False,
+        timeout: float = 300.0,
+    ) -> Communicator:
+        """ncclCommInitRankConfig with an id every rank already has (:meth:`create` shares it)."""
+        with core_errors():
+            core = _core.nccl.Communicator.init(api, cuda, size, rank, unique_id, blocking=blocking, timeout=timeout)
         return cls(core, api, cuda)
 
     @classmethod
@@ -92,8 +120,8 @@ class Communicator:
         size: int,
         *,
         key: str,
-        api: Any = None,
-        cuda: Any = None,
+        api: _core.nccl.NcclApi | None = None,
+        cuda: _core.nccl.CudaApi | None = None,
         timeout: float = 300.0,
         blocking: bool = False,
     ) -> Communicator:
@@ -101,7 +129,8 @@ class Communicator:
         api = api if api is not None else load_library()
         cuda = cuda if cuda is not None else load_cuda_runtime()
         unique_id = _receive(store, key, rank, timeout)
-        core = _core.nccl.Communicator.join(api, cuda, size, rank, unique_id, blocking=blocking, timeout=timeout)
+        with core_errors():
+            core = _core.nccl.Communicator.join(api, cuda, size, rank, unique_id, blocking=blocking, timeout=timeout)
         return cls(core, api, cuda)
 
     @property
@@ -117,24 +146,30 @@ class Communicator:
         """``ready``, ``failed``, ``revoked``, ``aborted`` or ``destroyed``."""
         return self.core.state
 
-    def exchange(self, sends, recvs, stream: int) -> int:
+    def exchange(self, sends: Iterable[Transfer], recvs: Iterable[Transfer], stream: int) -> int:
         """One group of receives and sends, each ``(peer, pointer, bytes)``; returns a ticket."""
-        return self.core.exchange(list(sends), list(recvs), stream)
+        with core_errors():
+            return self.core.exchange(list(sends), list(recvs), stream)
 
     def wait(self, ticket: int, timeout: float) -> bool:
-        return self.core.wait(ticket, timeout)
+        with core_errors():
+            return self.core.wait(ticket, timeout)
 
     def async_error(self) -> int:
-        return self.core.async_error()
+        with core_errors():
+            return self.core.async_error()
 
     def abort(self) -> None:
-        self.core.abort()
+        with core_errors():
+            self.core.abort()
 
     def revoke(self) -> None:
-        self.core.revoke()
+        with core_errors():
+            self.core.revoke()
 
     def destroy(self) -> None:
-        self.core.destroy()
+        with core_errors():
+            self.core.destroy()
 
     def shrink(self, exclude: Sequence[int], *, mode: str = "default", retire: bool = True) -> Communicator:
         """A communicator without the ranks in ``exclude`` (ranks of this communicator).
@@ -146,7 +181,8 @@ class Communicator:
         if mode not in ("default", "abort"):
             raise ValueError(f"shrink mode must be 'default' or 'abort', not {mode!r}")
         try:
-            child = self.core.shrink(list(exclude), mode == "abort")
+            with core_errors():
+                child = self.core.shrink(list(exclude), mode == "abort")
         except NcclUnavailableError as err:
             if err.symbol == "ncclCommRevoke":
                 err.hint = "this NCCL cannot revoke: shrink with mode='abort' instead"
@@ -159,12 +195,13 @@ class Communicator:
         """Grow to ``size`` ranks; every existing rank calls this. The coordinator asks NCCL
         for a single-use id (ncclCommGetUniqueId) and publishes it under ``key``; new ranks
         call :meth:`join` with the same key."""
-        if coordinator:
-            unique_id = self.core.grow_unique_id()
-            _publish(store, key, unique_id, range(self.size, size), self.core.timeout)
-            child = self.core.grow(size, unique_id)
-        else:
-            child = self.core.grow(size, None)
+        with core_errors():
+            if coordinator:
+                unique_id = self.core.grow_unique_id()
+                _publish(store, key, unique_id, range(self.size, size), self.core.timeout)
+                child = self.core.grow(size, unique_id)
+            else:
+                child = self.core.grow(size, None)
         self._retire()
         return Communicator(child, self.api, self.cuda)
 
@@ -174,10 +211,10 @@ class Communicator:
         child, and abort is local, whereas finalize waits until the communicator is
         globally quiescent, i.e. for ranks a shrink excluded."""
         try:
-            if self.core.state == "revoked":
-                self.core.destroy()
+            if self.state == "revoked":
+                self.destroy()
             else:
-                self.core.abort()
+                self.abort()
         except NcclError as err:
             log.warning("releasing the previous communicator: %s", err.message)
-            self.core.abort()
+            self.abort()

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from ...core import _core
+from ...errors import core_errors
 from .library import load_cuda_runtime
 
 # ------------------------------------------------------------------------- box copies
 
 
-def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, cuda: Any = None, stream: int | None = None) -> tuple[int, int]:
+def copy_pairs(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    cuda: _core.nccl.CudaApi | None = None,
+    stream: int | None = None,
+) -> tuple[int, int]:
     """``dst.copy_(src)`` for every ``(dst, src)`` pair (same shape and dtype, any strides)
     as pitched CUDA runtime copies: one call per box up to 3-D, adjacent contiguous boxes
     merged. Returns (runtime calls, bytes). ``cuda`` defaults to the CUDA runtime;
@@ -42,4 +47,6 @@ def copy_pairs(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, cuda: Any 
         cuda = load_cuda_runtime()
     if stream is None:
         stream = torch.cuda.current_stream(first.device).cuda_stream if first.is_cuda else 0
-    return tuple(_core.nccl.copy_boxes(cuda, desc, stream))
+    with core_errors():
+        done = _core.nccl.copy_boxes(cuda, desc, stream)
+    return (done.calls, done.bytes)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ...core import _core
-from ...errors import NcclUnavailableError
+from ...errors import NcclUnavailableError, core_errors
 
 LIBRARY_ENV = "LAYOUTLANG_NCCL_LIBRARY"
 CUDART_ENV = "LAYOUTLANG_CUDART_LIBRARY"
@@ -83,23 +83,25 @@ def cudart_candidates() -> list[tuple[str, str]]:
 
 
 @functools.cache
-def _load_nccl(candidates: tuple[str, ...]):
-    return _core.nccl.NcclLibrary.load(list(candidates))
+def _load_nccl(candidates: tuple[str, ...]) -> _core.nccl.NcclLibrary:
+    with core_errors():
+        return _core.nccl.NcclLibrary.load(list(candidates))
 
 
 @functools.cache
-def _load_cudart(candidates: tuple[str, ...]):
-    return _core.nccl.CudaRuntime.load(list(candidates))
+def _load_cudart(candidates: tuple[str, ...]) -> _core.nccl.CudaRuntime:
+    with core_errors():
+        return _core.nccl.CudaRuntime.load(list(candidates))
 
 
-def load_library(path: str | None = None):
+def load_library(path: str | None = None) -> _core.nccl.NcclLibrary:
     """The NCCL library (``_core.nccl.NcclLibrary``): ``path`` if given, else the first of
     :func:`nccl_candidates`. Loaded once per candidate list. Raises NcclUnavailableError."""
     candidates = [path] if path else [c for c, _ in nccl_candidates()]
     return _load_nccl(tuple(candidates))
 
 
-def load_cuda_runtime(path: str | None = None):
+def load_cuda_runtime(path: str | None = None) -> _core.nccl.CudaRuntime:
     """The CUDA runtime (``_core.nccl.CudaRuntime``), found like NCCL. Raises CudaError."""
     candidates = [path] if path else [c for c, _ in cudart_candidates()]
     return _load_cudart(tuple(candidates))
@@ -115,7 +117,7 @@ def _wheel_of(path: str) -> str | None:
         if not name.lower().startswith("nvidia-nccl"):
             continue
         for file in dist.files or ():
-            if Path(dist.locate_file(file)).resolve() == target:
+            if Path(str(dist.locate_file(file))).resolve() == target:
                 return f"{name} {dist.version}"
     return None
 
@@ -133,7 +135,8 @@ def library_facts(path: str | None = None) -> dict[str, Any]:
         lib = load_library(path)
     except NcclUnavailableError as err:
         return {"found": False, "error": err.message, "searched": [d for _, d in candidates]}
-    code = lib.version
+    with core_errors():
+        code = lib.version
     return {
         "found": True,
         "path": lib.path,

@@ -125,13 +125,14 @@ class NcclTransport:
         self.watch = watch
         self.first_completed_at: float | None = None  # time.time() of the first exchange waited to completion
         self._map = dict(rank_map) if rank_map is not None else None
-        mock = type(communicator.cuda).__name__ == "CudaMock"
         if device is None:
-            device = torch.device("cpu") if mock else torch.device("cuda", torch.cuda.current_device())
+            # A runtime whose pointers are host addresses (the mock) moves CPU tensors.
+            host = communicator.cuda.host_memory
+            device = torch.device("cpu") if host else torch.device("cuda", torch.cuda.current_device())
         self.device = torch.device(device)
         # The mock fabric completes an event when the receives posted before it on its
         # stream arrive: every transport gets a stream number of its own.
-        self._mock_stream = next(_MOCK_STREAMS) if self.device.type == "cpu" else None
+        self._mock_stream = next(_MOCK_STREAMS)  # used on the CPU only
         self._side = torch.cuda.Stream(self.device) if side_stream and self.device.type == "cuda" else None
 
     @classmethod
