@@ -32,7 +32,8 @@ def _wait_keys(store, keys, timeout):
 
 
 # The `pool` of the multi-process tests (tests/conftest.py): exactly SIZE ranks (the jobs'
-# membership is the whole world), the module's own (its store keeps the tests' keys).
+# membership is the whole world), the module's own: a test SIGSTOPs one of its workers, and
+# the jobs leave elastic groups in the workers and their keys in the store.
 pytestmark = pytest.mark.workers(SIZE, scope="module")
 
 
