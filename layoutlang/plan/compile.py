@@ -45,13 +45,13 @@ def _check_pair(source: Layout, destination: Layout, storages: bool = True) -> N
         if other is None or other.parts == storage.parts:
             continue
         for rank in shared:
-            a = source.storage_shape(storage.name, rank)
-            b = destination.storage_shape(storage.name, rank)
-            if a is not None and b is not None and (a != b or other.parts != storage.parts):
+            held = source.storage_shape(storage.name, rank)
+            needed = destination.storage_shape(storage.name, rank)
+            if held is not None and needed is not None and (held != needed or other.parts != storage.parts):
                 raise LayoutValueError(
                     f"rank {rank} is in both meshes and holds conflicting storages named '{storage.name}': "
-                    f"in '{source.name}' {list(a)} of {', '.join(other.parts)}, in '{destination.name}' "
-                    f"{list(b)} of {', '.join(storage.parts)}",
+                    f"in '{source.name}' {list(held)} of {', '.join(other.parts)}, in '{destination.name}' "
+                    f"{list(needed)} of {', '.join(storage.parts)}",
                     storage.span or destination.span,
                     "give one of them another name with a storage statement",
                 )
@@ -220,4 +220,5 @@ def compile_plan(
             policies=policies,
         )
     except LayoutError as err:
-        raise err.with_span(statement.span)
+        err.with_span(statement.span)  # found deep down: it gets the statement's place
+        raise

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import json
 import struct
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -43,6 +43,32 @@ _COLUMNS: tuple[tuple[str, type[np.integer[Any]]], ...] = (
 
 #: A place a move reads or writes: (storage name, offsets in the storage), None when not held.
 Place = tuple[str, tuple[int, ...]] | None
+
+
+def plan_arrays(
+    columns: Mapping[str, npt.ArrayLike], *, num_buckets: int, lower_bound_bytes: int, broadcast_payload_bytes: int
+) -> _core.PlanArrays:
+    """The core's :class:`PlanArrays` from named columns, each made a contiguous array of its dtype."""
+    c = {name: np.ascontiguousarray(columns[name], dtype=dtype) for name, dtype in _COLUMNS}
+    return _core.PlanArrays(
+        region_tensor=c["region_tensor"],
+        region_dims_start=c["region_dims_start"],
+        region_offsets=c["region_offsets"],
+        region_sizes=c["region_sizes"],
+        region_bytes=c["region_bytes"],
+        move_region=c["move_region"],
+        move_src=c["move_src"],
+        move_dst=c["move_dst"],
+        move_bucket=c["move_bucket"],
+        move_kind=c["move_kind"],
+        move_stage=c["move_stage"],
+        move_src_space=c["move_src_space"],
+        move_dst_space=c["move_dst_space"],
+        move_source=c["move_source"],
+        num_buckets=num_buckets,
+        lower_bound_bytes=lower_bound_bytes,
+        broadcast_payload_bytes=broadcast_payload_bytes,
+    )
 
 
 def layout_digest(layout: Layout) -> str:
@@ -147,6 +173,15 @@ class PlanStats:
         }
 
 
+# Converters of Plan's fields, typed (mypy's attrs plugin cannot type the generic builtins).
+def _policies(policies: Iterable[str]) -> tuple[str, ...]:
+    return tuple(policies)
+
+
+def _layouts(layouts: Iterable[Layout]) -> tuple[Layout, ...]:
+    return tuple(layouts)
+
+
 def _ranks(ranks: Iterable[int]) -> frozenset[int]:
     return frozenset(int(r) for r in ranks)
 
@@ -171,12 +206,12 @@ class Plan:
     source: Layout
     destination: Layout
     name: str
-    policies: tuple[str, ...] = attrs.field(converter=tuple)
+    policies: tuple[str, ...] = attrs.field(converter=_policies)
     domain_size: int
     bucket_bytes: int
     arrays: _core.PlanArrays
     sources: tuple[Layout, ...] = attrs.field(
-        kw_only=True, converter=tuple, default=attrs.Factory(lambda plan: (plan.source,), takes_self=True)
+        kw_only=True, converter=_layouts, default=attrs.Factory(lambda plan: (plan.source,), takes_self=True)
     )
     lost: frozenset[int] = attrs.field(kw_only=True, converter=_ranks, default=frozenset())
 

@@ -11,12 +11,12 @@ import struct
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from ..core import _core
 from ..errors import LayoutValueError
 from ..model import Program
 from .compile import plan_layouts
-from .data import _COLUMNS, _MAGIC, Plan, layout_digest
+from .data import _COLUMNS, _MAGIC, Plan, layout_digest, plan_arrays
 
 __all__ = ["load_plan"]
 
@@ -32,14 +32,15 @@ def load_plan(data: bytes, program: Program) -> Plan:
         pos += 8
         header = json.loads(data[pos : pos + length])
         pos += length
-        columns = {}
+        columns: dict[str, npt.NDArray[Any]] = {}
         for name, dtype in _COLUMNS:
             (count,) = struct.unpack_from("<Q", data, pos)
             pos += 8
             size = count * np.dtype(dtype).itemsize
             if pos + size > len(data):
                 raise ValueError("truncated")
-            columns[name] = np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=count, offset=pos).astype(dtype)
+            little = np.dtype(dtype).newbyteorder("<")
+            columns[name] = np.frombuffer(data, dtype=little, count=count, offset=pos).astype(dtype)
             pos += size
     except (struct.error, ValueError, json.JSONDecodeError) as err:
         raise LayoutValueError(f"the plan file is damaged ({err})") from None
@@ -48,7 +49,8 @@ def load_plan(data: bytes, program: Program) -> Plan:
     except (KeyError, TypeError, IndexError) as err:
         raise LayoutValueError(f"the plan file is damaged (its header lacks or garbles {err})") from None
 
-def _from_header(header: dict[str, Any], columns: dict[str, np.ndarray], program: Program) -> Plan:
+
+def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], program: Program) -> Plan:
     if "recovery_sources" in header:
         raise LayoutValueError(
             "this is a recovery plan (sources "
@@ -63,8 +65,8 @@ def _from_header(header: dict[str, Any], columns: dict[str, np.ndarray], program
             raise LayoutValueError(
                 f"the plan was compiled for a different {side} layout '{layout.name}' than {program.path} declares"
             )
-    arrays = _core.PlanArrays(
-        **columns,
+    arrays = plan_arrays(
+        columns,
         num_buckets=header["num_buckets"],
         lower_bound_bytes=header["lower_bound_bytes"],
         broadcast_payload_bytes=header["broadcast_payload_bytes"],
@@ -83,11 +85,17 @@ def _from_header(header: dict[str, Any], columns: dict[str, np.ndarray], program
     plan.validate()
     # The header's totals are derived data: recompute them rather than trust them.
     check = plan_layouts(
-        source, destination, name=plan.name, domain_size=plan.domain_size, bucket_bytes=plan.bucket_bytes, policies=policies
+        source,
+        destination,
+        name=plan.name,
+        domain_size=plan.domain_size,
+        bucket_bytes=plan.bucket_bytes,
+        policies=policies,
     )
-    for field in ("num_buckets", "lower_bound_bytes", "broadcast_payload_bytes"):
-        if header[field] != int(getattr(check.arrays, field)) and field != "num_buckets":
+    for field in ("lower_bound_bytes", "broadcast_payload_bytes"):
+        if header[field] != int(getattr(check.arrays, field)):
             raise LayoutValueError(f"the plan file is damaged: its {field} does not match the program")
+    # The bucket count follows from the moves (a plan may be cut into buckets of its own).
     if header["num_buckets"] != (int(np.max(columns["move_bucket"])) + 1 if columns["move_bucket"].size else 0):
         raise LayoutValueError("the plan file is damaged: its num_buckets does not match its moves")
     return plan

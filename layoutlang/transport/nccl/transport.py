@@ -11,8 +11,10 @@ from typing import Any
 import torch
 
 from ..._text import ranks_phrase
+from ...core import _core
 from ...errors import CudaError, ExecutionError, NcclError, NcclTimeoutError
-from .communicator import Communicator
+from ..base import Buffers, Pending, Transport
+from .communicator import Communicator, Transfer
 
 log = logging.getLogger(__name__)
 
@@ -24,13 +26,22 @@ _MOCK_STREAMS = itertools.count(1)
 WATCH_SLICE = 0.05
 
 
-class _NcclPending:
-    def __init__(self, transport: NcclTransport, ticket: int, labels: list[str], peers: list[int], keep: list, back: list):
-        self.transport, self.ticket, self.labels, self.peers = transport, ticket, labels, peers
+class _NcclPending(Pending):
+    def __init__(
+        self,
+        transport: NcclTransport,
+        ticket: int,
+        labels: list[str],
+        peers: list[int],
+        keep: list[torch.Tensor],
+        back: list[tuple[torch.Tensor, torch.Tensor]],
+    ):
+        super().__init__(transport, labels, peers)
+        self.nccl, self.ticket = transport, ticket
         self._keep, self._back = keep, back  # staging buffers live until the transfer is done
 
-    def wait(self, timeout: float) -> None:
-        t = self.transport
+    def _wait(self, timeout: float) -> None:
+        t = self.nccl
         if t.watch is None:
             done = self._wait_core(timeout)
         else:
@@ -43,16 +54,18 @@ class _NcclPending:
                 f"was {action}",
                 call="ncclCommGetAsyncError",
                 code=8,
+                rank=t.rank,
+                peers=self.peers,
             )
         for host, device in self._back:
             host.copy_(device)
-        self._keep = self._back = []
+        self._keep, self._back = [], []
         if t.first_completed_at is None:
             t.first_completed_at = time.time()
 
     def _wait_core(self, timeout: float) -> bool:
         """One wait on the core (False: not done within ``timeout``, with no side effect)."""
-        t = self.transport
+        t = self.nccl
         try:
             return t.communicator.wait(self.ticket, timeout)
         except (NcclError, CudaError) as err:
@@ -62,6 +75,8 @@ class _NcclPending:
                 f"({'; '.join(self.labels)}): {err.message}; the communicator was {action}",
                 call=err.call,
                 code=err.code if isinstance(err, NcclError) else None,
+                rank=t.rank,
+                peers=self.peers,
             ) from None
 
     def _wait_watched(self, timeout: float, watch: Callable[[], None]) -> bool:
@@ -83,13 +98,13 @@ class _NcclPending:
             try:
                 watch()
             except BaseException:
-                self.transport._fail()
+                self.nccl._fail()
                 raise
 
 
-class NcclTransport:
-    """The executor's transport over NCCL (the interface of
-    :class:`~layoutlang.execute.TorchTransport`).
+class NcclTransport(Transport):
+    """The executor's transport over NCCL (the lifecycle of every
+    :class:`~layoutlang.transport.base.Transport`: configure, exchange, abort, errored).
 
     ``rank`` is this process's program rank; ``rank_map`` maps program ranks to ranks of
     the communicator (default: the same numbers). Each exchange is one group of receives
@@ -120,11 +135,10 @@ class NcclTransport:
         if on_failure not in ("abort", "revoke"):
             raise ValueError(f"on_failure must be 'abort' or 'revoke', not {on_failure!r}")
         self.rank = rank
-        self.communicator = communicator
         self.on_failure = on_failure
         self.watch = watch
         self.first_completed_at: float | None = None  # time.time() of the first exchange waited to completion
-        self._map = dict(rank_map) if rank_map is not None else None
+        self.configure(communicator, rank_map)
         if device is None:
             # A runtime whose pointers are host addresses (the mock) moves CPU tensors.
             host = communicator.cuda.host_memory
@@ -135,6 +149,13 @@ class NcclTransport:
         self._mock_stream = next(_MOCK_STREAMS)  # used on the CPU only
         self._side = torch.cuda.Stream(self.device) if side_stream and self.device.type == "cuda" else None
 
+    def configure(self, group: Communicator, rank_map: Mapping[int, int] | None = None) -> None:
+        """Exchange over communicator ``group`` from now on; ``rank_map`` maps program ranks to
+        its ranks (None: the same numbers). Clears an earlier failure."""
+        self.communicator = group
+        self._map = dict(rank_map) if rank_map is not None else None
+        self._error = None
+
     @classmethod
     def from_store(
         cls,
@@ -144,22 +165,28 @@ class NcclTransport:
         *,
         key: str = "layoutlang/nccl/executor",
         timeout: float = 300.0,
-        api: Any = None,
-        cuda: Any = None,
+        api: _core.nccl.NcclApi | None = None,
+        cuda: _core.nccl.CudaApi | None = None,
         **kwargs: Any,
     ) -> NcclTransport:
         """Create the communicator of ``participants`` (program ranks, in order) through ``store``."""
         ordered = sorted(set(participants))
         if rank not in ordered:
-            raise ExecutionError(f"rank {rank} is not one of the participants {ordered}")
-        comm = Communicator.create(store, ordered.index(rank), len(ordered), key=key, api=api, cuda=cuda, timeout=timeout)
+            raise ExecutionError(f"rank {rank} is not one of the participants {ordered}", rank=rank)
+        comm = Communicator.create(
+            store, ordered.index(rank), len(ordered), key=key, api=api, cuda=cuda, timeout=timeout
+        )
         return cls(rank, comm, {r: i for i, r in enumerate(ordered)}, **kwargs)
 
     def _peer(self, rank: int) -> int:
         if self._map is None:
             return rank
         if rank not in self._map:
-            raise ExecutionError(f"rank {self.rank}: program rank {rank} has no rank in the NCCL communicator")
+            raise ExecutionError(
+                f"rank {self.rank}: program rank {rank} has no rank in the NCCL communicator",
+                rank=self.rank,
+                peers=[rank],
+            )
         return self._map[rank]
 
     def _stream(self) -> int:
@@ -184,9 +211,22 @@ class NcclTransport:
             log.warning("rank %d: abort failed: %s", self.rank, err.message)
         return "aborted"
 
-    def _staged(self, buf: torch.Tensor, receive: bool, keep: list, back: list) -> torch.Tensor:
+    def abort(self) -> None:
+        """Abort the communicator: pending exchanges end, later ones raise until :meth:`configure`."""
+        self._failed(ExecutionError(f"rank {self.rank}: the transport was aborted", rank=self.rank))
+        self.communicator.abort()
+
+    def _staged(
+        self,
+        buf: torch.Tensor,
+        receive: bool,
+        keep: list[torch.Tensor],
+        back: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-            raise ExecutionError(f"rank {self.rank}: NCCL transport buffers are contiguous 1-D uint8 tensors")
+            raise ExecutionError(
+                f"rank {self.rank}: NCCL transport buffers are contiguous 1-D uint8 tensors", rank=self.rank
+            )
         if buf.device.type == self.device.type:
             keep.append(buf)
             return buf
@@ -198,12 +238,15 @@ class NcclTransport:
         keep.append(device)
         return device
 
-    def exchange(self, sends, recvs, tag):
-        keep: list = []
-        back: list = []
+    def exchange(self, sends: Buffers, recvs: Buffers, tag: int) -> Pending:
+        """Post every receive and send as one NCCL group; ``tag`` is ignored (NCCL matches
+        point-to-point messages between two ranks in the order they are posted)."""
+        keep: list[torch.Tensor] = []
+        back: list[tuple[torch.Tensor, torch.Tensor]] = []
         labels: list[str] = []
         peers: list[int] = []
-        posted_recvs, posted_sends = [], []
+        posted_recvs: list[Transfer] = []
+        posted_sends: list[Transfer] = []
         for peer, buf in recvs:
             staged = self._staged(buf, True, keep, back)
             posted_recvs.append((self._peer(peer), staged.data_ptr(), staged.numel()))
@@ -218,10 +261,14 @@ class NcclTransport:
             ticket = self.communicator.exchange(posted_sends, posted_recvs, self._stream())
         except (NcclError, CudaError) as err:
             action = self._fail() if self.communicator.state in ("ready", "failed") else self.communicator.state
-            raise NcclError(
+            error = NcclError(
                 f"rank {self.rank}: the NCCL exchange with {ranks_phrase(peers)} could not start: {err.message}; "
                 f"the communicator is {action}",
                 call=err.call,
                 code=err.code if isinstance(err, NcclError) else None,
-            ) from None
+                rank=self.rank,
+                peers=peers,
+            )
+            self._failed(error)
+            raise error from None
         return _NcclPending(self, ticket, labels, peers, keep, back)
