@@ -963,7 +963,7 @@ def test_conflicting_storages_on_a_shared_rank_are_refused_naming_rank_and_stora
         """
     )
     with pytest.raises(
-        layoutlang.LayoutValueError, match="rank 1 is in both meshes .* storages named 'fused'"
+        layoutlang.LayoutValueError, match=r"rank 1 is in both meshes .* storages named 'fused'"
     ):
         compile_plan(program)
 

@@ -159,9 +159,8 @@ def programs(draw):
             stage_axis, stage_size = axes[0]
             if draw(st.booleans()):
                 per = -(-stages // stage_size)  # stage of layer l is l // per < stage_size
-                body = [f"{stage_axis}[l // {per}]"] + draw(
-                    placement(axes, len(stage_shape), frozenset({stage_axis}))
-                )
+                rest = draw(placement(axes, len(stage_shape), frozenset({stage_axis})))
+                body = [f"{stage_axis}[l // {per}]", *rest]
             else:
                 body = draw(placement(axes, len(stage_shape))) or ["replicate"]
             lines.append(f'"t.{{l}}": {", ".join(body)}')

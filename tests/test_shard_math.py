@@ -203,7 +203,7 @@ def test_dim_runs_are_nonempty_sorted_and_contiguous_in_local_positions(case):
         for start, size, local_start in runs:
             assert size > 0, runs
             assert local_start == local, runs
-            assert 0 <= start and start + size <= n, runs
+            assert start >= 0 and start + size <= n, runs
             local += size
         # Only padding may follow the last run.
         assert local <= length, (length, runs)

@@ -34,13 +34,15 @@ def _cases(device):
     out.append(("tp-columns 8x[8192,1024]", [w[:, i * 1024 : (i + 1) * 1024] for i in range(8)]))
     # Fused 3-D: heads x rows x cols sub-blocks (one cudaMemcpy3D each).
     qkv = torch.randn(64, 512, 512, device=device).to(bf16)
-    out.append(("fused-3d 4x[64,256,128]", [qkv[:, (i % 2) * 256 : (i % 2 + 1) * 256, (i // 2) * 128 : (i // 2 + 1) * 128] for i in range(4)]))
+    fused = [qkv[:, (i % 2) * 256 : (i % 2 + 1) * 256, (i // 2) * 128 : (i // 2 + 1) * 128] for i in range(4)]
+    out.append(("fused-3d 4x[64,256,128]", fused))
     # Row shards: contiguous boxes that merge into one copy.
     rows = torch.randn(8192, 4096, device=device).to(bf16)
     out.append(("row-shards 16x[512,4096]", [rows[i * 512 : (i + 1) * 512] for i in range(16)]))
     # Many small boxes (unstacked experts, small biases): launch overhead dominates.
     small = torch.randn(4096, 1024, device=device).to(bf16)
-    out.append(("many-small 2048x[16,128]", [small[(i // 8) * 16 : (i // 8 + 1) * 16, (i % 8) * 128 : (i % 8 + 1) * 128] for i in range(2048)]))
+    pieces = [small[(i // 8) * 16 : (i // 8 + 1) * 16, (i % 8) * 128 : (i % 8 + 1) * 128] for i in range(2048)]
+    out.append(("many-small 2048x[16,128]", pieces))
     return out
 
 
@@ -116,7 +118,10 @@ def main(argv=None) -> int:
                         print(f"FAIL: {name} {direction} {method}: wrong bytes")
                         return 1
                 ms = _time(fn, args.repeats)
-                calls = calls_holder.get("calls", len(pairs)) if method == "runtime" else (1 if method == "torch-foreach" else len(pairs))
+                if method == "runtime":
+                    calls = calls_holder.get("calls", len(pairs))
+                else:
+                    calls = 1 if method == "torch-foreach" else len(pairs)
                 results.append(
                     {
                         "case": name,

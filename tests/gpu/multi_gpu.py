@@ -96,7 +96,8 @@ def worker(rank: int, world: int, port: int, results, role: str, timeout: float)
 
         t = time.monotonic()
         program = layoutlang.loads(program_text(world))
-        resharder = Resharder(program, rank=rank, transport=NcclTransport(rank, comm, on_failure="revoke"), timeout=timeout)
+        transport = NcclTransport(rank, comm, on_failure="revoke")
+        resharder = Resharder(program, rank=rank, transport=transport, timeout=timeout)
         sources = resharder.allocate("source", device="cuda")
         fill_synthetic(resharder.plan.source, rank, sources)
         destinations = resharder.run(sources)
@@ -119,7 +120,8 @@ def worker(rank: int, world: int, port: int, results, role: str, timeout: float)
         t = time.monotonic()
         into = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
         try:
-            ticket = comm.exchange([], [(victim, into.data_ptr(), into.numel())], torch.cuda.current_stream().cuda_stream)
+            stream = torch.cuda.current_stream().cuda_stream
+            ticket = comm.exchange([], [(victim, into.data_ptr(), into.numel())], stream)
             finished = comm.wait(ticket, 10.0)
         except NcclError as err:  # NCCL noticed the dead peer itself
             finished = f"error: {err.call}"
@@ -140,7 +142,7 @@ def worker(rank: int, world: int, port: int, results, role: str, timeout: float)
         ring(bigger, bigger.rank, bigger.size)
         report("grow", "PASS", f"rank {bigger.rank} of {bigger.size}", t)
         bigger.destroy()
-    except BaseException as err:  # noqa: BLE001 - reported to the parent
+    except BaseException as err:
         results.put((rank, "error", "FAIL", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}", 0.0))
 
 
@@ -160,9 +162,13 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     ctx = mp.get_context("spawn")
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=args.timeout))
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=args.timeout)
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, server.port, results, "rank", args.timeout)) for r in range(world)]
+    procs = [
+        ctx.Process(target=worker, args=(r, world, server.port, results, "rank", args.timeout)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     outcome: dict[str, list[tuple[int, str, str, float]]] = {s: [] for s in STEPS}

@@ -26,7 +26,9 @@ from layoutlang.transport.nccl import Communicator, NcclTransport, copy_pairs, l
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)"
+    ),
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -70,7 +72,7 @@ def test_box_copies_on_the_device_match_torch(ndim, dtype):
         expected.append((target, box.clone()))
     calls, nbytes = copy_pairs(pairs)
     torch.cuda.synchronize()
-    for (window, box), (target, copy) in zip(pairs, expected):
+    for (window, _), (target, copy) in zip(pairs, expected):
         assert torch.equal(window, copy)
         assert int((target != 0).sum()) <= window.numel()  # nothing outside the window
     assert nbytes == sum(b.numel() * b.element_size() for _, b in pairs)
