@@ -12,6 +12,7 @@ __all__ = [
     "human_time",
     "parse_size",
     "rank_ranges",
+    "rank_span",
     "ranks_phrase",
     "rate",
     "region",
@@ -40,6 +41,18 @@ def rank_ranges(ranks: Iterable[int], *, through: str = "..", separator: str = "
                 out.extend(map(str, run))
             start = i + 1
     return separator.join(out)
+
+
+def rank_span(ranks: Sequence[int]) -> str:
+    """``4..7`` for consecutive ranks in order, else the list as written.
+
+    >>> rank_span((4, 5, 6, 7)), rank_span([0, 2, 5])
+    ('4..7', '[0, 2, 5]')
+    """
+    ordered = list(ranks)
+    if ordered and ordered == list(range(ordered[0], ordered[0] + len(ordered))):
+        return f"{ordered[0]}..{ordered[-1]}"
+    return str(ordered)
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:

@@ -15,7 +15,7 @@ import torch
 
 import layoutlang
 from layoutlang.io.safetensors import read_safetensors_header
-from layoutlang.io.weights import synthetic_box, write_safetensors
+from layoutlang.io.weights import SafetensorsCheckpoint, synthetic_box, write_safetensors
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,13 +63,12 @@ def test_apply_reads_a_checkpoint_and_writes_per_rank_files(tmp_path):
         path = out / f"rank{rank:05d}.safetensors"
         header, _ = read_safetensors_header(path)
         assert header["__metadata__"]["layout"] == "infer_uneven"
-        from layoutlang.io.weights import SafetensorsCheckpoint
-
         written = SafetensorsCheckpoint(path)
         for name in program.tensors:
             for box in destination.boxes(name, rank):
                 storage_shape = destination.storage_shape(box.storage, rank)
-                got = written.read_box(box.storage, program.tensors[name].dtype, storage_shape, box.storage_offsets, box.sizes)
+                dtype = program.tensors[name].dtype
+                got = written.read_box(box.storage, dtype, storage_shape, box.storage_offsets, box.sizes)
                 assert torch.equal(got, full[name][box.slices()]), (rank, name)
 
 
@@ -104,3 +103,121 @@ def test_apply_under_torchrun_joins_the_job():
     report = json.loads(result.stdout[start:])
     assert report["ok"] and report["ranks"] == 4
     assert report["runs"]["reshard"]["bytes"]["local"] > 0  # colocated: part of the refit is a local copy
+
+
+# ---------------------------------------------------------------- who must act
+#
+# A failure found on a worker exits by who must act: a user's mistake (a checkpoint that
+# lacks a tensor) with 2, a failure at run time (a peer that died or hung, ranks that
+# compiled different plans) with 1; neither prints a traceback. The faults are injected
+# into every process of the run (the parent and its spawned workers) by a sitecustomize
+# module on PYTHONPATH, so `layoutlang apply` itself runs unchanged.
+
+SMALL = """\
+mesh train [tp = 2] on ranks 0..1
+mesh infer [tp = 2] on ranks 2..3
+tensor "w" [64, 64] fp32
+tensor "b" [64] fp32
+layout a on train {
+    "w": tp = shard(0)
+    default: replicate
+}
+layout b on infer {
+    "w": tp = shard(1)
+    default: replicate
+}
+reshard a -> b
+"""
+
+FAULTS = """\
+import os
+import time
+
+import torch.distributed as dist
+
+from layoutlang.runtime import resharder
+from layoutlang.runtime.agreement import AGREEMENT_TAG
+from layoutlang.transport.torch_distributed import TorchTransport
+
+FAULT = os.environ["LAYOUTLANG_TEST_FAULT"]
+VICTIM = 0  # program rank 0 (worker 0): a source rank that sends to both destination ranks
+_exchange = TorchTransport.exchange
+_compile_plan = resharder.compile_plan
+_hung = []
+
+
+def exchange(self, sends, recvs, tag):
+    if self.rank == VICTIM and tag != AGREEMENT_TAG:  # after the agreement: mid-transfer
+        if FAULT == "die":
+            os._exit(7)
+        if FAULT == "hang" and not _hung:
+            _hung.append(True)
+            time.sleep(float(os.environ["LAYOUTLANG_TEST_HANG"]))
+    return _exchange(self, sends, recvs, tag)
+
+
+def compile_plan(program, reshard=None, **options):
+    if FAULT == "disagree" and dist.is_initialized() and dist.get_rank() == VICTIM:
+        options["policy"] = "broadcast"  # this rank alone compiles another plan
+    return _compile_plan(program, reshard, **options)
+
+
+TorchTransport.exchange = exchange
+resharder.compile_plan = compile_plan
+"""
+
+
+def run_with_fault(tmp_path: Path, fault: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    program = tmp_path / "small.layout"
+    program.write_text(SMALL)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(FAULTS)
+    environment = os.environ.copy()
+    environment.pop("RANK", None)
+    path = os.pathsep.join(p for p in (str(hooks), environment.get("PYTHONPATH", "")) if p)
+    environment.update(PYTHONPATH=path, LAYOUTLANG_TEST_FAULT=fault, **env)
+    return run("apply", str(program), *args, env=environment)
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess, status: int) -> None:
+    assert result.returncode == status, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.startswith("error: "), result.stderr
+
+
+def test_apply_exits_1_when_a_worker_dies_mid_transfer(tmp_path):
+    result = run_with_fault(tmp_path, "die", "--timeout", "10")
+    assert_clean_failure(result, 1)
+    assert result.stderr.strip() == "error: worker rank 0 died (exit code 7)"
+
+
+def test_apply_exits_1_when_a_peer_hangs_past_the_timeout(tmp_path):
+    result = run_with_fault(tmp_path, "hang", "--timeout", "2", LAYOUTLANG_TEST_HANG="4")
+    assert_clean_failure(result, 1)
+    # the ranks waiting for rank 0 gave up after --timeout, and rank 0 found them gone when it woke
+    assert result.stderr.startswith("error: rank "), result.stderr
+    assert "may have died" in result.stderr, result.stderr
+
+
+def test_apply_exits_1_when_ranks_compile_different_plans(tmp_path):
+    result = run_with_fault(tmp_path, "disagree", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    error = json.loads(result.stderr)
+    assert error["error"] == "agreement"
+    assert "rank 0 compiled a different plan from the others (rank 0 compiled plan " in error["message"]
+    assert "; ranks 1..3 compiled plan " in error["message"]
+    assert error["message"].endswith("nothing was moved")
+
+
+def test_apply_exits_2_for_a_checkpoint_that_lacks_a_tensor(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    write_safetensors(checkpoint / "model.safetensors", {"w": torch.zeros(64, 64)})  # no "b"
+    result = run_with_fault(tmp_path, "none", "--from", str(checkpoint))
+    assert_clean_failure(result, 2)
+    # every rank stopped before a byte moved, on the source rank's mistake
+    assert result.stderr.strip() == (
+        "error: rank 0 is not ready: the checkpoint has no tensor 'b' (ranks 0, 1 failed); nothing was moved"
+    )

@@ -6,10 +6,106 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
-from .._text import human_bytes, rank_ranges, table
+from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError
 from ..lang import load
+from ..model.dtypes import DTYPES
+from ..plan import POLICIES
+
+HELP = "run a refit for real and verify every destination byte"
+DESCRIPTION = (
+    "Run the plan of a reshard statement. Launched by torchrun, every process joins the job "
+    "as the program rank of its RANK; launched alone, one local worker process per rank of the "
+    "reshard's meshes is started and joined over gloo. Sources hold synthetic weights (or the "
+    "boxes of a safetensors checkpoint); every destination byte is compared with the source of truth."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``layoutlang apply``, plain and elastic."""
+    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
+    parser.add_argument(
+        "--compare", action="store_true", help="also run the gather-and-broadcast plan and compare"
+    )
+    parser.add_argument(
+        "--from", dest="from_dir", metavar="DIR", help="read source weights from a safetensors checkpoint"
+    )
+    parser.add_argument(
+        "--to", dest="to_dir", metavar="DIR", help="write each destination rank's storages to DIR/rankNNNNN.safetensors"
+    )
+    parser.add_argument(
+        "--memory-budget",
+        metavar="SIZE",
+        type=parse_size,
+        default=512 * 2**20,
+        help="staging memory per rank (default 512MiB; buckets are half of it)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for a peer (default 300)"
+    )
+    parser.add_argument(
+        "--cast",
+        choices=sorted({DTYPES[d][1] for d in DTYPES}),
+        metavar="DTYPE",
+        help="destination dtype, converted on arrival (e.g. bfloat16)",
+    )
+    parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live"
+    )
+    parser.add_argument(
+        "--transport",
+        choices=("torch", "nccl"),
+        default="torch",
+        help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    elastic = parser.add_argument_group(
+        "elastic refits",
+        "With --elastic, the refit runs --steps times in an elastic session: ranks that fail are "
+        "excluded, the layouts are remeshed, and the refit goes on without restarting anyone "
+        "(docs: guides/failure-recovery).",
+    )
+    elastic.add_argument(
+        "--elastic", action="store_true", help="repeated refits that survive rank loss and replacement"
+    )
+    elastic.add_argument("--steps", type=int, default=4, metavar="N", help="refits to run (default 4)")
+    elastic.add_argument(
+        "--kill", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        help="SIGKILL RANK halfway through the transfer of refit STEP (repeatable)",
+    )
+    elastic.add_argument(
+        "--stop", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        help="SIGSTOP RANK halfway through refit STEP: a hung rank, excluded after about two deadlines",
+    )
+    elastic.add_argument(
+        "--replace", action="store_true", help="start a replacement rank for every rank killed or stopped"
+    )
+    elastic.add_argument(
+        "--deadline", type=float, default=1.0, metavar="S",
+        help="seconds of silence after which a rank counts as failed (default 1)",
+    )
+    elastic.add_argument(
+        "--source-policy", default="drop-replica", metavar="POLICY",
+        help="remesh policy of the source layout when it loses ranks (default drop-replica)",
+    )
+    elastic.add_argument(
+        "--destination-policy", default="drop-replica", metavar="POLICY",
+        help="remesh policy of the destination layout (default drop-replica; shrink-axis needs --destination-axis)",
+    )
+    elastic.add_argument("--source-axis", metavar="AXIS", help="the axis the source policy shrinks")
+    elastic.add_argument("--destination-axis", metavar="AXIS", help="the axis the destination policy shrinks")
+
+
+def _rank_at_step(text: str) -> tuple[int, int]:
+    rank, at, step = text.partition("@")
+    if not at or not rank.strip().isdigit() or not step.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected RANK@STEP (e.g. 5@1), not {text!r}")
+    return int(rank), int(step)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,9 +181,8 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     for rank, step, how in faults:
         if rank not in participants:
             raise LayoutValueError(
-                f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: "
-                f"{participants[0]}..{participants[-1]})" if participants == list(range(participants[0], participants[-1] + 1))
-                else f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard (its ranks: {participants})"
+                f"--{how} {rank}@{step}: rank {rank} is in no mesh of the reshard "
+                f"(its ranks: {rank_span(participants)})"
             )
         if step >= args.steps:
             raise LayoutValueError(f"--{how} {rank}@{step}: there are only {args.steps} steps (0..{args.steps - 1})")
@@ -118,11 +213,12 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
     program = load(args.file)
     statement = program.reshard(args.reshard)
     source, destination = program.layout(statement.source), program.layout(statement.destination)
-    lines = [
+    head = (
         f"elastic refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
         f"({destination.mesh.size} ranks), {args.steps} steps, "
-        f"{len(summary['participants']) + len(summary['joiners'])} processes ({launcher})",
-    ]
+        f"{len(summary['participants']) + len(summary['joiners'])} processes ({launcher})"
+    )
+    lines = [head]
     for rank, fault in sorted(summary["failed"].items(), key=lambda kv: kv[1]["at"]):
         lines.append(f"  rank {rank}: {'SIGSTOP' if fault['how'] == 'stop' else 'SIGKILL'} (injected)")
     lines.append("")
@@ -133,32 +229,50 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
                      f"{verified} ({human_bytes(step['verified_bytes'])})"])
     if rows:
         lines += table(rows, ["step", "generation", "destination layout", "ranks", "verified"], right={0, 1, 3})
-    for rec in summary["recoveries"]:
-        what = []
-        if rec["lost"]:
-            what.append(f"lost {', '.join(map(str, rec['lost']))}")
-        if rec["joined"]:
-            what.append(f"joined {', '.join(map(str, rec['joined']))}")
-        lines += ["", f"generation {rec['generation']} ({'; '.join(what)}), times from the {rec['from']}:"]
-        for key, label in (("noticed_s", "noticed by the first survivor"), ("agreed_s", "members agreed"),
-                           ("group_s", "new group built"), ("first_byte_s", "first byte moved on the new group")):
-            if rec[key] is not None:
-                lines.append(f"  {rec[key]:7.3f} s  {label}")
-        for rank, why in sorted(rec["reasons"].items()):
-            lines.append(f"           rank {rank}: {why}")
-        if rec["recovered_bytes"]:
-            lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
-        for rank in rec["joined"]:
-            got = summary["joined"].get(str(rank))
-            if got:
-                verdict = "ok" if got["ok"] else f"{len(got['mismatches'])} MISMATCHES"
-                lines.append(f"  rank {rank} received step {got['step']}'s weights: {verdict} ({human_bytes(got['bytes'])})")
+    for recovery in summary["recoveries"]:
+        lines += ["", *_recovery_lines(recovery, summary["joined"])]
     for rank, error in sorted(summary["errors"].items()):
         lines += ["", f"rank {rank}: {error['message']}"]
         break  # every survivor reports the same error
     if summary["ok"]:
-        lines += ["", f"all {args.steps} refits committed and verified; final generation {summary['generation']}: "
-                      f"{summary['source']} -> {summary['destination']}, members {rank_ranges(summary['members'])}"]
+        final = (
+            f"all {args.steps} refits committed and verified; final generation {summary['generation']}: "
+            f"{summary['source']} -> {summary['destination']}, members {rank_ranges(summary['members'])}"
+        )
+        lines += ["", final]
+    return lines
+
+
+_RECOVERY_TIMES = (
+    ("noticed_s", "noticed by the first survivor"),
+    ("agreed_s", "members agreed"),
+    ("group_s", "new group built"),
+    ("first_byte_s", "first byte moved on the new group"),
+)
+
+
+def _recovery_lines(rec: dict[str, Any], joined: dict[str, Any]) -> list[str]:
+    """One recovery's timeline: who was lost or joined, when each phase ended, what moved."""
+    what = []
+    if rec["lost"]:
+        what.append(f"lost {', '.join(map(str, rec['lost']))}")
+    if rec["joined"]:
+        what.append(f"joined {', '.join(map(str, rec['joined']))}")
+    lines = [f"generation {rec['generation']} ({'; '.join(what)}), times from the {rec['from']}:"]
+    for key, label in _RECOVERY_TIMES:
+        if rec[key] is not None:
+            lines.append(f"  {rec[key]:7.3f} s  {label}")
+    for rank, why in sorted(rec["reasons"].items()):
+        lines.append(f"           rank {rank}: {why}")
+    if rec["recovered_bytes"]:
+        lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
+    for rank in rec["joined"]:
+        got = joined.get(str(rank))
+        if got:
+            verdict = "ok" if got["ok"] else f"{len(got['mismatches'])} MISMATCHES"
+            lines.append(
+                f"  rank {rank} received step {got['step']}'s weights: {verdict} ({human_bytes(got['bytes'])})"
+            )
     return lines
 
 
@@ -166,11 +280,11 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
     program = load(args.file)
     statement = program.reshard(args.reshard)
     source, destination = program.layout(statement.source), program.layout(statement.destination)
-    lines = [
+    head = (
         f"refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
-        f"({destination.mesh.size} ranks), {summary['ranks']} processes ({launcher})",
-        "",
-    ]
+        f"({destination.mesh.size} ranks), {summary['ranks']} processes ({launcher})"
+    )
+    lines = [head, ""]
     rows = []
     for policy, run in summary["runs"].items():
         verified = "ok" if not run["mismatches"] else f"{len(run['mismatches'])} MISMATCHES"

@@ -14,23 +14,31 @@ from __future__ import annotations
 
 import os
 import resource
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
+import torch.distributed as dist
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import LayoutError
+from ..errors import AgreementError, LayoutError
 from ..io.weights import SafetensorsCheckpoint, fill_synthetic, verify, write_safetensors
 from ..lang import load
+from ..model import Box, Layout, Program
 from ..plan import KINDS
-from ..runtime import Resharder
+from ..runtime import Resharder, RunReport
 from ..transport.nccl import NcclTransport
 from .launch import LocalWorkers, worker_context
 
 __all__ = ["ApplyOptions", "apply_on_rank", "participants_of", "run_local", "run_torchrun", "summarize"]
 
 PROGRESS_KEY = "layoutlang/apply/progress"
+
+#: ``truth(tensor, index, box)``: the values a destination box must hold
+Truth = Callable[[str, int, Box], torch.Tensor]
 
 
 @attrs.frozen
@@ -48,10 +56,11 @@ class ApplyOptions:
     transport: str = "torch"
 
 
-def participants_of(path: str, reshard: str | None) -> list[int]:
+def participants_of(program: str | Program, reshard: str | None) -> list[int]:
     """The ranks of the reshard's two meshes (raises LayoutError for a bad program)."""
-    program = load(path)
-    program.check()
+    if not isinstance(program, Program):
+        program = load(program)
+        program.check()
     statement = program.reshard(reshard)
     source, destination = program.layout(statement.source), program.layout(statement.destination)
     return sorted(set(source.mesh.ranks) | set(destination.mesh.ranks))
@@ -65,8 +74,6 @@ def apply_on_rank(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """One rank's part of ``apply``: every requested policy, timed, verified."""
-    import torch
-
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -77,7 +84,7 @@ def apply_on_rank(
         policies.append("broadcast")
     report: dict[str, Any] = {"rank": rank, "runs": {}}
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    transport = _transport(options, program, rank, rank_map) if options.transport == "nccl" else None
+    transport = _transport(options, program, rank) if options.transport == "nccl" else None
     for index, policy in enumerate(policies):
         resharder = Resharder(
             program,
@@ -89,64 +96,100 @@ def apply_on_rank(
             policy=None if policy == "reshard" and options.policy is None else policy,
             timeout=options.timeout,
         )
-        plan = resharder.plan
-        sources = resharder.allocate("source", device=device)
-        problem = None
-        if rank in plan.source.mesh:
-            try:
-                (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
-            except LayoutError as err:  # every rank learns of it in the run's agreement
-                problem = err.message
-        dtype = getattr(torch, options.cast) if options.cast else None
-        destinations = resharder.allocate("destination", dtype=dtype, device=device)
-        seconds = []
-        for _ in range(max(1, options.repeat)):
-            notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
-            resharder.run(sources, destinations, cast=dtype is not None, progress=notify, not_ready=problem)
-            seconds.append(resharder.last_report.seconds)
-        run = resharder.last_report
-        result: dict[str, Any] = {
-            "fingerprint": plan.fingerprint,
-            "seconds": min(seconds),
-            "sent": run.sent,
-            "received": run.received,
-            "messages": run.messages_sent,
-            "peak_staging_bytes": run.peak_staging_bytes,
-            "memory_budget": options.memory_budget,
-            "verified_bytes": 0,
-            "mismatches": [],
-        }
-        if rank in plan.destination.mesh:
-            truth = None
-            if checkpoint is not None:
-
-                def truth(name, _index, box, layout=plan.destination):
-                    tensor = layout.tensors[name]
-                    return checkpoint.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
-
-            check = verify(plan.destination, rank, destinations, truth=truth)
-            result["verified_bytes"] = check.bytes
-            result["mismatches"] = list(check.mismatches)
-            if options.to_dir and index == 0:
-                Path(options.to_dir).mkdir(parents=True, exist_ok=True)
-                write_safetensors(
-                    Path(options.to_dir) / f"rank{rank:05d}.safetensors",
-                    destinations,
-                    {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
-                )
-        report["runs"][policy] = result
+        notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
+        report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0)
     report["peak_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     return report
 
 
-def _transport(options: ApplyOptions, program, rank: int, rank_map):
-    """layoutlang's native NCCL communicator over the reshard's ranks, made through the job's store."""
-    import torch.distributed as dist
+def _run_policy(
+    options: ApplyOptions,
+    resharder: Resharder,
+    checkpoint: SafetensorsCheckpoint | None,
+    device: str,
+    progress: Callable[[int, int], None] | None,
+    write: bool,
+) -> dict[str, Any]:
+    """Fill the sources, run the plan ``options.repeat`` times, verify (and write) the destinations."""
+    plan, rank = resharder.plan, resharder.rank
+    sources = resharder.allocate("source", device=device)
+    problem = None
+    if rank in plan.source.mesh:
+        try:
+            (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
+        except LayoutError as err:  # every rank learns of it in the run's agreement
+            problem = err
+    dtype = getattr(torch, options.cast) if options.cast else None
+    destinations = resharder.allocate("destination", dtype=dtype, device=device)
+    reports = [
+        _run_once(resharder, sources, destinations, dtype is not None, progress, problem)
+        for _ in range(max(1, options.repeat))
+    ]
+    run = reports[-1]
+    result: dict[str, Any] = {
+        "fingerprint": plan.fingerprint,
+        "seconds": min(r.seconds for r in reports),
+        "sent": run.sent,
+        "received": run.received,
+        "messages": run.messages_sent,
+        "peak_staging_bytes": run.peak_staging_bytes,
+        "memory_budget": options.memory_budget,
+        "verified_bytes": 0,
+        "mismatches": [],
+    }
+    if rank in plan.destination.mesh:
+        check = verify(plan.destination, rank, destinations, truth=_truth(plan.destination, checkpoint))
+        result["verified_bytes"] = check.bytes
+        result["mismatches"] = list(check.mismatches)
+        if options.to_dir and write:
+            Path(options.to_dir).mkdir(parents=True, exist_ok=True)
+            write_safetensors(
+                Path(options.to_dir) / f"rank{rank:05d}.safetensors",
+                destinations,
+                {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
+            )
+    return result
 
-    statement = program.reshard(options.reshard)
-    ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
+
+def _run_once(
+    resharder: Resharder,
+    sources: dict[str, torch.Tensor],
+    destinations: dict[str, torch.Tensor],
+    cast: bool,
+    progress: Callable[[int, int], None] | None,
+    problem: LayoutError | None,
+) -> RunReport:
+    """One run of the plan; a rank whose sources could not be filled stops every rank."""
+    not_ready = problem.message if problem is not None else None
+    try:
+        resharder.run(sources, destinations, cast=cast, progress=progress, not_ready=not_ready)
+    except AgreementError as stopped:
+        if problem is None:
+            raise
+        # Every rank stopped on this rank's mistake: report it as the user's (exit 2), in the
+        # words every rank saw.
+        raise type(problem)(stopped.message, hint=problem.hint) from stopped
+    if resharder.last_report is None:
+        raise AssertionError("Resharder.run returned without a report")
+    return resharder.last_report
+
+
+def _truth(layout: Layout, checkpoint: SafetensorsCheckpoint | None) -> Truth | None:
+    """What the destination boxes must hold: the checkpoint's boxes (None: the synthetic weights)."""
+    if checkpoint is None:
+        return None
+
+    def truth(name: str, _index: int, box: Box) -> torch.Tensor:
+        tensor = layout.tensors[name]
+        return checkpoint.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
+
+    return truth
+
+
+def _transport(options: ApplyOptions, program: Program, rank: int) -> NcclTransport:
+    """layoutlang's native NCCL communicator over the reshard's ranks, made through the job's store."""
     store = worker_context.get("store") or dist.distributed_c10d._get_default_store()
-    return NcclTransport.from_store(rank, sorted(ranks), store, timeout=options.timeout)
+    return NcclTransport.from_store(rank, participants_of(program, options.reshard), store, timeout=options.timeout)
 
 
 # ----------------------------------------------------------------- launching
@@ -154,8 +197,6 @@ def _transport(options: ApplyOptions, program, rank: int, rank_map):
 
 def _local_job(options: ApplyOptions, participants: list[int]) -> dict[str, Any]:
     """What each local worker runs (worker i plays program rank participants[i])."""
-    import torch.distributed as dist
-
     index = dist.get_rank()
     rank = participants[index]
     store = worker_context.get("store")
@@ -178,61 +219,56 @@ def run_local(options: ApplyOptions, show_progress: bool) -> list[dict[str, Any]
         return workers.collect(options.timeout * (2 + options.repeat) + 120)
 
 
-def _with_progress(workers, timeout: float) -> list[dict[str, Any]]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+def _with_progress(workers: LocalWorkers, timeout: float) -> list[dict[str, Any]]:
+    """Every rank's report, collected while a transient progress bar follows rank 0's steps."""
     results: list[dict[str, Any]] = []
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=True
-    ) as bar:
-        tasks: dict[str, Any] = {}
-        import threading
+    errors: list[BaseException] = []
+    done = threading.Event()
 
-        done = threading.Event()
+    def collect() -> None:
+        try:
+            results.extend(workers.collect(timeout * 4 + 120))
+        except BaseException as err:  # raised again on the main thread
+            errors.append(err)
+        finally:
+            done.set()
 
-        def collect() -> None:
-            try:
-                results.extend(workers.collect(timeout * 4 + 120))
-            finally:
-                done.set()
-
-        error: list[BaseException] = []
-
-        def guarded() -> None:
-            try:
-                collect()
-            except BaseException as err:  # reported on the main thread
-                error.append(err)
-
-        thread = threading.Thread(target=guarded, daemon=True)
+    thread = threading.Thread(target=collect, daemon=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, transient=True) as bar:
+        tasks: dict[str, TaskID] = {}
         thread.start()
         while not done.wait(0.1):
-            try:
-                if not workers.store.check([PROGRESS_KEY]):
-                    continue
-                policy, n, total = workers.store.get(PROGRESS_KEY).decode().split()
-            except Exception:  # the store is only a progress channel here
+            step = _progress_of(workers.store)
+            if step is None:
                 continue
+            policy, n, total = step
             if policy not in tasks:
-                tasks[policy] = bar.add_task(f"{policy}: steps", total=int(total))
-            bar.update(tasks[policy], completed=int(n))
+                tasks[policy] = bar.add_task(f"{policy}: steps", total=total)
+            bar.update(tasks[policy], completed=n)
         thread.join()
-        if error:
-            raise error[0]
+    if errors:
+        raise errors[0]
     return results
+
+
+def _progress_of(store: Any) -> tuple[str, int, int] | None:
+    """Rank 0's latest (policy, steps done, steps), or None when it has not reported yet."""
+    try:
+        if not store.check([PROGRESS_KEY]):
+            return None
+        policy, n, total = store.get(PROGRESS_KEY).decode().split()
+        return policy, int(n), int(total)
+    except Exception:  # the store is only a progress channel here
+        return None
 
 
 def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, Any]] | None:
     """Join the job torchrun started; rank 0 returns every rank's report, the others None."""
-    import torch.distributed as dist
-
-    backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         if device == "cuda":
-            import torch
-
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()
     try:
         participants = participants_of(options.path, options.reshard)
@@ -242,10 +278,10 @@ def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, A
         report: dict[str, Any] = apply_on_rank(options, rank, None, device=device)
     else:
         report = {"rank": rank, "idle": True, "runs": {}}
-    gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None  # type: ignore[assignment]
+    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     dist.destroy_process_group()
-    return gathered if rank == 0 else None
+    return gathered
 
 
 # ------------------------------------------------------------------ summary

@@ -9,6 +9,18 @@ from ..errors import ExitCode, LayoutError
 from ..lang import load
 from .report import print_error
 
+HELP = "validate .layout files"
+DESCRIPTION = (
+    "Parse every file, resolve every tensor of every layout and validate every "
+    "storage on every rank. Exit 0 when all files are valid."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``layoutlang check``."""
+    parser.add_argument("files", nargs="+", metavar="FILE", help=".layout files")
+    parser.add_argument("--json", action="store_true", help="print results (stdout) and errors (stderr) as JSON")
+
 
 def run(args: argparse.Namespace) -> int:
     results = []

@@ -28,6 +28,14 @@ from ..errors import CudaError
 __all__ = ["add_arguments", "facts", "main", "render", "run"]
 
 
+HELP = "report the NCCL, CUDA and torch this machine offers"
+DESCRIPTION = (
+    "Find NCCL as the nccl transport would (environment override, the library already in "
+    "the process, an nvidia-nccl wheel, the system), report its version and whether it offers "
+    "ncclCommShrink, ncclCommRevoke and ncclCommGrow, and the CUDA runtime and torch facts."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the doctor's options to a (sub)parser."""
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
@@ -37,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exit 1 unless NCCL with shrink, revoke and grow and at least one CUDA device are present",
     )
     parser.add_argument(
-        "--nccl-library", metavar="PATH", help="check this libnccl file instead of searching (as LAYOUTLANG_NCCL_LIBRARY)"
+        "--nccl-library",
+        metavar="PATH",
+        help="check this libnccl file instead of searching (as LAYOUTLANG_NCCL_LIBRARY)",
     )
 
 
@@ -80,7 +90,7 @@ def _torch_facts() -> dict[str, Any]:
             if dist.is_available() and dist.is_nccl_available():
                 version = torch.cuda.nccl.version()
                 nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-        except Exception:  # noqa: BLE001 - a torch without NCCL answers in many ways
+        except Exception:
             nccl = None
         out["nccl"] = nccl
     return out

@@ -8,6 +8,7 @@ is kept for many tasks, since each worker pays about 1.7 s to import torch.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -55,7 +56,11 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
         dist.init_process_group(
-            "gloo", store=dist.PrefixStore("layoutlang", store), rank=rank, world_size=size, timeout=timedelta(seconds=timeout)
+            "gloo",
+            store=dist.PrefixStore("layoutlang", store),
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout),
         )
     worker_context.update(rank=rank, size=size, port=port, store=store)
     while True:
@@ -137,12 +142,11 @@ class LocalWorkers:
         deadline = time.monotonic() + (timeout or self.timeout + 60)
         results: dict[int, tuple[bool, Any]] = {}
         while len(results) < self.size:
-            try:
-                rank, ok, value = self._results.get(timeout=0.2)
+            result = self._next_result()
+            if result is not None:
+                rank, ok, value = result
                 results[rank] = (ok, value)
                 continue
-            except queue.Empty:
-                pass
             dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
             if dead:
                 text = f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})"
@@ -166,13 +170,20 @@ class LocalWorkers:
         deadline = time.monotonic() + (timeout or self.timeout + 60)
         results: dict[int, tuple[bool, Any]] = {}
         while len(results) < self.size and time.monotonic() < deadline:
-            try:
-                rank, ok, value = self._results.get(timeout=0.2)
+            result = self._next_result()
+            if result is not None:
+                rank, ok, value = result
                 results[rank] = (ok, value)
-            except queue.Empty:
-                if all(not p.is_alive() or i in results for i, p in enumerate(self.processes)):
-                    break
+            elif all(not p.is_alive() or i in results for i, p in enumerate(self.processes)):
+                break
         return results
+
+    def _next_result(self) -> tuple[int, bool, Any] | None:
+        """The next (rank, ok, value) a worker reported, or None after 0.2 s without one."""
+        try:
+            return self._results.get(timeout=0.2)
+        except queue.Empty:
+            return None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Start ``fn`` on every worker without waiting (collect with results_by_rank)."""
@@ -182,10 +193,8 @@ class LocalWorkers:
     def close(self) -> None:
         for rank, p in enumerate(self.processes):
             if p.is_alive():
-                try:
+                with contextlib.suppress(OSError, ValueError):  # its queue is already closed
                     self._tasks[rank].put(None)
-                except (OSError, ValueError):
-                    pass
         for p in self.processes:
             p.join(timeout=10)
             if p.is_alive():

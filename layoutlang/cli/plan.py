@@ -6,10 +6,52 @@ import argparse
 import itertools
 import json
 
+from .._text import parse_size
 from ..errors import ExitCode
 from ..lang import load
-from ..plan import compile_plan
+from ..plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
 from .report import plan_report
+
+HELP = "compile the plan of a reshard statement and print its statistics"
+DESCRIPTION = (
+    "Compile the plan that turns the source layout of a reshard statement into "
+    "its destination layout, validate it, and print bytes by kind (local, domain, network), "
+    "messages, buckets, the lower bound and the gather-and-broadcast baseline."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``layoutlang plan``."""
+    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    parser.add_argument(
+        "--explain",
+        metavar="PATTERN",
+        nargs="?",
+        const="*",
+        help='print the moves of the tensors matching PATTERN (default "*": all), one line each',
+    )
+    parser.add_argument("--limit", type=int, default=100, metavar="N", help="print at most N moves (default 100)")
+    parser.add_argument(
+        "--bucket-size",
+        metavar="SIZE",
+        type=parse_size,
+        default=DEFAULT_BUCKET_BYTES,
+        help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        help="one policy for every tensor, overriding the statement's rules",
+    )
+    parser.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
+    parser.add_argument(
+        "--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline"
+    )
+    parser.add_argument(
+        "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
+    )
+    parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
 
 
 def run(args: argparse.Namespace) -> int:

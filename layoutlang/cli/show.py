@@ -4,22 +4,36 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
-from .._text import region, table
+from .._text import rank_span, region, table
 from ..errors import ExitCode, LayoutNameError, did_you_mean
 from ..lang import load
 from ..model import Layout, Program, compile_pattern
+
+HELP = "print which boxes each rank holds"
+DESCRIPTION = (
+    "Print, per layout, rank and tensor, the boxes each rank holds (global region) "
+    "and where they sit in the rank's storage."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``layoutlang show``."""
+    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    parser.add_argument("--layout", metavar="L", help="only this layout (default: all)")
+    parser.add_argument(
+        "--tensor", metavar="T", help='only tensors matching this name or pattern ("*" and "{x}" allowed)'
+    )
+    parser.add_argument("--rank", metavar="R", type=int, help="only this rank")
+    parser.add_argument("--summary", action="store_true", help="per rank totals instead of boxes")
+    parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def _mesh_line(layout: Layout) -> str:
     mesh = layout.mesh
     axes = ", ".join(f"{a}={s}" for a, s in mesh.axes)
-    ranks = mesh.ranks
-    contiguous = ranks == tuple(range(ranks[0], ranks[0] + len(ranks)))
-    where = f"ranks {ranks[0]}..{ranks[-1]}" if contiguous else f"ranks {list(ranks)}"
-    return f"layout {layout.name} on mesh {mesh.name} [{axes}] ({where})"
-
-
+    return f"layout {layout.name} on mesh {mesh.name} [{axes}] (ranks {rank_span(mesh.ranks)})"
 
 
 def _selected_tensors(program: Program, pattern: str | None) -> list[str]:
@@ -36,63 +50,79 @@ def _selected_tensors(program: Program, pattern: str | None) -> list[str]:
     return found
 
 
+def _selected_ranks(layout: Layout, rank: int | None, named: bool) -> list[int]:
+    """The ranks of ``layout`` to show: all, or ``rank`` (none when its mesh lacks it,
+    unless the layout was ``named`` on the command line: then that is a mistake)."""
+    if rank is None:
+        return list(layout.mesh.ranks)
+    if rank in layout.mesh:
+        return [rank]
+    if named:
+        raise LayoutNameError(
+            f"rank {rank} is not in mesh '{layout.mesh.name}' of layout '{layout.name}' "
+            f"(ranks {rank_span(layout.mesh.ranks)})"
+        )
+    return []
+
+
+def _summary(layout: Layout, ranks: list[int]) -> tuple[dict[str, Any], list[str]]:
+    """Per-rank totals: the JSON record and the table."""
+    totals = [r for r in layout.summary() if r["rank"] in ranks]
+    cells = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"]] for r in totals]
+    lines = table(cells, ["rank", "tensors", "boxes", "elements", "bytes"], {0, 1, 2, 3, 4})
+    return {"layout": layout.name, "mesh": layout.mesh.name, "summary": totals}, lines
+
+
+def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """Every box of ``tensors`` on ``ranks``, with its place in its storage: the JSON record and the table."""
+    cells: list[list[object]] = []
+    records: list[dict[str, Any]] = []
+    for rank in ranks:
+        for tensor in tensors:
+            for box in layout.boxes(tensor, rank):
+                shape = layout.storage_shape(box.storage, rank) if box.storage is not None else None
+                cells.append(
+                    [
+                        rank,
+                        tensor,
+                        region(box.offsets, box.sizes),
+                        box.storage,
+                        region(box.storage_offsets, box.sizes),
+                        "x".join(map(str, shape or ())),
+                    ]
+                )
+                records.append(
+                    {
+                        "rank": rank,
+                        "tensor": tensor,
+                        "offsets": list(box.offsets),
+                        "sizes": list(box.sizes),
+                        "storage": box.storage,
+                        "storage_offsets": list(box.storage_offsets),
+                    }
+                )
+    if cells:
+        lines = table(cells, ["rank", "tensor", "region", "storage", "place", "storage shape"], {0})
+    else:
+        lines = ["(no boxes)"]
+    return {"layout": layout.name, "mesh": layout.mesh.name, "boxes": records}, lines
+
+
 def run(args: argparse.Namespace) -> int:
     program = load(args.file)
     layouts = [program.layout(args.layout)] if args.layout else list(program.layouts.values())
     tensors = _selected_tensors(program, args.tensor)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     lines: list[str] = []
     for layout in layouts:
         layout.check()
-        ranks = list(layout.mesh.ranks)
-        if args.rank is not None:
-            if args.rank not in layout.mesh:
-                if args.layout:
-                    raise LayoutNameError(
-                        f"rank {args.rank} is not in mesh '{layout.mesh.name}' of layout '{layout.name}' "
-                        f"(ranks {layout.mesh.ranks[0]}..{layout.mesh.ranks[-1]})"
-                    )
-                continue
-            ranks = [args.rank]
-        lines.append(_mesh_line(layout))
-        if args.summary:
-            rows = [r for r in layout.summary() if r["rank"] in ranks]
-            out.append({"layout": layout.name, "mesh": layout.mesh.name, "summary": rows})
-            cells = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"]] for r in rows]
-            lines += table(cells, ["rank", "tensors", "boxes", "elements", "bytes"], {0, 1, 2, 3, 4})
-            lines.append("")
+        ranks = _selected_ranks(layout, args.rank, named=bool(args.layout))
+        if args.rank is not None and not ranks:
             continue
-        rows = []
-        records = []
-        for rank in ranks:
-            for tensor in tensors:
-                for box in layout.boxes(tensor, rank):
-                    rows.append(
-                        [
-                            rank,
-                            tensor,
-                            region(box.offsets, box.sizes),
-                            box.storage,
-                            region(box.storage_offsets, box.sizes),
-                            "x".join(map(str, layout.storage_shape(box.storage, rank) or ())),
-                        ]
-                    )
-                    records.append(
-                        {
-                            "rank": rank,
-                            "tensor": tensor,
-                            "offsets": list(box.offsets),
-                            "sizes": list(box.sizes),
-                            "storage": box.storage,
-                            "storage_offsets": list(box.storage_offsets),
-                        }
-                    )
-        out.append({"layout": layout.name, "mesh": layout.mesh.name, "boxes": records})
-        if rows:
-            lines += table(rows, ["rank", "tensor", "region", "storage", "place", "storage shape"], {0})
-        else:
-            lines.append("(no boxes)")
-        lines.append("")
+        lines.append(_mesh_line(layout))
+        record, shown = _summary(layout, ranks) if args.summary else _boxes(layout, ranks, tensors)
+        out.append(record)
+        lines += [*shown, ""]
     if args.rank is not None and not out:
         raise LayoutNameError(f"rank {args.rank} belongs to no mesh of any layout in {program.path}")
     if args.json:
@@ -100,4 +130,3 @@ def run(args: argparse.Namespace) -> int:
     else:
         print("\n".join(lines).rstrip())
     return ExitCode.OK
-
