@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lark
 import pytest
 
 import layoutlang
@@ -23,6 +24,7 @@ from layoutlang import (
     LayoutSyntaxError,
     LayoutValueError,
 )
+from layoutlang.lang import parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -154,6 +156,23 @@ def test_bad_expression_inside_storage_name_points_into_the_string():
     assert_error(
         err, LayoutSyntaxError, "cannot read the expression 'l / 2'", 5, 16, hint="//"
     )  # at the '/'
+
+
+@pytest.mark.parametrize(
+    ("hint", "example"),
+    [(hint, example) for hint, examples in parser._MISTAKES for example in examples],
+)
+def test_every_example_of_a_common_mistake_gets_its_hint(hint, example):
+    # the table of mistakes is matched by parser state: each example must fail, and get its own hint
+    with pytest.raises(lark.exceptions.UnexpectedToken) as info:
+        parser._parse_program(example)
+    expected = hint(info.value.token)
+    assert expected is not None
+    err = error_of(example)
+    assert type(err) is LayoutSyntaxError
+    assert err.hint == expected
+    # and the same mistake later in a file, one statement deeper in the parser's stack
+    assert error_of(TINY + example).hint == expected
 
 
 def test_malformed_capture_in_pattern_points_at_the_braces():

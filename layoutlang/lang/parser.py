@@ -327,11 +327,11 @@ class _Builder(Transformer[Token, Any]):
 
 # ------------------------------------------------------------------- mistakes
 
-Hint = Callable[[Token], str | None]
+_Hint = Callable[[Token], str | None]
 """What a mistake's hint says, given the unexpected token (None: nothing that helps)."""
 
 
-def _on(token_types: Iterable[str], text: str) -> Hint:
+def _on(token_types: Iterable[str], text: str) -> _Hint:
     """``text`` when the unexpected token is of one of ``token_types``."""
     types = frozenset(token_types)
     return lambda token: text if token.type in types else None
@@ -355,7 +355,7 @@ def _lower_case(token: Token) -> str | None:
 #: state where one of the examples fails gets that hint (lark's ``match_examples``, which
 #: prefers an example failing on the same token, then on a token of the same type); the
 #: hint may still decline a token it does not fit.
-_MISTAKES: tuple[tuple[Hint, tuple[str, ...]], ...] = (
+_MISTAKES: tuple[tuple[_Hint, tuple[str, ...]], ...] = (
     (
         _quote_it,
         (
@@ -375,6 +375,7 @@ _MISTAKES: tuple[tuple[Hint, tuple[str, ...]], ...] = (
             'layout l on m { storage "s" = a }',
             'layout l on m { storage "s" [4] = a }',
             'layout l on m { storage "s" = "a" | b }',
+            'layout l on m { storage "s" = "a" | "b" | c }',
             'layout l on m { storage "s" = "a" w: replicate }',
             'layout l on m { storage "s" = "a" | "b" w: replicate }',
             'layout l on m { storage "s" = "a" blocks(2) w: replicate }',
@@ -438,6 +439,7 @@ def _parse_example(text: str) -> Tree[Token]:
         return _parse_program(text)
     except UnexpectedInput as err:
         raise _in_state(err) from None
+
 
 #: Characters that start no token of the language, and what their writer probably meant:
 #: (a message replacing "unexpected character", or None; the hint).
