@@ -190,7 +190,9 @@ def cross_check(cases: list[dict]) -> list[dict]:
         start = time.monotonic()
         result = redistribute(source, dst_mesh, dst_pl, **kwargs)
         seconds = time.monotonic() - start
-        row: dict[str, Any] = {"rank": rank, "ordered": ordered, "skipped": False, "seconds": seconds, "is_none": result is None}
+        row: dict[str, Any] = {
+            "rank": rank, "ordered": ordered, "skipped": False, "seconds": seconds, "is_none": result is None
+        }
         if rank in dst_ranks and result is not None:
             got = result.to_local()
             row["local"] = _describe(got)
@@ -220,7 +222,7 @@ def cross_check(cases: list[dict]) -> list[dict]:
                     got = result.to_local()
                     row["equal_redistribute"] = bool(got.shape == oracle.shape and torch.equal(got, oracle))
                     row["redistribute_shape"] = tuple(oracle.shape)
-            except Exception as err:  # noqa: BLE001 - DTensor may not support a transition
+            except Exception as err:  # DTensor may not support a transition
                 row["redistribute_error"] = f"{type(err).__name__}: {err}"[:300]
         out.append(row)
     return out
@@ -317,7 +319,8 @@ def submesh_source(timeout: float) -> dict:
     except (LayoutError, RuntimeFailure) as err:
         return {"rank": rank, "sub": sub.mesh.tolist(), "error": f"{type(err).__name__}: {err.message}",
                 "seconds": time.monotonic() - start}
-    out = {"rank": rank, "sub": sub.mesh.tolist(), "error": None, "is_none": result is None, "seconds": time.monotonic() - start}
+    seconds = time.monotonic() - start
+    out = {"rank": rank, "sub": sub.mesh.tolist(), "error": None, "is_none": result is None, "seconds": seconds}
     if result is not None:
         out["equal"] = bool(torch.equal(result.to_local(), distribute_tensor(full, ms["mid6"], [Shard(0)]).to_local()))
     return out

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import layoutlang
-from layoutlang.cli import check as check_command
 from layoutlang.cli import ExitCode, main
+from layoutlang.cli import check as check_command
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -417,6 +417,26 @@ def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tin
     code, _, err = run(capsys, "check", "--json", tiny)
     assert code == ExitCode.INTERNAL
     assert json.loads(err) == {"error": "internal", "message": "RuntimeError: simulated bug"}
+
+
+def test_a_runtime_failure_exits_1_without_traceback(capsys, tiny, monkeypatch):
+    def failing_load(path):
+        raise layoutlang.ExecutionError("rank 3: receiving 64 bytes from rank 1 did not complete", rank=3, peers=[1])
+
+    monkeypatch.setattr(check_command, "load", failing_load)
+    code, out, err = run(capsys, "check", tiny)
+    assert code == ExitCode.FAILURE == 1  # the input was fine: the operator must act, not the user
+    assert out == ""
+    assert err == "error: rank 3: receiving 64 bytes from rank 1 did not complete\n"
+
+    code, _, err = run(capsys, "check", "--json", tiny)
+    assert code == ExitCode.FAILURE
+    assert json.loads(err) == {
+        "error": "execution",
+        "message": "rank 3: receiving 64 bytes from rank 1 did not complete",
+        "rank": 3,
+        "peers": [1],
+    }
 
 
 # ====================================================================== fuzz

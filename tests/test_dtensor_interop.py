@@ -114,7 +114,7 @@ class Case:
     def layout(self) -> Layout:
         """The same placement written as a layout rule (compiled by the C++ LayoutCore)."""
         tensor = LogicalTensor("w", self.shape, "fp32")
-        placed = {a: p for a, p in zip(self.axis_names, self.layoutlang_placements())}
+        placed = dict(zip(self.axis_names, self.layoutlang_placements()))
         return Layout("l", self.mesh(), {"w": tensor}, [Rule("w", placed)])
 
     def coordinates(self) -> list[tuple[int, ...]]:
