@@ -245,12 +245,14 @@ class Executor:
 
     def _copy_locally(self, step: Step, spaces: _Spaces, tally: _Tally) -> None:
         """The step's local copies, done while its messages are in flight."""
+        nbytes = 0
         for read, write in step.copies:
             target, value = spaces.target(write)[write.index], spaces.view(read)
             if not _same_memory(target, value):  # a storage that is its own source stays put
                 target.copy_(value)
-            tally.sent["local"] += read.nbytes
-            tally.received["local"] += read.nbytes
+            nbytes += read.nbytes
+        tally.sent["local"] += nbytes
+        tally.received["local"] += nbytes
 
     def _pack_ahead(self, n: int, spaces: _Spaces) -> dict[int, torch.Tensor] | None:
         """Pipelining: the next step's messages, packed while step ``n`` is in flight, when
@@ -263,11 +265,12 @@ class Executor:
         """Copy every received region out of its message into its place (casting on arrival)."""
         for peer, message in step.recvs.items():
             buf = recvs[peer]
-            kind = self._kind(peer)
+            nbytes = 0
             for piece, offset in zip(message.pieces, message.offsets):
                 staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece))
                 spaces.target(piece)[piece.index].copy_(staged)
-                tally.received[kind] += piece.nbytes
+                nbytes += piece.nbytes
+            tally.received[self._kind(peer)] += nbytes
 
     def _announce(self, step: int, destinations: Mapping[str, torch.Tensor], on_complete: OnComplete | None) -> None:
         """Hand the engine each destination storage complete after ``step`` (-1: before the
