@@ -265,7 +265,7 @@ def test_a_rank_in_neither_mesh_does_not_disturb_the_others(pool):
     for row in rows:
         rank = row["rank"]
         if rank in (2, 3):
-            assert row["error"] is None and row["is_none"] or f"rank {rank}" in (row["error"] or ""), row
+            assert (row["error"] is None and row["is_none"]) or f"rank {rank}" in (row["error"] or ""), row
         else:
             assert row["error"] is None, row
             assert row["is_none"] == (rank < 4), row

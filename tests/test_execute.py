@@ -116,9 +116,10 @@ def test_bad_storages_are_named(pool, mutation, message):
 def test_different_programs_on_different_ranks_are_refused(pool):
     other = TINY.replace('"w": tp = shard(1)', '"w": tp = shard(0)')
     results = pool.run(workers.build_resharder_error, {"default": TINY, 3: other}, [0, 1, 2, 3])
-    errors = [r for r in results[:4]]
+    errors = list(results[:4])
     assert all(e and e.startswith("AgreementError") for e in errors), errors
-    assert all("rank 3 compiled a different plan from the others (ranks 0..2 compiled plan" in e for e in errors), errors
+    expected = "rank 3 compiled a different plan from the others (ranks 0..2 compiled plan"
+    assert all(expected in e for e in errors), errors
 
 
 def test_a_rank_that_cannot_compile_stops_everyone(pool):
