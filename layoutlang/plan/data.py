@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import struct
@@ -186,6 +185,18 @@ def _ranks(ranks: Iterable[int]) -> frozenset[int]:
     return frozenset(int(r) for r in ranks)
 
 
+@attrs.define
+class _Derived:
+    """What a plan computes from its columns on first use, kept for later uses. (A frozen,
+    slotted class caches in a field of its own: functools.cached_property would turn each
+    value into a slot and lose its docstring.)"""
+
+    move_tensor: npt.NDArray[np.int32] | None = None
+    stats: PlanStats | None = None
+    binary: bytes | None = None
+    fingerprint: str | None = None
+
+
 @attrs.frozen(eq=False)
 class Plan:
     """The moves that turn ``source`` into ``destination`` (pure data, never changed).
@@ -214,6 +225,7 @@ class Plan:
         kw_only=True, converter=_layouts, default=attrs.Factory(lambda plan: (plan.source,), takes_self=True)
     )
     lost: frozenset[int] = attrs.field(kw_only=True, converter=_ranks, default=frozenset())
+    _derived: _Derived = attrs.field(init=False, factory=_Derived, repr=False)
 
     def __repr__(self) -> str:
         return (
@@ -279,7 +291,7 @@ class Plan:
         if tensor is None:
             indices = range(self.num_moves)
         else:
-            indices = np.flatnonzero(np.isin(self._move_tensor, self._tensor_ids(tensor)))
+            indices = np.flatnonzero(np.isin(self._move_tensor(), self._tensor_ids(tensor)))
         for i in indices:
             yield self.move(int(i))
 
@@ -287,10 +299,11 @@ class Plan:
         """Indices of the moves that read or write on ``rank``, in plan order."""
         return np.flatnonzero((self._column("move_src") == rank) | (self._column("move_dst") == rank))
 
-    @functools.cached_property
     def _move_tensor(self) -> npt.NDArray[np.int32]:
         """The tensor of every move."""
-        return self._column("region_tensor")[self._column("move_region")]
+        if self._derived.move_tensor is None:
+            self._derived.move_tensor = self._column("region_tensor")[self._column("move_region")]
+        return self._derived.move_tensor
 
     def _tensor_ids(self, pattern: str) -> list[int]:
         names = self.tensors
@@ -345,9 +358,14 @@ class Plan:
             raise LayoutValueError(f"plan '{self.name}' is invalid: " + "; ".join(problems))
 
     # -- statistics
-    @functools.cached_property
+    @property
     def stats(self) -> PlanStats:
         """Bytes, moves and messages by kind, in total and per rank (computed once)."""
+        if self._derived.stats is None:
+            self._derived.stats = self._compute_stats()
+        return self._derived.stats
+
+    def _compute_stats(self) -> PlanStats:
         ranks = sorted(set(self.destination.mesh.ranks).union(*(s.mesh.ranks for s in self.sources)))
         with core_errors(self.tensors):
             totals = _core.plan_totals(self.arrays, max(ranks) + 1)
@@ -400,24 +418,24 @@ class Plan:
             "broadcast_payload_bytes": int(self.arrays.broadcast_payload_bytes),
         }
 
-    @functools.cached_property
-    def _bytes(self) -> bytes:
-        header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
-        parts = [_MAGIC, struct.pack("<Q", len(header)), header]
-        for name, dtype in _COLUMNS:
-            column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
-            parts.append(struct.pack("<Q", column.size))
-            parts.append(column.tobytes())
-        return b"".join(parts)
-
     def to_bytes(self) -> bytes:
         """The compact binary form: a JSON header, then every column as little-endian arrays."""
-        return self._bytes
+        if self._derived.binary is None:
+            header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
+            parts = [_MAGIC, struct.pack("<Q", len(header)), header]
+            for name, dtype in _COLUMNS:
+                column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
+                parts.append(struct.pack("<Q", column.size))
+                parts.append(column.tobytes())
+            self._derived.binary = b"".join(parts)
+        return self._derived.binary
 
-    @functools.cached_property
+    @property
     def fingerprint(self) -> str:
         """SHA-256 of the binary form: equal on every rank that compiled the same plan."""
-        return hashlib.sha256(self.to_bytes()).hexdigest()
+        if self._derived.fingerprint is None:
+            self._derived.fingerprint = hashlib.sha256(self.to_bytes()).hexdigest()
+        return self._derived.fingerprint
 
     def to_json(self, moves: bool = True) -> dict[str, Any]:
         """A JSON-ready description: the header, statistics and (optionally) every move."""
