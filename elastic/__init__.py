@@ -5,8 +5,10 @@ anyone (``elastic.session``). It is built from: ``elastic.membership`` (heartbea
 notifications, per-operation deadlines; compare-and-set agreement on each generation's
 members), ``elastic.groups`` and ``elastic.nccl_backend`` (each generation's group: a new
 gloo group under its own store prefix, or an NCCL communicator shrunk and grown),
-``elastic.remesh`` (the layouts after a loss, and the never-silent-loss check) and
-layoutlang's recovery plans. ``layoutlang apply --elastic`` is
+``elastic.remesh`` (the layouts after a loss, and the never-silent-loss check),
+``elastic.commit`` (the commit records of steps and generations), ``elastic.recovery``
+(watch, settle, agree, remesh, rebuild, recovery plans; the :class:`Recovery` timeline)
+and layoutlang's recovery plans. ``layoutlang apply --elastic`` is
 :mod:`layoutlang.cli.elastic_job`; elastic never imports the command line.
 """
 
@@ -18,7 +20,9 @@ from .membership import (
     ExcludedError,
     ExitWatcher,
     FailureDetector,
+    GenerationChanged,
     Heartbeat,
+    MemberFailure,
     Membership,
     decode_members,
     encode_members,
@@ -26,8 +30,9 @@ from .membership import (
     generation_key,
 )
 from .nccl_backend import NcclGenerations, NcclGroup
+from .recovery import Change, Recovery
 from .remesh import data_parallel_axes, remesh
-from .session import Change, ElasticSession, GenerationChanged, MemberFailure, Recovery, StepReport
+from .session import ElasticSession, StepReport
 
 __all__ = [
     "Change",

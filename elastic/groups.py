@@ -28,14 +28,14 @@ from typing import Any
 import torch
 
 from layoutlang.errors import ExecutionError, MembershipError
+from layoutlang.transport import Buffers, Pending, Transport
 
 from .membership import Membership, generation_key
 
 __all__ = ["ElasticGroup", "GlooGenerations", "GlooTransport", "abandon", "admit", "build_group"]
 
-_abandoned: list[
-    Any
-] = []  # groups of dead generations, kept alive so their threads never block a destructor
+# Groups of dead generations, kept alive so their threads never block a destructor.
+_abandoned: list[Any] = []
 
 
 class ElasticGroup:
@@ -167,50 +167,61 @@ def admit(
     return membership.agree(g, list(survivors) + joiners)
 
 
-class _GlooPending:
-    def __init__(self, transport: GlooTransport, works: list, labels: list[str], peers: list[int]):
-        self.transport, self.works, self.labels, self.peers = transport, works, labels, peers
-        self.rank = transport.rank
+class _GlooPending(Pending):
+    def __init__(self, transport: GlooTransport, works: Sequence[Any], labels: Sequence[str], peers: Sequence[int]):
+        super().__init__(transport, labels, peers)
+        self.gloo = transport
+        self.works = list(works)
 
-    def wait(self, timeout: float) -> None:
+    def _wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        if self.transport.watch is None:
-            self._wait(deadline, timeout)
+        watch = self.gloo.watch
+        if watch is None:
+            self._wait_works(deadline, timeout)
         else:
             # Gloo's point-to-point works complete only inside wait(), so a helper thread
             # waits while this one watches: a failure anywhere in the group (not only of this
             # exchange's peers) ends the wait when watch() raises.
-            future = self.transport._waiter().submit(self._wait, deadline, timeout)
+            future = self.gloo._waiter().submit(self._wait_works, deadline, timeout)
             pause = 0.001
-            while True:
-                try:
-                    future.result(timeout=pause)
-                    break
-                except concurrent.futures.TimeoutError:
-                    self.transport.watch()
-                    pause = min(pause * 2, 0.02)
-        self.transport.completed += 1
-        if self.transport.first_completed_at is None:
-            self.transport.first_completed_at = time.time()
+            while not self._done(future, pause):
+                watch()
+                pause = min(pause * 2, 0.02)
+        self.gloo.completed += 1
+        if self.gloo.first_completed_at is None:
+            self.gloo.first_completed_at = time.time()
 
-    def _wait(self, deadline: float, timeout: float) -> None:
+    @staticmethod
+    def _done(future: concurrent.futures.Future[None], pause: float) -> bool:
+        """Whether the helper thread's wait ended within ``pause`` seconds (its error is raised)."""
+        try:
+            future.result(timeout=pause)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def _wait_works(self, deadline: float, timeout: float) -> None:
         for work, label, peer in zip(self.works, self.labels, self.peers):
-            remaining = max(0.001, deadline - time.monotonic())
-            try:
-                completed = work.wait(timedelta(seconds=remaining))
-                error = None if completed is not False else "timed out"
-            except RuntimeError as err:
-                error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            error = _work_error(work, max(0.001, deadline - time.monotonic()))
             if error is not None:
-                exc = ExecutionError(
+                raise ExecutionError(
                     f"rank {self.rank}: {label} failed or did not complete within {timeout:g} s "
-                    f"(the peer may have died or hung): {error}"
+                    f"(the peer may have died or hung): {error}",
+                    rank=self.rank,
+                    peers=[peer],
                 )
-                exc.peers = [peer]
-                raise exc
 
 
-class GlooTransport:
+def _work_error(work: Any, remaining: float) -> str | None:
+    """Wait for one gloo work; what went wrong (None: it completed)."""
+    try:
+        completed = work.wait(timedelta(seconds=remaining))
+    except RuntimeError as err:
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None if completed is not False else "timed out"
+
+
+class GlooTransport(Transport):
     """layoutlang's Transport over a ProcessGroupGloo, with program rank -> group rank map.
 
     ``watch``, when given, is called every few milliseconds while an exchange is waited on;
@@ -220,14 +231,20 @@ class GlooTransport:
     """
 
     def __init__(self, pg: Any, rank: int, rank_map: Mapping[int, int], *, watch: Callable[[], None] | None = None):
-        self.pg = pg
         self.rank = rank
-        self._map = dict(rank_map)
         self.device = torch.device("cpu")
         self.watch = watch
         self.completed = 0
         self.first_completed_at: float | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.configure(pg, rank_map)
+
+    def configure(self, group: Any, rank_map: Mapping[int, int] | None = None) -> None:
+        """Use the gloo group ``group`` with ``rank_map`` (None: the same numbers) from now on."""
+        self.pg = group
+        self._map = dict(rank_map) if rank_map is not None else None
+        self._aborted = False
+        self._error = None
 
     def _waiter(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -235,25 +252,49 @@ class GlooTransport:
         return self._pool
 
     def _peer(self, rank: int) -> int:
+        if self._map is None:
+            return rank
         try:
             return self._map[rank]
         except KeyError:
             raise ExecutionError(
-                f"rank {self.rank}: rank {rank} is not a member of this group"
+                f"rank {self.rank}: rank {rank} is not a member of this group", rank=self.rank, peers=[rank]
             ) from None
 
-    def exchange(self, sends, recvs, tag):
+    def exchange(self, sends: Buffers, recvs: Buffers, tag: int) -> Pending:
+        if self._aborted:
+            raise ExecutionError(
+                f"rank {self.rank}: the transport was aborted; configure it with a new group first",
+                rank=self.rank,
+                peers=[peer for peer, _ in (*recvs, *sends)],
+            )
         works, labels, peers = [], [], []
         posts = [(peer, buf, self.pg.recv, "receiving", "from") for peer, buf in recvs]
         posts += [(peer, buf, self.pg.send, "sending", "to") for peer, buf in sends]
         for peer, buf, post, verb, preposition in posts:
             label = f"{verb} {buf.numel() * buf.element_size()} bytes {preposition} rank {peer}"
-            try:
-                works.append(post([buf], self._peer(peer), tag))
-            except RuntimeError as err:  # gloo refuses at once when the peer's connection is gone
-                exc = ExecutionError(f"rank {self.rank}: {label} failed: {str(err).splitlines()[0]}")
-                exc.peers = [peer]
-                raise exc from None
+            works.append(self._post(post, buf, peer, tag, label))
             labels.append(label)
             peers.append(peer)
         return _GlooPending(self, works, labels, peers)
+
+    def _post(self, post: Callable[..., Any], buf: torch.Tensor, peer: int, tag: int, label: str) -> Any:
+        group_rank = self._peer(peer)  # not a member: its own error, not a failed post
+        try:
+            return post([buf], group_rank, tag)
+        except RuntimeError as err:  # gloo refuses at once when the peer's connection is gone
+            error = ExecutionError(
+                f"rank {self.rank}: {label} failed: {str(err).splitlines()[0]}", rank=self.rank, peers=[peer]
+            )
+            self._failed(error)
+            raise error from None
+
+    def abort(self) -> None:
+        """Abort the group's pending work where torch can; later exchanges raise until
+        :meth:`configure`."""
+        self._aborted = True
+        self._failed(ExecutionError(f"rank {self.rank}: the transport was aborted", rank=self.rank))
+        abort = getattr(self.pg, "abort", None)  # absent on older torch
+        if abort is not None:
+            with contextlib.suppress(RuntimeError):
+                abort()

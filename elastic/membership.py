@@ -42,13 +42,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from layoutlang.errors import MembershipError
+from layoutlang.errors import ExecutionError, MembershipError, RuntimeFailure
 
 __all__ = [
     "ExcludedError",
     "ExitWatcher",
     "FailureDetector",
+    "GenerationChanged",
     "Heartbeat",
+    "MemberFailure",
     "Membership",
     "MembershipError",
     "decode_members",
@@ -70,6 +72,23 @@ class ExcludedError(MembershipError):
             "it was declared failed by the survivors and must rejoin to take part again"
         )
         self.rank, self.generation, self.members = rank, generation, list(members)
+
+
+class MemberFailure(ExecutionError):
+    """Members of the current generation failed (``failures``: rank -> reason)."""
+
+    kind = "member-failure"
+
+    def __init__(self, rank: int, generation: int, failures: Mapping[int, str]):
+        self.failures = dict(failures)
+        described = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        super().__init__(f"rank {rank}: generation {generation} lost members ({described})", rank=rank)
+
+
+class GenerationChanged(ExecutionError):
+    """A newer generation was agreed, or the current step was aborted, while this rank waited."""
+
+    kind = "generation-changed"
 
 
 def generation_key(generation: int, name: str) -> str:
@@ -161,12 +180,19 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                self._beat()
-            except RuntimeError:  # the store went away (DistStoreError): the job is over
-                if self._stop.is_set():
-                    return
-                time.sleep(self.interval)
+            if self._beat_once():
+                continue
+            if self._stop.is_set():
+                return
+            time.sleep(self.interval)
+
+    def _beat_once(self) -> bool:
+        """One beat; False when the store went away (DistStoreError): the job is over."""
+        try:
+            self._beat()
+        except RuntimeError:
+            return False
+        return True
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
@@ -317,13 +343,14 @@ def failed_peers(
 ) -> dict[int, str]:
     """The peers of a failed transport wait that have really failed (rank -> reason).
 
-    The peers come from ``error.peers`` (set by :class:`elastic.groups.GlooTransport`) or,
-    for other transports, from the ranks the message names ("from rank 3", "to rank 5").
-    ``rank_of`` maps the error's (program) ranks to job ranks. A slow peer whose heartbeat
-    still advances is not reported: the caller may retry the operation.
+    The peers come from the error's typed ``peers`` field (every
+    :class:`~layoutlang.errors.RuntimeFailure` has one; :class:`elastic.groups.GlooTransport`
+    fills it) or, for an error that names none, from the ranks its message names ("from
+    rank 3", "to rank 5"). ``rank_of`` maps the error's (program) ranks to job ranks. A slow
+    peer whose heartbeat still advances is not reported: the caller may retry the operation.
     """
-    peers = getattr(error, "peers", None)
-    if peers is None:
+    peers: list[int] = list(error.peers) if isinstance(error, RuntimeFailure) else []
+    if not peers:  # a transport that wrote its peers only into the message
         peers = sorted({int(m) for m in _PEER.findall(str(error))})
     if rank_of is not None:
         peers = [rank_of[p] if isinstance(rank_of, Mapping) else rank_of(p) for p in peers]
@@ -354,6 +381,12 @@ class Membership:
 
     def key(self, generation: int, name: str) -> str:
         return generation_key(generation, name)
+
+    def current(self) -> int:
+        """The generation this rank entered last (MembershipError before it entered any)."""
+        if self.generation is None:
+            raise MembershipError(f"rank {self.rank}: no generation entered yet")
+        return self.generation
 
     def members_of(self, generation: int) -> list[int] | None:
         """The agreed members of ``generation``, or None when it has not been agreed yet."""
@@ -451,9 +484,7 @@ class Membership:
         previous: int | None = None,
         startup: float | None = None,
     ) -> FailureDetector:
-        g = self.generation if generation is None else generation
-        if g is None:
-            raise MembershipError(f"rank {self.rank}: no generation entered yet")
+        g = self.current() if generation is None else generation
         return FailureDetector(
             self.raw_store,
             g,
@@ -510,15 +541,19 @@ class ExitWatcher:
                     continue
                 code = getattr(process, "exitcode", None)
                 self.exited[rank] = code
-                g = self._latest()
-                for gen in (g, g + 1):
-                    try:
-                        self.store.set(
-                            generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode()
-                        )
-                        self.store.add(generation_key(gen, "exits"), 1)
-                    except RuntimeError:  # the store went away: the job is over
-                        return
+                if not self._notify(rank, code):
+                    return
+
+    def _notify(self, rank: int, code: int | None) -> bool:
+        """Write the exit of ``rank``; False when the store went away: the job is over."""
+        g = self._latest()
+        try:
+            for gen in (g, g + 1):
+                self.store.set(generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode())
+                self.store.add(generation_key(gen, "exits"), 1)
+        except RuntimeError:
+            return False
+        return True
 
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()

@@ -46,7 +46,7 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
-from layoutlang.errors import CudaError, MembershipError, NcclError
+from layoutlang.errors import CudaError, MembershipError, NcclError, RuntimeFailure
 from layoutlang.transport.nccl import Communicator, NcclTransport
 
 from .membership import Membership, generation_key
@@ -176,7 +176,7 @@ class NcclGenerations:
         ``store`` is the raw store (keys are under ``membership.namespace``); ``previous`` is
         this rank's group of the last generation it was a member of, or None.
         """
-        g, rank, members = membership.generation, membership.rank, list(membership.members)
+        g, rank = membership.generation, membership.rank
         if g is None:
             raise MembershipError(
                 f"rank {rank}: enter a generation before building its communicator"
@@ -188,71 +188,14 @@ class NcclGenerations:
             )
         timeout = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
-
-        def failed(what: str, err: BaseException) -> MembershipError:
-            detail = err.message if isinstance(err, (NcclError, CudaError)) else _first_line(err)
-            return MembershipError(
-                f"rank {rank}: {what} of generation {g} (members {members}) failed: {detail}",
-                hint=getattr(err, "hint", None),
-            )
-
-        records = self._rendezvous(store, membership, previous, timeout)
-        base = max(r["base"] for r in records.values())
-        existing = sorted(
-            (m for m in members if records[m]["base"] == base), key=lambda m: records[m]["rank"]
-        )
-        if base >= 0 and len({records[m]["rank"] for m in existing}) != len(existing):
-            raise MembershipError(
-                f"rank {rank}: members {existing} claim clashing ranks in the communicator of "
-                f"generation {base} (records {records})"
-            )
-        joiners = [m for m in members if m not in existing]
+        records = self._rendezvous(store, membership, g, previous, timeout)
+        base, existing, joiners = self._roles(membership, records)
         if previous is not None and records[rank]["base"] != base:
             # Stale (this rank was excluded since) or unusable: the others moved on without it.
             self.abandon(previous)
             previous = None
-
-        # The communicators this build makes, released if a later step fails.
-        made: list[Communicator] = []
-        try:
-            if base < 0:
-                how = "create"
-                order = members
-                comm = Communicator.create(
-                    store,
-                    order.index(rank),
-                    len(order),
-                    key=_key(membership, g, "init"),
-                    api=self.api,
-                    cuda=self.cuda,
-                    timeout=timeout,
-                )
-            elif rank in existing:
-                assert previous is not None
-                comm, how = self._shrink_and_grow(
-                    store, membership, previous, existing, joiners, records, made
-                )
-                order = existing + joiners
-            else:
-                how = "join"
-                order = existing + joiners
-                comm = Communicator.join(
-                    store,
-                    order.index(rank),
-                    len(order),
-                    key=_key(membership, g, "grow"),
-                    api=self.api,
-                    cuda=self.cuda,
-                    timeout=timeout,
-                )
-        except (NcclError, CudaError) as err:
-            for c in made:
-                _quietly_abort(c)
-            raise failed("building the NCCL communicator", err) from err
-        except RuntimeError as err:  # a store wait timed out (DistStoreError)
-            for c in made:
-                _quietly_abort(c)
-            raise failed("the NCCL rendezvous", err) from err
+        order = list(membership.members) if base < 0 else existing + joiners
+        comm, how = self._communicator(store, membership, g, previous, base, existing, joiners, records, timeout)
         if comm.rank != order.index(rank) or comm.size != len(order):
             _quietly_abort(comm)
             raise MembershipError(
@@ -272,23 +215,73 @@ class NcclGenerations:
         log.info("rank %d: generation %d over NCCL by %s: %s", rank, g, how, order)
         return group
 
+    @staticmethod
+    def _roles(membership: Membership, records: Mapping[int, Mapping[str, Any]]) -> tuple[int, list[int], list[int]]:
+        """(the base generation, the existing members in communicator order, the joiners)."""
+        members = list(membership.members)
+        base = max(r["base"] for r in records.values())
+        existing = sorted(
+            (m for m in members if records[m]["base"] == base), key=lambda m: records[m]["rank"]
+        )
+        if base >= 0 and len({records[m]["rank"] for m in existing}) != len(existing):
+            raise MembershipError(
+                f"rank {membership.rank}: members {existing} claim clashing ranks in the communicator of "
+                f"generation {base} (records {dict(records)})"
+            )
+        return base, existing, [m for m in members if m not in existing]
+
+    def _communicator(
+        self,
+        store: Any,
+        membership: Membership,
+        g: int,
+        previous: NcclGroup | None,
+        base: int,
+        existing: list[int],
+        joiners: list[int],
+        records: Mapping[int, Mapping[str, Any]],
+        timeout: float,
+    ) -> tuple[Communicator, str]:
+        """The generation's communicator and how it was made (module doc: create, shrink and
+        grow, join). NCCL failures, and store waits that time out, become a MembershipError
+        naming the rank, the generation and the members, with NCCL's message kept."""
+        rank, members = membership.rank, list(membership.members)
+        made: list[Communicator] = []  # the communicators this build makes, released if a later step fails
+        try:
+            if base < 0:
+                comm = Communicator.create(
+                    store, members.index(rank), len(members), key=_key(membership, g, "init"),
+                    api=self.api, cuda=self.cuda, timeout=timeout,
+                )
+                return comm, "create"
+            if rank in existing:
+                assert previous is not None  # its record names the base: it holds that communicator
+                return self._shrink_and_grow(store, membership, g, previous, existing, joiners, records, made)
+            order = existing + joiners
+            comm = Communicator.join(
+                store, order.index(rank), len(order), key=_key(membership, g, "grow"),
+                api=self.api, cuda=self.cuda, timeout=timeout,
+            )
+            return comm, "join"
+        except (NcclError, CudaError) as err:
+            what, detail, hint = "building the NCCL communicator", err.message, err.hint
+            cause: BaseException = err
+        except RuntimeFailure:
+            raise  # the layers below report their own failures
+        except RuntimeError as err:  # a store wait timed out (DistStoreError)
+            what, detail, hint, cause = "the NCCL rendezvous", _first_line(err), getattr(err, "hint", None), err
+        for c in made:
+            _quietly_abort(c)
+        raise MembershipError(
+            f"rank {rank}: {what} of generation {g} (members {members}) failed: {detail}", hint=hint
+        ) from cause
+
     def _rendezvous(
-        self, store: Any, membership: Membership, previous: NcclGroup | None, timeout: float
+        self, store: Any, membership: Membership, g: int, previous: NcclGroup | None, timeout: float
     ) -> dict[int, dict[str, Any]]:
         """Write this rank's record and read every member's (bounded by ``timeout``)."""
-        g, rank, members = membership.generation, membership.rank, membership.members
-        comm = previous.communicator if previous is not None else None
-        if comm is not None and comm.state == "ready":
-            # The state changes only when NCCL is asked: an error since the last call counts.
-            with contextlib.suppress(NcclError, CudaError):
-                comm.async_error()
-        usable = comm is not None and comm.state in _USABLE
-        mine = {
-            "base": previous.generation if usable else -1,
-            "rank": previous.group_rank if usable else -1,
-            "healthy": bool(usable and comm.state == "ready"),
-        }
-        store.set(_key(membership, g, f"base/{rank}"), json.dumps(mine).encode())
+        rank, members = membership.rank, membership.members
+        store.set(_key(membership, g, f"base/{rank}"), json.dumps(_record(previous)).encode())
         keys = [_key(membership, g, f"base/{m}") for m in members]
         try:
             store.wait(keys, timedelta(seconds=timeout))
@@ -298,25 +291,20 @@ class NcclGenerations:
                 f"rank {rank}: members {missing} did not reach the NCCL build of generation {g} "
                 f"(members {members}) within {timeout:g} s"
             ) from None
-        records = {}
-        for m, k in zip(members, keys):
-            try:
-                value = json.loads(bytes(store.get(k)).decode())
-                records[m] = {
-                    "base": int(value["base"]),
-                    "rank": int(value["rank"]),
-                    "healthy": bool(value["healthy"]),
-                }
-            except (ValueError, KeyError, TypeError):
-                raise MembershipError(
-                    f"rank {rank}: malformed NCCL build record of rank {m} in generation {g}"
-                ) from None
-        return records
+        records = {m: _parse_record(store.get(k)) for m, k in zip(members, keys)}
+        malformed = [m for m, record in records.items() if record is None]
+        if malformed:
+            raise MembershipError(
+                f"rank {rank}: malformed NCCL build record of rank {malformed[0]} in generation {g}"
+            )
+        return {m: record for m, record in records.items() if record is not None}
+
 
     def _shrink_and_grow(
         self,
         store: Any,
         membership: Membership,
+        g: int,
         previous: NcclGroup,
         existing: list[int],
         joiners: list[int],
@@ -324,7 +312,7 @@ class NcclGenerations:
         made: list[Communicator],
     ) -> tuple[Communicator, str]:
         """The existing members' side: shrink away who is gone (or renew), then grow."""
-        g, rank = membership.generation, membership.rank
+        rank = membership.rank
         old = previous.rank_map()
         exclude = sorted(old[m] for m in previous.order if m not in existing)
         renew = not all(records[m]["healthy"] for m in existing)
@@ -354,6 +342,28 @@ class NcclGenerations:
         _quietly_abort(group.communicator)
 
 
+def _record(previous: NcclGroup | None) -> dict[str, Any]:
+    """This rank's build record: the generation of its usable communicator (or -1), its rank
+    there, and whether it is healthy."""
+    comm = previous.communicator if previous is not None else None
+    if comm is not None and comm.state == "ready":
+        # The state changes only when NCCL is asked: an error since the last call counts.
+        with contextlib.suppress(NcclError, CudaError):
+            comm.async_error()
+    if previous is None or comm is None or comm.state not in _USABLE:
+        return {"base": -1, "rank": -1, "healthy": False}
+    return {"base": previous.generation, "rank": previous.group_rank, "healthy": comm.state == "ready"}
+
+
+def _parse_record(data: bytes) -> dict[str, Any] | None:
+    """A member's build record, or None when it is malformed."""
+    try:
+        value = json.loads(bytes(data).decode())
+        return {"base": int(value["base"]), "rank": int(value["rank"]), "healthy": bool(value["healthy"])}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err)
     return text.splitlines()[0] if text else type(err).__name__
@@ -363,5 +373,5 @@ def _quietly_abort(comm: Communicator) -> None:
     try:
         if comm.state not in ("aborted", "destroyed"):
             comm.abort()
-    except Exception as err:  # noqa: BLE001 - abandoning must never fail the caller
+    except Exception as err:  # abandoning must never fail the caller
         log.warning("abandoning an NCCL communicator: %s", getattr(err, "message", err))

@@ -17,6 +17,10 @@ by a policy:
 The new layout keeps the tensors, rules and storages of the old one (they do not depend on
 the mesh's ranks) on the new mesh, and is validated with :meth:`Layout.check`.
 
+:func:`generation_layouts` gives an elastic session's layouts of any generation from the
+agreed member lists alone: joiners take the destination positions of lost ranks
+(:func:`replacements`), then each side drops what is gone by its policy.
+
 :func:`lost_regions` and :func:`check_recoverable` (from :mod:`layoutlang.plan.loss`, the
 model's side: the planner's recovery plans use them too) make sure nothing is lost
 silently: a region of a logical tensor is lost when every rank holding it, in every given
@@ -28,6 +32,8 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
+
+import attrs
 
 from layoutlang.errors import (
     DataLossError,
@@ -42,10 +48,13 @@ from layoutlang.plan.loss import check_recoverable, lost_regions, rank_set
 __all__ = [
     "POLICIES",
     "DataLossError",
+    "SidePolicy",
     "check_recoverable",
     "data_parallel_axes",
+    "generation_layouts",
     "lost_regions",
     "remesh",
+    "replacements",
 ]
 
 POLICIES = ("drop-replica", "shrink-axis", "fill-spares", "callback")
@@ -66,9 +75,9 @@ def _rule_axes(layout: Layout) -> set[str]:
     """Every axis the layout's rules name (placements, sub-mesh coordinates, orders)."""
     axes: set[str] = set()
     for rule in layout.rules:
-        axes.update(a for a, _ in rule.placements)
-        axes.update(a for a, _ in rule.submesh)
-        for _, order in rule.order:
+        axes.update(dict(rule.placements))
+        axes.update(dict(rule.submesh))
+        for order in dict(rule.order).values():
             axes.update(order)
     return axes
 
@@ -76,7 +85,7 @@ def _rule_axes(layout: Layout) -> set[str]:
 def data_parallel_axes(layout: Layout) -> list[str]:
     """Axes on which every tensor of ``layout`` is replicated and that no rule fixes as a
     sub-mesh coordinate: dropping a coordinate of such an axis drops whole replicas."""
-    submesh_axes = {a for rule in layout.rules for a, _ in rule.submesh}
+    submesh_axes = {a for rule in layout.rules for a in dict(rule.submesh)}
     names = layout.mesh.axis_names
     candidates = [a for a in names if a not in submesh_axes]
     for tensor in layout.tensors:
@@ -167,73 +176,8 @@ def remesh(
     lost_ranks = rank_set(lost)
     new_name = name if name is not None else _next_name(layout.name, generation)
     new_mesh_name = mesh_name if mesh_name is not None else _next_name(layout.mesh.name, generation)
-    mesh = layout.mesh
     where = f"remesh of layout '{layout.name}' ({policy})"
-
-    if policy in ("drop-replica", "shrink-axis"):
-        if policy == "shrink-axis" and axis is None:
-            raise LayoutValueError(
-                f"{where}: name the axis to shrink with axis=",
-                hint=f"axes of mesh '{mesh.name}': {', '.join(mesh.axis_names)}",
-            )
-        if axis is not None:
-            mesh.axis_index(axis)  # unknown axis -> LayoutNameError with a hint
-        if policy == "drop-replica":
-            candidates = data_parallel_axes(layout)
-            if axis is None:
-                if not candidates:
-                    raise LayoutValueError(
-                        f"{where}: mesh '{mesh.name}' (axes {', '.join(mesh.axis_names)}) has no data-parallel "
-                        "axis: every axis shards some tensor or selects a sub-mesh, so dropping a "
-                        "replica would lose data",
-                        hint="use 'shrink-axis' with axis= to re-cut the shards, or 'fill-spares'",
-                    )
-                if len(candidates) > 1:
-                    # Several replicated axes: the one dropping fewest ranks, first on ties.
-                    def cost(a: str) -> int:
-                        hit = {mesh.coords(r)[a] for r in lost_ranks if r in mesh}
-                        return len(hit) * (mesh.size // mesh.axis_size(a))
-
-                    axis = min(candidates, key=cost)
-                else:
-                    axis = candidates[0]
-            elif axis not in candidates:
-                raise LayoutValueError(
-                    f"{where}: axis '{axis}' of mesh '{mesh.name}' is not data-parallel (some tensor is "
-                    "sharded over it or placed on one of its coordinates)"
-                    + (f"; data-parallel axes: {', '.join(candidates)}" if candidates else ""),
-                    hint="use 'shrink-axis' to shrink it anyway (the shards are re-cut)",
-                )
-        try:
-            new_mesh, _ = _shrink(mesh, axis, lost_ranks, new_mesh_name)
-        except LayoutError as err:
-            raise type(err)(f"{where}: {err.message}", err.span, err.hint) from None
-    elif policy == "fill-spares":
-        try:
-            new_mesh = _fill(mesh, lost_ranks, spares, new_mesh_name)
-        except LayoutError as err:
-            raise type(err)(f"{where}: {err.message}", err.span, err.hint) from None
-    elif policy == "callback":
-        if callback is None:
-            raise LayoutValueError(
-                f"{where}: policy 'callback' needs callback=(mesh, lost) -> Mesh"
-            )
-        new_mesh = callback(mesh, frozenset(lost_ranks))
-        if not isinstance(new_mesh, Mesh):
-            raise LayoutValueError(
-                f"{where}: the callback returned {type(new_mesh).__name__}, not a Mesh"
-            )
-        missing = sorted(_rule_axes(layout) - set(new_mesh.axis_names))
-        if missing:
-            raise LayoutNameError(
-                f"{where}: the callback's mesh '{new_mesh.name}' (axes {', '.join(new_mesh.axis_names)}) "
-                f"lacks axis {', '.join(repr(a) for a in missing)} named by the layout's rules"
-            )
-    else:
-        raise LayoutValueError(
-            f"unknown remesh policy '{policy}' (policies: {', '.join(POLICIES)})",
-            hint=did_you_mean(policy, POLICIES),
-        )
+    new_mesh = _new_mesh(layout, lost_ranks, policy, where, new_mesh_name, spares=spares, axis=axis, callback=callback)
 
     still = sorted(r for r in new_mesh.ranks if r in lost_ranks)
     if still:
@@ -241,7 +185,7 @@ def remesh(
             f"{where}: the new mesh '{new_mesh.name}' still holds lost rank(s) {still}"
         )
 
-    new = Layout(new_name, new_mesh, layout.tensors, layout.rules, layout.storages, layout.span)
+    new = attrs.evolve(layout, name=new_name, mesh=new_mesh)  # the same tensors, rules and storages
     try:
         new.check()
     except LayoutError as err:
@@ -249,6 +193,165 @@ def remesh(
             f"{where}, new mesh {_mesh_text(new_mesh)}: {err.message}", err.span, err.hint
         ) from None
     return new
+
+
+def _new_mesh(
+    layout: Layout,
+    lost: set[int],
+    policy: str,
+    where: str,
+    name: str,
+    *,
+    spares: Sequence[int],
+    axis: str | None,
+    callback: Callable[[Mesh, frozenset[int]], Mesh] | None,
+) -> Mesh:
+    """The mesh ``policy`` makes of ``layout``'s mesh without the ``lost`` ranks, named ``name``."""
+    if policy == "callback":
+        return _callback_mesh(layout, lost, callback, where)
+    if policy not in ("drop-replica", "shrink-axis", "fill-spares"):
+        raise LayoutValueError(
+            f"unknown remesh policy '{policy}' (policies: {', '.join(POLICIES)})",
+            hint=did_you_mean(policy, POLICIES),
+        )
+    chosen = None if policy == "fill-spares" else _axis_to_shrink(layout, lost, policy, axis, where)
+    try:
+        if chosen is None:
+            return _fill(layout.mesh, lost, spares, name)
+        return _shrink(layout.mesh, chosen, lost, name)[0]
+    except LayoutError as err:
+        raise type(err)(f"{where}: {err.message}", err.span, err.hint) from None
+
+
+def _axis_to_shrink(layout: Layout, lost: set[int], policy: str, axis: str | None, where: str) -> str:
+    """The axis ``drop-replica`` or ``shrink-axis`` removes coordinates of."""
+    mesh = layout.mesh
+    if policy == "shrink-axis" and axis is None:
+        raise LayoutValueError(
+            f"{where}: name the axis to shrink with axis=",
+            hint=f"axes of mesh '{mesh.name}': {', '.join(mesh.axis_names)}",
+        )
+    if axis is not None:
+        mesh.axis_index(axis)  # unknown axis -> LayoutNameError with a hint
+        if policy == "shrink-axis":
+            return axis
+    candidates = data_parallel_axes(layout)
+    if axis is None:
+        if not candidates:
+            raise LayoutValueError(
+                f"{where}: mesh '{mesh.name}' (axes {', '.join(mesh.axis_names)}) has no data-parallel "
+                "axis: every axis shards some tensor or selects a sub-mesh, so dropping a "
+                "replica would lose data",
+                hint="use 'shrink-axis' with axis= to re-cut the shards, or 'fill-spares'",
+            )
+
+        # Several replicated axes: the one dropping fewest ranks, first on ties.
+        def cost(a: str) -> int:
+            hit = {mesh.coords(r)[a] for r in lost if r in mesh}
+            return len(hit) * (mesh.size // mesh.axis_size(a))
+
+        return min(candidates, key=cost) if len(candidates) > 1 else candidates[0]
+    if axis not in candidates:
+        raise LayoutValueError(
+            f"{where}: axis '{axis}' of mesh '{mesh.name}' is not data-parallel (some tensor is "
+            "sharded over it or placed on one of its coordinates)"
+            + (f"; data-parallel axes: {', '.join(candidates)}" if candidates else ""),
+            hint="use 'shrink-axis' to shrink it anyway (the shards are re-cut)",
+        )
+    return axis
+
+
+def _callback_mesh(
+    layout: Layout, lost: set[int], callback: Callable[[Mesh, frozenset[int]], Mesh] | None, where: str
+) -> Mesh:
+    if callback is None:
+        raise LayoutValueError(
+            f"{where}: policy 'callback' needs callback=(mesh, lost) -> Mesh"
+        )
+    new_mesh = callback(layout.mesh, frozenset(lost))
+    if not isinstance(new_mesh, Mesh):
+        raise LayoutValueError(
+            f"{where}: the callback returned {type(new_mesh).__name__}, not a Mesh"
+        )
+    missing = sorted(_rule_axes(layout) - set(new_mesh.axis_names))
+    if missing:
+        raise LayoutNameError(
+            f"{where}: the callback's mesh '{new_mesh.name}' (axes {', '.join(new_mesh.axis_names)}) "
+            f"lacks axis {', '.join(repr(a) for a in missing)} named by the layout's rules"
+        )
+    return new_mesh
+
+
+# ------------------------------------------------------------------ generations
+
+#: A side's remesh policy and its axis (None: the policy finds one), as ``remesh`` takes them.
+SidePolicy = tuple[str, str | None]
+
+
+def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[int, int]:
+    """Lost destination rank -> the joiner in its place, after the generations whose agreed
+    members ``history`` lists (generation 0 first).
+
+    Joiners fill the open positions of ``destination`` (the first generation's mesh) in
+    mesh order; a joiner that is lost again leaves its position open.
+    """
+    replaced: dict[int, int] = {}
+    before = set(history[0]) if history else set()
+    for members in history[1:]:
+        after = set(members)
+        lost = before - after
+        for position, joiner in list(replaced.items()):
+            if joiner in lost:
+                del replaced[position]
+        joined = sorted(after - before)
+        open_positions = [r for r in destination.ranks if r not in after and r not in replaced]
+        replaced.update(zip(open_positions, joined))
+        before = after
+    return replaced
+
+
+def generation_layouts(
+    source: Layout,
+    destination: Layout,
+    history: Sequence[Sequence[int]],
+    *,
+    source_policy: SidePolicy = ("drop-replica", None),
+    destination_policy: SidePolicy = ("drop-replica", None),
+) -> tuple[Layout, Layout]:
+    """The source and destination layouts of the last generation ``history`` lists, from the
+    first generation's ``source`` and ``destination``.
+
+    Joiners take the destination positions of lost ranks (``fill-spares``), then the ranks
+    that are no members leave each side by its policy. The layouts of generation ``g`` are
+    named ``{name}_gen{g}`` (meshes likewise). A pure function of the agreed member lists:
+    every member computes the same layouts.
+    """
+    generation = len(history) - 1
+    members = set(history[-1]) if history else set()
+    replaced = replacements(history, destination.mesh)
+    current = destination
+    if replaced:
+        hit = [r for r in destination.mesh.ranks if r in replaced]
+        current = remesh(
+            destination, hit, "fill-spares", spares=[replaced[r] for r in hit],
+            name=f"{destination.name}_gen{generation}", mesh_name=f"{destination.mesh.name}_gen{generation}",
+        )
+    return (
+        _without_lost(source, source, members, source_policy, generation),
+        _without_lost(current, destination, members, destination_policy, generation),
+    )
+
+
+def _without_lost(layout: Layout, base: Layout, members: set[int], policy: SidePolicy, generation: int) -> Layout:
+    """``layout`` without the ranks that are no ``members``, named after the first generation's ``base``."""
+    gone = [r for r in layout.mesh.ranks if r not in members]
+    if not gone:
+        return layout
+    how, axis = policy
+    return remesh(
+        layout, gone, how, axis=axis,
+        name=f"{base.name}_gen{generation}", mesh_name=f"{base.mesh.name}_gen{generation}",
+    )
 
 
 def _mesh_text(mesh: Mesh) -> str:

@@ -20,29 +20,31 @@ default; the launcher hosts the store and watches the workers' exits); under tor
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from elastic import ElasticSession
+from elastic import Change, ElasticSession
 from elastic.membership import ExitWatcher
 
 from .. import lang
-from ..errors import LayoutError
-from ..io.weights import fill_synthetic, verify
+from ..errors import DataLossError, LayoutError, RuntimeFailure
 from ..io.torch_dtypes import torch_dtype
+from ..io.weights import fill_synthetic, verify
 from .apply_job import participants_of
 from .launch import LocalWorkers, worker_context
 
-__all__ = ["ElasticOptions", "FAULTS", "refit_job", "run_local", "run_torchrun", "summarize"]
+__all__ = ["FAULTS", "ElasticOptions", "refit_job", "run_local", "run_torchrun", "summarize"]
 
 FAULTS = ("kill", "stop", "on-shrink", "signal")
 
@@ -70,9 +72,8 @@ def _die(how: str) -> None:
     time.sleep(60)  # a stopped process gets here only when continued
 
 
-def synthetic_sources(step: int, session) -> dict:
+def synthetic_sources(step: int, session: ElasticSession) -> dict[str, torch.Tensor]:
     """This rank's source storages holding the synthetic weights of ``step``."""
-
     layout, rank = session.source, session.rank
     storages = {
         name: torch.zeros(shape, dtype=torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype))
@@ -106,7 +107,6 @@ def refit_job(
     ``text_or_path`` is a .layout file or program text. In a local worker, ``rank``,
     ``store`` and ``port`` default to the worker's.
     """
-
     rank = worker_context["rank"] if rank is None else rank
     store = worker_context["store"] if store is None else store
     port = worker_context["port"] if port is None else port
@@ -116,15 +116,15 @@ def refit_job(
     ctl = dist.PrefixStore(f"{namespace}-ctl", store)
     mine = {how: step for r, step, how in faults if r == rank}
 
-    def mark_and_die(how: str, client=ctl) -> None:
-        client.set(f"failed/{rank}", f"{time.time()!r} {how}".encode())
+    def mark_and_die(how: str, client: Any = ctl) -> None:
+        client.set(f"failed/{rank}", f"{time.time()!r} {how}")
         _die(how)
 
     def progress(step: int, done: int, total: int) -> None:
         if done != max(1, total // 2):
             return
         if rank == trigger and any(how == "signal" and s == step for _, s, how in faults):
-            ctl.set("signal", str(time.time()).encode())
+            ctl.set("signal", str(time.time()))
         for how in ("kill", "stop"):
             if mine.get(how) == step:
                 mark_and_die(how)
@@ -143,13 +143,14 @@ def refit_job(
     grows: list[int] = []
     checked: list[dict] = []
 
-    def on_shrink(change) -> None:
+    def on_shrink(change: Change) -> None:
         shrinks.append(change.generation)
         if "on-shrink" in mine:
             mark_and_die("kill")
 
     def on_step(step: int, session: ElasticSession) -> None:
         committed = session.last_report  # the generation the step committed in (a grow may follow)
+        assert committed is not None  # on_step runs after the step's refit committed
         result = {"step": step, "generation": committed.generation, "destination": committed.destination}
         if rank in session.destination.mesh:
             v = verify(session.destination, rank, session.destinations, version=step)
@@ -163,18 +164,20 @@ def refit_job(
             namespace=namespace, deadline=deadline, timeout=timeout, memory_budget=memory_budget,
             on_shrink=on_shrink, on_grow=lambda change: grows.append(change.generation), **options,
         )
-    except LayoutError as err:
+    except (LayoutError, RuntimeFailure) as err:  # a bad option, or no first generation
         return base | {"error": str(err), "kind": err.kind}
     with session:
         joined = {}
-        if rank in joiners and rank in session.destination.mesh:
+        admitted_after = session.committed_step  # a joiner is admitted after a committed step
+        if rank in joiners and rank in session.destination.mesh and admitted_after is not None:
             # what the recovery plan gave the joiner: the weights of the last committed step
-            v = verify(session.destination, rank, session.destinations, version=session.committed_step)
-            joined = {"step": session.committed_step, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
+            v = verify(session.destination, rank, session.destinations, version=admitted_after)
+            joined = {"step": admitted_after, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
         try:
             reports = session.run(synthetic_sources, steps, on_step=on_step, progress=progress)
-        except LayoutError as err:
-            regions = [[t, list(o), list(s)] for t, o, s in getattr(err, "regions", [])]
+        except (LayoutError, RuntimeFailure) as err:  # not recovered from: data loss, exclusion...
+            lost = err.regions if isinstance(err, DataLossError) else []
+            regions = [[t, list(o), list(s)] for t, o, s in lost]
             return base | {"error": str(err), "kind": err.kind, "regions": regions}
         return base | {
             "reports": [r.to_json() for r in reports],
@@ -211,8 +214,8 @@ def _job_arguments(options: ElasticOptions, namespace: str, joiners: Sequence[in
     }
 
 
-def _failed_times(store, namespace: str, ranks: Sequence[int]) -> dict[int, tuple[float, str]]:
-
+def _failed_times(store: Any, namespace: str, ranks: Sequence[int]) -> dict[int, tuple[float, str]]:
+    """When and how each of ``ranks`` failed (the stamp it wrote just before), if it did."""
     ctl = dist.PrefixStore(f"{namespace}-ctl", store)
     out = {}
     for rank in ranks:
@@ -244,7 +247,7 @@ def run_local(options: ElasticOptions, namespace: str = "apply") -> dict:
                 results[rank] = value if ok else {"rank": rank, "error": value[1], "kind": value[2]}
             failed = _failed_times(pool.store, namespace, sorted(failing))
         for rank, process in enumerate(pool.processes):  # a stopped rank is not waited for
-            if rank in failing and process.is_alive():
+            if rank in failing and process.is_alive() and process.pid is not None:
                 os.kill(process.pid, signal.SIGKILL)
     return summarize(options, results, failed, participants, joiners)
 
@@ -257,10 +260,6 @@ def run_torchrun(options: ElasticOptions, namespace: str = "apply") -> dict | No
     goes through torchrun's restart: launch with ``--max-restarts 0`` and one agent per
     node, so that the loss of a node leaves the other agents running.
     """
-    import json
-    from datetime import timedelta
-
-
     rank = int(os.environ["RANK"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=options.timeout))
@@ -272,7 +271,7 @@ def run_torchrun(options: ElasticOptions, namespace: str = "apply") -> dict | No
         **_job_arguments(options, namespace, joiners, idle),
     )
     reports = dist.PrefixStore(f"{namespace}-reports", store)
-    reports.set(str(rank), json.dumps(result).encode())
+    reports.set(str(rank), json.dumps(result))
     final = result.get("members")
     if not final or rank != min(final):
         return None

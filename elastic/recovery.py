@@ -1,0 +1,600 @@
+"""Recovery: from a failure to the next generation, the same way on every member.
+
+The steps (the numbers of :mod:`elastic.session`'s sequence):
+
+1. *notice* (:class:`Watch`): every wait watches all members' heartbeats and exit
+   notifications, a newer generation and the open commit record; a rank suspected for
+   silence is confirmed by one more deadline of silence before it counts as failed;
+2. *settle* (:meth:`Recoverer.recover`): compare-and-set ``aborted`` into the open commit
+   record (:mod:`elastic.commit`), so every survivor ends in the same committed state;
+3. *agree* (:meth:`Watch.propose`): the next generation's members, without the failed ones
+   (compare-and-set: one writer per generation);
+4. *remesh* (:class:`RefitSpec`): the layouts of the new generation, a pure function of the
+   agreed member lists (:func:`elastic.remesh.generation_layouts`), after the check that no
+   region of the weights is lost (:class:`~layoutlang.errors.DataLossError`);
+5. *rebuild* (:class:`GroupBuilder`): the generation's group, built while the members are
+   watched; then the ``on_shrink`` / ``on_grow`` hooks;
+6. a *recovery plan* when the destination holds committed weights that some rank now
+   lacks, committed like a step (the ``entry`` record);
+7. *retry*: the session refits the aborted step again (:meth:`ElasticSession.refit`).
+
+A failure during any of this starts again at the next generation, from the last state
+every member committed. :class:`Recovery` is one such change as this rank lived it.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from layoutlang.errors import AgreementError, ExecutionError
+from layoutlang.io.torch_dtypes import torch_dtype
+from layoutlang.model import Layout
+from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
+from layoutlang.runtime import Executor
+
+from .commit import ABORTED, COMMITTED, ENTRY, CommitRecords, CommittedState, record_step, step_record
+from .membership import (
+    ExcludedError,
+    FailureDetector,
+    GenerationChanged,
+    Heartbeat,
+    MemberFailure,
+    Membership,
+    MembershipError,
+    failed_peers,
+)
+from .remesh import SidePolicy, check_recoverable, generation_layouts, replacements
+
+__all__ = ["Change", "GroupBuilder", "Recoverer", "Recovery", "RefitSpec", "Watch", "recoverable"]
+
+# How often a waiting rank reads the store for failures: a tenth of the default deadline,
+# few enough requests that the store stays responsive with hundreds of waiting ranks.
+_WATCH_PERIOD = 0.1
+
+#: A rank's source storages of a step (the training side a recovery plan may read).
+Sources = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+def recoverable(err: ExecutionError) -> bool:
+    """Whether a session recovers from ``err``: an excluded rank must rejoin, and ranks
+    that compiled different plans would compile them again."""
+    return not isinstance(err, (ExcludedError, AgreementError))
+
+
+@attrs.frozen
+class Change:
+    """A membership change, as the ``on_shrink`` and ``on_grow`` hooks see it."""
+
+    generation: int
+    members: tuple[int, ...]
+    lost: tuple[int, ...]  # members of the previous generation that are gone
+    joined: tuple[int, ...]
+    reasons: dict[int, str]  # lost rank -> why this rank counted it as failed
+    source: Layout  # the layouts of the new generation
+    destination: Layout
+
+
+@attrs.frozen
+class Recovery:
+    """One membership change as this rank lived it; times are ``time.time()`` stamps."""
+
+    generation: int
+    lost: tuple[int, ...]
+    joined: tuple[int, ...]
+    reasons: dict[int, str]
+    noticed_at: float  # this rank noticed the failure (or the grow decision)
+    agreed_at: float  # the new generation's members were agreed
+    group_at: float  # its group was built
+    first_byte_at: float | None  # the first exchange on the new group completed (None: none yet)
+    recovery_moves: int  # moves of the recovery plan (0: none was needed)
+    recovered_bytes: int  # bytes this rank received through it
+
+    def to_json(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["reasons"] = {str(k): v for k, v in self.reasons.items()}
+        out["lost"], out["joined"] = list(self.lost), list(self.joined)
+        return out
+
+
+@attrs.frozen
+class RefitSpec:
+    """What a session refits: the reshard's layouts in the first generation, how each side
+    loses ranks (its remesh policy and axis), and how plans are compiled."""
+
+    name: str
+    source: Layout
+    destination: Layout
+    source_policy: SidePolicy = ("drop-replica", None)
+    destination_policy: SidePolicy = ("drop-replica", None)
+    domain_size: int = 1
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def layouts(self, history: Sequence[Sequence[int]]) -> tuple[Layout, Layout]:
+        """The source and destination layouts of the last generation ``history`` lists."""
+        return generation_layouts(
+            self.source, self.destination, history,
+            source_policy=self.source_policy, destination_policy=self.destination_policy,
+        )
+
+    def plan(self, source: Layout, destination: Layout) -> Plan:
+        """The refit plan of a generation's layouts."""
+        return plan_layouts(
+            source, destination, name=self.name, domain_size=self.domain_size, bucket_bytes=self.bucket_bytes
+        )
+
+    def recovery_plan(self, sources: Sequence[Layout], destination: Layout, gone: Sequence[int]) -> Plan:
+        """``destination`` from the surviving ranks of ``sources``, in order of preference."""
+        return plan_recovery(
+            sources, destination, gone,
+            name=f"recover {destination.name}", domain_size=self.domain_size, bucket_bytes=self.bucket_bytes,
+        )
+
+
+class Watch:
+    """What every wait of a session watches (step 1), and the suspects it confirms before
+    the members agree on the next generation (step 3). Calling it raises into the wait:
+    :class:`MemberFailure` for a confirmed failure, :class:`GenerationChanged` when a newer
+    generation was agreed or the open commit record was aborted."""
+
+    def __init__(self, membership: Membership, commits: CommitRecords, *, deadline: float):
+        self.membership = membership
+        self.commits = commits
+        self.deadline = deadline
+        self._detector: FailureDetector | None = None
+        self._previous: int | None = None  # the detector's options (see restart)
+        self._startup: float | None = None
+        self._confirmed: set[int] = set()  # ranks whose silence a second look confirmed
+        self._last = 0.0
+
+    @property
+    def detector(self) -> FailureDetector:
+        """The failure detector of the current generation."""
+        if self._detector is None:
+            raise MembershipError(f"rank {self.membership.rank}: no generation entered yet")
+        return self._detector
+
+    def restart(self, *, previous: int | None, startup: float | None) -> None:
+        """Watch the members of the current generation from now on. ``previous``: the
+        generation they may still be busy in; ``startup``: how long a member never heard from
+        may take to start (ranks still importing torch)."""
+        self._previous, self._startup = previous, startup
+        self._detector = self._fresh()
+
+    def _fresh(self) -> FailureDetector:
+        return self.membership.detector(previous=self._previous, startup=self._startup)
+
+    def __call__(self) -> None:
+        """Raised into every wait: a failed member, a newer generation, an aborted record."""
+        now = time.monotonic()
+        if now - self._last < _WATCH_PERIOD:
+            return
+        self._last = now
+        rank, g = self.membership.rank, self.membership.current()
+        failures = self.detector.poll()
+        if failures:
+            confirmed = self.confirm(set(failures), failures)
+            self.detector.forgive(set(failures) - confirmed)
+            if confirmed:
+                raise MemberFailure(rank, g, {r: failures[r] for r in confirmed})
+        if self.membership.members_of(g + 1) is not None:
+            raise GenerationChanged(f"rank {rank}: generation {g + 1} was agreed", rank=rank)
+        if self.commits.open_aborted():
+            raise GenerationChanged(f"rank {rank}: {self.commits.open} of generation {g} was aborted", rank=rank)
+
+    def confirm(self, suspects: set[int], reasons: dict[int, str]) -> set[int]:
+        """The suspects that really failed. An exit is final; silence is not: on a machine
+        stalled for a moment (an overloaded host) every heartbeat pauses at once, so a rank
+        suspected for silence is watched afresh for one more deadline, and stays a member
+        if its heartbeat advances (its reason is dropped from ``reasons``)."""
+        final = {
+            r for r in suspects
+            if r in self._confirmed
+            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance"))
+        }  # an exit, or silence that a check already confirmed
+        silent = sorted(r for r in suspects - final if r in self.membership.members)
+        if not silent:
+            return final
+        still = self._fresh().check(silent)
+        for rank in set(silent) - set(still):
+            reasons.pop(rank, None)
+        self._confirmed |= set(still)
+        return final | set(still)
+
+    def failed_peers(self, err: BaseException) -> dict[int, str]:
+        """The peers of a failed transport wait that really failed (rank -> reason)."""
+        return failed_peers(err, self.detector)
+
+    def propose(self, generation: int, reasons: dict[int, str]) -> list[int]:
+        """The members of ``generation``: without the failed ones, found within about two
+        deadlines (``reasons`` gains the reasons found meanwhile)."""
+        failed = set(reasons) | set(self.detector.poll())
+        end = time.monotonic() + 2 * self.deadline
+        while not failed and time.monotonic() < end:
+            members = self.membership.members_of(generation)
+            if members is not None:
+                return members
+            failed = set(self.detector.poll())
+            time.sleep(0.02)
+        for rank, why in self.detector.failures.items():
+            reasons.setdefault(rank, why)
+        failed = self.confirm(failed, reasons)
+        # Nobody found failed (a transient error): the next generation keeps every member.
+        return self.membership.propose(generation, [m for m in self.membership.members if m not in failed])
+
+
+class GroupBuilder:
+    """Builds each generation's group with ``backend`` while the members are watched (step 5).
+
+    A member that fails during the rendezvous ends the build at once instead of after the
+    group's timeout. The build runs in a thread with a store client of its own: a client
+    holds its lock for the whole of a blocking wait, so a shared one would stop the watch
+    until the rendezvous timed out. A build given up on is abandoned when it finishes, and
+    its client (perhaps still waiting) is replaced.
+    """
+
+    def __init__(self, backend: Any, *, host: str, port: int, rank: int, timeout: float):
+        self.backend = backend
+        self.host, self.port, self.rank, self.timeout = host, port, rank, timeout
+        # Store clients for group builds, opened ahead: connecting a client can take seconds
+        # (a TCPStore connection now and then stalls), which must not fall inside a recovery.
+        self._clients: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._clients.put(self._connect())
+
+    def _connect(self) -> Any:
+        return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout))
+
+    def _refill(self) -> None:
+        """Open a build client in the background, for the next build."""
+        threading.Thread(target=lambda: self._clients.put(self._connect()), daemon=True).start()
+
+    def build(self, membership: Membership, previous: Any, watch: Callable[[], None]) -> Any:
+        """The group of ``membership``'s current generation (``previous``: this rank's last one)."""
+        result: dict[str, Any] = {}
+        given_up = threading.Event()
+        try:
+            client = self._clients.get_nowait()
+        except queue.Empty:
+            client = self._connect()
+
+        def target() -> None:
+            try:
+                group = self.backend.build(client, membership, previous, timeout=self.timeout)
+                result["group"] = group
+                if given_up.is_set():
+                    self.backend.abandon(group)
+            except BaseException as err:  # handed to the waiting thread
+                result["error"] = err
+
+        thread = threading.Thread(target=target, name=f"elastic-build-{self.rank}", daemon=True)
+        thread.start()
+        try:
+            self._wait(thread, membership, watch)
+        except BaseException:
+            given_up.set()
+            if "group" in result:  # finished just now: abandoning twice is harmless
+                self.backend.abandon(result["group"])
+            self._refill()
+            raise
+        self._clients.put(client)
+        if "error" in result:
+            raise result["error"]
+        return result["group"]
+
+    def _wait(self, thread: threading.Thread, membership: Membership, watch: Callable[[], None]) -> None:
+        """Wait for the build thread, watching; past the timeout: :class:`MemberFailure`."""
+        end = time.monotonic() + self.timeout
+        while thread.is_alive():
+            thread.join(0.01)
+            if thread.is_alive():
+                watch()
+                if time.monotonic() > end:
+                    raise MemberFailure(self.rank, membership.current(), {})
+
+
+class Recoverer:
+    """This rank's way through the generations of a session (the module doc's steps 2-6).
+
+    It enters each generation from the state every member committed last (remesh, rebuild,
+    a recovery plan, the entry's commit), and after a failure settles the open commit
+    record, agrees on the next members and enters again. It holds what the session refits
+    with: ``committed`` (the last committed state), ``committed_step`` / ``next_step``,
+    the generation's ``group``, ``transport``, ``plan`` and ``executor``, and every
+    :class:`Recovery` so far (``recoveries``).
+
+    ``on_change(change)`` runs on every member once a new generation's group is built;
+    ``sources(step)`` gives this rank's source storages of a step, for recovery plans that
+    read the training side (the session sets it when it refits).
+    """
+
+    def __init__(
+        self,
+        spec: RefitSpec,
+        *,
+        membership: Membership,
+        heartbeat: Heartbeat,
+        builder: GroupBuilder,
+        timeout: float,
+        deadline: float,
+        device: torch.device,
+        on_change: Callable[[Change], None],
+    ):
+        self.spec = spec
+        self.rank = membership.rank
+        self.membership = membership
+        self.heartbeat = heartbeat
+        self.builder = builder
+        self.timeout = timeout
+        self.device = device
+        self.on_change = on_change
+        self.sources: Sources | None = None
+        self.commits = CommitRecords(membership, timeout=timeout)
+        self.watch = Watch(membership, self.commits, deadline=deadline)
+        # Before the first entry: the first generation's layouts, no storages yet.
+        self.committed = CommittedState(-1, spec.source, spec.destination, {}, False)
+        self._pending = self.committed  # the state a generation's entry commits
+        self.committed_step: int | None = None  # the step whose weights the destination holds
+        self.next_step = 0
+        self.recoveries: list[Recovery] = []
+        self.group: Any = None
+        self.transport: Any = None
+        self.plan: Plan | None = None
+        self.executor: Executor | None = None
+
+    # ------------------------------------------------------------- the member lists
+    def history(self, generation: int) -> list[list[int]]:
+        """The agreed members of every generation up to ``generation``."""
+        return [self.membership.members_of(g) or [] for g in range(generation + 1)]
+
+    def admissible_joiners(self) -> list[int]:
+        """Joiners asking for the next generation: as many as the destination has lost positions."""
+        g = self.membership.current()
+        replaced = replacements(self.history(g), self.spec.destination.mesh)
+        members = set(self.membership.members)
+        open_positions = [r for r in self.spec.destination.mesh.ranks if r not in members and r not in replaced]
+        joiners = [j for j in self.membership.join_requests(g + 1) if j not in members]
+        return sorted(joiners)[: len(open_positions)]
+
+    # ------------------------------------------------------------------- commits
+    def mark_committed(self, step: int) -> None:
+        """Every member finished ``step``: the destination holds its weights."""
+        self.committed_step = step
+        self.next_step = step + 1
+        self.committed = attrs.evolve(self.committed, valid=True)
+        self.commits.open = None
+
+    def note_first_byte(self) -> None:
+        """Stamp the latest recovery with the first completed exchange on its group."""
+        last = self.recoveries[-1] if self.recoveries else None
+        if last is not None and last.first_byte_at is None and last.generation == self.membership.current():
+            self.recoveries[-1] = attrs.evolve(last, first_byte_at=getattr(self.transport, "first_completed_at", None))
+
+    # ---------------------------------------------------------------- entering
+    def enter(self, state: CommittedState, *, noticed: float, reasons: dict[int, str], first: bool = False) -> None:
+        """Enter the current generation from the committed ``state`` (steps 4-6).
+
+        The entry commits like a step (record ``entry``): no member refits in a generation
+        before every member has entered it, so a failure during entry leaves every member
+        at the same committed state.
+        """
+        g, members = self.membership.current(), self.membership.members
+        self.commits.open = ENTRY
+        previous_members = self.membership.members_of(state.generation) if state.generation >= 0 else members
+        lost = tuple(sorted(set(previous_members or []) - set(members)))
+        joined = tuple(sorted(set(members) - set(previous_members or [])))
+        gone = sorted((set(state.source.mesh.ranks) | set(state.destination.mesh.ranks)) - set(members))
+        # Never silent loss: the source holds the weights of the step being refit; a valid
+        # destination holds those of the last committed step too.
+        check_recoverable([state.destination, state.source] if state.valid else [state.source], gone)
+        source, destination = self.spec.layouts(self.history(g))
+        agreed = time.time()
+        self.watch.restart(
+            previous=state.generation if state.generation >= 0 else None,
+            startup=self.timeout if first or joined else None,  # ranks still starting up
+        )
+        self._rebuild()
+        group_at = time.time()
+        self.transport = self.group.transport(watch=self.watch)
+        self.on_change(Change(g, tuple(members), lost, joined, dict(reasons), source, destination))
+
+        destinations, moves, recovered = self._destinations(state, destination, gone)
+        self._pending = CommittedState(g, source, destination, destinations, state.valid)
+        if self.commits.commit(ENTRY, watch=self.watch)["state"] != COMMITTED:
+            raise GenerationChanged(f"rank {self.rank}: entering generation {g} was aborted", rank=self.rank)
+        self.commits.open = None
+        self.committed = self._pending
+        self._compile()
+        if not first:
+            first_byte = getattr(self.transport, "first_completed_at", None)
+            self.recoveries.append(
+                Recovery(g, lost, joined, dict(reasons), noticed, agreed, group_at, first_byte, moves, recovered)
+            )
+
+    def _rebuild(self) -> None:
+        """Build the current generation's group; give up the previous one."""
+        previous_group = self.group
+        self.group = self.builder.build(self.membership, previous_group, self.watch)
+        if previous_group is not None:
+            self.builder.backend.abandon(previous_group)
+
+    def _destinations(
+        self, state: CommittedState, destination: Layout, gone: list[int]
+    ) -> tuple[dict[str, torch.Tensor], int, int]:
+        """This rank's storages of ``destination`` (the committed ones where its boxes did not
+        change), filled by a recovery plan where they must hold committed weights; also the
+        plan's moves and the bytes this rank received through it."""
+        destinations = self._allocate(destination, state)
+        moves = recovered = 0
+        if state.valid and not all(_same_holdings(state.destination, destination, r) for r in destination.mesh.ranks):
+            moves, recovered = self._run_recovery(state, destination, destinations, gone)
+        return destinations, moves, recovered
+
+    def _allocate(self, layout: Layout, state: CommittedState) -> dict[str, torch.Tensor]:
+        """This rank's storages of ``layout``: the committed ones where its boxes did not change."""
+        if self.rank not in layout.mesh:
+            return {}
+        if _same_holdings(state.destination, layout, self.rank) and state.destinations:
+            return dict(state.destinations)
+        out = {}
+        for name, shape in layout.storages_on(self.rank).items():
+            dtype = torch_dtype(layout.tensors[layout.storage(name, self.rank).parts[0]].dtype)
+            out[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return out
+
+    def _run_recovery(
+        self, state: CommittedState, destination: Layout, destinations: dict[str, torch.Tensor], gone: list[int]
+    ) -> tuple[int, int]:
+        """``destination`` from the surviving inference replicas first, then the training side."""
+        sources = [state.destination, state.source]
+        plan = self.spec.recovery_plan(sources, destination, gone)
+        if self.rank not in destination.mesh and not any(self.rank in s.mesh for s in sources):
+            return plan.num_moves, 0  # a member in no layout (a spare) has no part in it
+        executor = Executor(plan, self.rank, self.transport, timeout=self.timeout)
+        training: Mapping[str, torch.Tensor] = {}
+        if executor.reads_source(1):
+            training = self._training_sources()
+        report = executor.run([state.destinations, training], destinations)
+        return plan.num_moves, sum(report.received.values()) - report.received["local"]
+
+    def _training_sources(self) -> Mapping[str, torch.Tensor]:
+        """This rank's source storages of the last committed step."""
+        if self.sources is None or self.committed_step is None:
+            # A valid destination means a step was committed, and only refits commit steps.
+            raise RuntimeError(f"rank {self.rank}: a recovery plan reads the training side before any refit")
+        return self.sources(self.committed_step)
+
+    def _compile(self) -> None:
+        """The refit plan of the current layouts, and this rank's executor."""
+        source, destination = self.committed.source, self.committed.destination
+        self.plan = self.spec.plan(source, destination)
+        participants = set(source.mesh.ranks) | set(destination.mesh.ranks)
+        self.executor = (
+            Executor(self.plan, self.rank, self.transport, timeout=self.timeout) if self.rank in participants else None
+        )
+
+    # ---------------------------------------------------------------- recovering
+    def recover(self, trigger: ExecutionError, step: int | None) -> bool:
+        """Move to the next generation after ``trigger``. Returns True when the open step
+        turned out committed (every member had finished it before the failure)."""
+        noticed = time.time()
+        reasons = dict(trigger.failures) if isinstance(trigger, MemberFailure) else {}
+        if not isinstance(trigger, (MemberFailure, GenerationChanged)):
+            reasons.update(self.watch.failed_peers(trigger))
+        step_committed = False
+        while True:
+            self._settle()
+            if self.commits.open is None and step is not None and self.committed_step == step:
+                step_committed = True
+            g = self.membership.current() + 1
+            members = self.membership.members_of(g)
+            if members is None:
+                members = self.watch.propose(g, reasons)
+            self.membership.enter(g, members)  # ExcludedError: the survivors left this rank out
+            self.heartbeat.set_generation(g)
+            try:
+                self.enter(self.committed, noticed=noticed, reasons=reasons)
+            except ExecutionError as err:
+                if not recoverable(err):
+                    raise
+                noticed = time.time()
+                reasons = dict(err.failures) if isinstance(err, MemberFailure) else {}
+                continue
+            return step_committed
+
+    def _settle(self) -> None:
+        """Decide the open commit record of this generation, the same way on every member.
+
+        Compare-and-set ``aborted``: the record ends ``committed`` only if every member had
+        finished. A committed step or entry lets members go on to the next step (unless the
+        step admitted joiners: then everyone grows first), so that next step is aborted too,
+        and the destinations, possibly half rewritten by it, no longer count as valid.
+        """
+        name = self.commits.open
+        if name is None:
+            return
+        self.commits.open = None
+        outcome = self.commits.abort(name)
+        step = record_step(name)
+        if outcome["state"] == ABORTED:
+            if step is not None:  # a step half done: only its source holds its weights
+                self.committed = attrs.evolve(self.committed, valid=False)
+            return
+        if step is None:
+            self.committed = self._pending
+        else:
+            self.mark_committed(step)
+            if outcome.get("joiners"):
+                return  # every member grows before any next step: the destinations stay valid
+        self.commits.abort(step_record(self.next_step))
+        self.committed = attrs.evolve(self.committed, valid=False)
+
+    def _enter_or_recover(self, noticed: float) -> None:
+        """Enter the generation just agreed; a failure meanwhile moves on to the next one."""
+        try:
+            self.enter(self.committed, noticed=noticed, reasons={})
+        except ExecutionError as err:
+            if not recoverable(err):
+                raise
+            self.recover(err, None)
+
+    # -------------------------------------------------------------- grow and join
+    def grow(self, joiners: list[int]) -> None:
+        """Admit ``joiners`` after the committed step (every member does this at the same step)."""
+        noticed = time.time()
+        g = self.membership.current() + 1
+        resume = self.membership.key(g, "resume")  # where a joiner learns the step to refit next
+        self.membership.store.set(resume, json.dumps({"step": self.next_step}).encode())
+        members = self.membership.propose(g, self.membership.members + list(joiners))
+        self.membership.enter(g, members)
+        self.heartbeat.set_generation(g)
+        self._enter_or_recover(noticed)
+
+    def join(self) -> None:
+        """Joiner side: ask to be admitted; wait for a generation that includes this rank."""
+        requested, members = self._admission()
+        resume_key = self.membership.key(requested, "resume")
+        self.membership.store.wait([resume_key], timedelta(seconds=self.timeout))
+        self.next_step = json.loads(bytes(self.membership.store.get(resume_key)).decode())["step"]
+        self.committed_step = self.next_step - 1
+        previous = requested - 1
+        source, destination = self.spec.layouts(self.history(previous))
+        # the members' committed state: this rank holds nothing of it yet
+        self.committed = CommittedState(previous, source, destination, {}, True)
+        self.membership.enter(requested, members)
+        self.heartbeat.set_generation(requested)
+        self._enter_or_recover(time.time())  # a failure while this rank was being admitted: recover
+
+    def _admission(self) -> tuple[int, list[int]]:
+        """Ask to join the next generation until one that includes this rank is agreed;
+        returns it and its members."""
+        end = time.monotonic() + self.timeout
+        requested: int | None = None
+        while True:
+            latest = self.membership.latest() or 0
+            if requested is None or latest >= requested:
+                members = self.membership.members_of(requested) if requested is not None else None
+                if requested is not None and members is not None and self.rank in members:
+                    return requested, members
+                requested = latest + 1
+                self.membership.request_join(requested)
+            if time.monotonic() > end:
+                raise MembershipError(f"rank {self.rank}: not admitted into any generation within {self.timeout:g} s")
+            time.sleep(0.02)
+
+
+def _same_holdings(old: Layout, new: Layout, rank: int) -> bool:
+    """Whether ``rank`` holds the same boxes in the same storages in both layouts."""
+    if rank not in old.mesh or rank not in new.mesh:
+        return False
+    if old.storages_on(rank) != new.storages_on(rank):
+        return False
+    return all(old.boxes(t, rank) == new.boxes(t, rank) for t in old.tensors)
