@@ -28,12 +28,14 @@ the same on both ends; the ``tag`` of :meth:`NcclTransport.exchange` is accepted
 ignored.
 """
 
-from .communicator import Communicator
+from .communicator import Communicator, new_unique_id
 from .copies import copy_pairs
 from .library import (
     CUDART_ENV,
     FEATURES,
     LIBRARY_ENV,
+    FeatureFacts,
+    LibraryFacts,
     cudart_candidates,
     library_facts,
     load_cuda_runtime,
@@ -48,6 +50,8 @@ __all__ = [
     "LIBRARY_ENV",
     "WATCH_SLICE",
     "Communicator",
+    "FeatureFacts",
+    "LibraryFacts",
     "NcclTransport",
     "copy_pairs",
     "cudart_candidates",
@@ -55,4 +59,5 @@ __all__ = [
     "load_cuda_runtime",
     "load_library",
     "nccl_candidates",
+    "new_unique_id",
 ]

@@ -7,7 +7,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from ...core import _core
 from ...errors import NcclUnavailableError, core_errors
@@ -22,6 +22,32 @@ FEATURES = {
     "ncclCommGrow": "2.29",
     "ncclCommGetUniqueId": "2.29",
 }
+
+
+
+class FeatureFacts(TypedDict):
+    """Whether the library offers a failure function, and the NCCL version that introduced it."""
+
+    available: bool
+    introduced: str
+
+
+class _SearchFacts(TypedDict):
+    found: bool
+    searched: list[str]  # where NCCL was looked for, in order
+
+
+class LibraryFacts(_SearchFacts, total=False):
+    """What :func:`library_facts` reports (JSON-ready, as ``layoutlang doctor --json`` prints it):
+    ``error`` when nothing was found, else the library's ``path``, where it came from
+    (``origin``), its ``version`` and ``version_code``, and its failure ``features``."""
+
+    error: str
+    path: str
+    origin: str
+    version: str
+    version_code: int
+    features: dict[str, FeatureFacts]
 
 
 # ------------------------------------------------------------------ finding libraries
@@ -128,7 +154,7 @@ def _origin(origin: str, path: str, candidates: list[tuple[str, str]]) -> str:
     return f"the {wheel} wheel" if wheel else described
 
 
-def library_facts(path: str | None = None) -> dict[str, Any]:
+def library_facts(path: str | None = None) -> LibraryFacts:
     """What :func:`load_library` finds: path, where from, version, and the failure functions."""
     candidates = [(path, "the given path")] if path else nccl_candidates()
     try:
