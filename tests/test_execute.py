@@ -157,6 +157,24 @@ def test_a_peer_dying_mid_transfer_is_an_error_within_the_timeout(pool):
         assert v["seconds"] < timeout + 10
 
 
+# a pool of its own: the test aborts a process group and builds new ones
+@pytest.mark.workers(2, scope="function", timeout=30)
+def test_the_torch_transport_follows_the_transport_lifecycle(pool):
+    zero, one = pool.run(workers.transport_lifecycle)
+    assert zero["errored_at_start"] is None and one["errored_at_start"] is None
+    # a wait that fails raises an ExecutionError naming this rank and its peer, and the
+    # transport remembers it
+    assert zero["failure"] == {"rank": 0, "peers": [1], "remembered": True}
+    for result in (zero, one):
+        assert result["after_abort"] == (
+            f"rank {result['rank']}: the transport was aborted; configure it with a new group first"
+        )
+        assert result["errored_after_abort"]
+        # configured with a new group, the transport is healthy and moves bytes again
+        assert result["errored_after_configure"] is None
+    assert zero["received"] == [1] * 4 and one["received"] == [0] * 4
+
+
 def test_worker_errors_name_the_rank(pool):
     with pytest.raises(WorkerError, match="rank 0"):
         pool.run(workers.refit, "/nonexistent.layout", [0, 1])

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang.errors import LayoutError, RuntimeFailure
+from layoutlang.errors import ExecutionError, LayoutError, RuntimeFailure
 from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
 from layoutlang.runtime import Resharder
 from layoutlang.runtime.agreement import AGREEMENT_TAG
@@ -165,3 +165,31 @@ def refit_with_a_dying_peer(path, participants, victim, timeout):
     except (LayoutError, RuntimeFailure) as err:
         return {"error": err.message, "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
+
+
+def transport_lifecycle(timeout=0.5):
+    """TorchTransport's lifecycle on ranks 0 and 1: a failed wait names the rank and the peer
+    and is remembered (errored), abort refuses later exchanges, configure starts afresh."""
+    rank = dist.get_rank()
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    transport = TorchTransport(rank, group=first)
+    out = {"rank": rank, "errored_at_start": transport.errored()}
+    if rank == 0:
+        try:
+            transport.exchange([], [(1, torch.empty(8, dtype=torch.uint8))], tag=5).wait(timeout)
+        except ExecutionError as err:
+            out["failure"] = {"rank": err.rank, "peers": err.peers, "remembered": transport.errored() is err}
+    dist.barrier()  # gloo closed the first group's connection when rank 0's wait timed out
+    transport.abort()
+    try:
+        transport.exchange([], [], tag=6)
+    except ExecutionError as err:
+        out["after_abort"] = err.message
+    out["errored_after_abort"] = transport.errored() is not None
+    transport.configure(second)
+    out["errored_after_configure"] = transport.errored()
+    peer = 1 - rank
+    got = torch.empty(4, dtype=torch.uint8)
+    transport.exchange([(peer, torch.full((4,), rank, dtype=torch.uint8))], [(peer, got)], tag=7).wait(10)
+    out["received"] = got.tolist()
+    return out
