@@ -13,6 +13,7 @@ finish the refits on the smaller layout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -147,43 +148,38 @@ def test_under_torchrun_agents_the_survivors_recover_without_a_restart(tmp_path)
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         env.pop(key, None)
     env["OMP_NUM_THREADS"] = "1"
-    agents, logs = [], []
-    for i in range(4):
-        log = open(tmp_path / f"agent{i}.log", "w+")
-        logs.append(log)
-        agents.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node", "1",
-                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-                 "--max-restarts", "0", "--monitor-interval", "0.2",
-                 "-m", "layoutlang.cli", "apply", str(path), "--elastic", "--steps", "3", "--kill", "3@1", "--json"],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
-        )
-    try:
-        summary = None
-        end = time.monotonic() + 180
-        while summary is None and time.monotonic() < end:
-            time.sleep(0.5)
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "4", "--nproc-per-node", "1",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+             "--max-restarts", "0", "--monitor-interval", "0.2",
+             "-m", "layoutlang.cli", "apply", str(path), "--elastic", "--steps", "3", "--kill", "3@1", "--json"]
+    with contextlib.ExitStack() as open_logs:
+        logs = [open_logs.enter_context(open(tmp_path / f"agent{i}.log", "w+")) for i in range(4)]
+        agents = [
+            subprocess.Popen(agent, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            for log in logs
+        ]
+        try:
+            summary = None
+            end = time.monotonic() + 180
+            while summary is None and time.monotonic() < end:
+                time.sleep(0.5)
+                for log in logs:
+                    log.seek(0)
+                    text = log.read()
+                    if '"ok"' in text and text.rstrip().endswith("}"):
+                        summary = json.loads(text[text.index("{\n") :])
+            assert summary is not None, "\n".join(Path(log.name).read_text()[-2000:] for log in logs)
+            assert summary["ok"], summary
+            assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
+            assert summary["members"] == [0, 1, 2] and summary["destination"] == "serve_gen1"
+            assert summary["recoveries"][0]["lost"] == [3]
+            # no agent restarted its worker: every log shows a single worker start
             for log in logs:
                 log.seek(0)
-                text = log.read()
-                if '"ok"' in text and text.rstrip().endswith("}"):
-                    summary = json.loads(text[text.index("{\n") :])
-        assert summary is not None, "\n".join(open(log.name).read()[-2000:] for log in logs)
-        assert summary["ok"], summary
-        assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
-        assert summary["members"] == [0, 1, 2] and summary["destination"] == "serve_gen1"
-        assert summary["recoveries"][0]["lost"] == [3]
-        # no agent restarted its worker: every log shows a single worker start
-        for log in logs:
-            log.seek(0)
-            assert "restart" not in log.read().lower().replace("--max-restarts", "")
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=30)
-        for log in logs:
-            log.close()
-        del store
+                assert "restart" not in log.read().lower().replace("--max-restarts", "")
+        finally:
+            for process in agents:
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+            del store

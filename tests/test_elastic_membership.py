@@ -104,8 +104,8 @@ def test_failed_peers_reads_the_peers_of_a_transport_error():
             "rank 0: sending 64 bytes to rank 1 failed or did not complete within 1 s"
         )
         assert elastic.failed_peers(slow, detector) == {}  # a slow peer is not declared failed
-        tagged = ExecutionError("opaque")
-        tagged.peers = [11]  # GlooTransport names its peers; rank_of maps them to job ranks
+        # GlooTransport names its peers in the error's typed field; rank_of maps them to job ranks
+        tagged = ExecutionError("opaque", rank=0, peers=[11])
         assert set(elastic.failed_peers(tagged, detector, rank_of={11: 2})) == {2}
     finally:
         hb.stop()

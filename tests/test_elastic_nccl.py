@@ -50,7 +50,7 @@ def run_threads(functions, timeout=30.0):
     def target(i):
         try:
             results[i] = functions[i]()
-        except BaseException as err:  # noqa: BLE001 - reported to the test
+        except BaseException as err:  # reported to the test
             errors[i] = err
 
     threads = [
@@ -230,7 +230,7 @@ def test_a_generation_is_created_shrunk_after_a_death_and_grown_by_a_joiner(fabr
         return backend.build(store, m1[r], g1[r])
 
     built = all_ok([join] + [lambda r=r: existing(r) for r in survivors])
-    g2 = dict(zip([2] + survivors, built))
+    g2 = dict(zip([2, *survivors], built))
     assert g2[2].how == "join" and {g2[r].how for r in survivors} == {"grow"}
     for g in g2.values():
         assert g.generation == 2 and g.members == [0, 1, 2, 3]
@@ -466,7 +466,7 @@ def test_a_watch_that_never_raises_still_times_out_at_the_deadline(fabric):
         [], [(7, torch.zeros(8, dtype=torch.uint8))], 1
     )
     start = time.monotonic()
-    with pytest.raises(NcclTimeoutError, match="did not complete within 0.3 s"):
+    with pytest.raises(NcclTimeoutError, match=r"did not complete within 0\.3 s"):
         pending.wait(0.3)
     assert 0.3 <= time.monotonic() - start < 2.0
     assert len(calls) >= 2  # called between slices

@@ -13,6 +13,7 @@ is a spare or a joiner, or idle.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -62,10 +63,8 @@ def drain(pool, wait: float = 1.0) -> None:
     """Take the results of ranks outside ``expect`` (idle ones) off the queue."""
     end = time.monotonic() + wait
     while time.monotonic() < end:
-        try:
+        with contextlib.suppress(queue.Empty):
             pool._results.get(timeout=0.1)
-        except queue.Empty:
-            pass
 
 
 def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **options):
@@ -128,7 +127,7 @@ def test_sigkill_of_an_inference_rank_mid_transfer(pool):
     results = run(pool, expect=[0, 1, 2, 3, 4, 6, 7], kills=((5, 1, "kill"),), idle=(8,))
     # drop-replica: the replica of rank 5 (ranks 4, 5) leaves the inference layout
     check_refits(results, destination_ranks=[6, 7], generation=1, destination="serve_gen1")
-    for rank, result in results.items():
+    for result in results.values():
         assert [c["step"] for c in result["checked"]] == [0, 1, 2, 3]
         recovery = result["recoveries"][0]
         assert recovery["lost"] == [5] and recovery["generation"] == 1
@@ -184,7 +183,7 @@ def test_a_replacement_rank_joins_and_receives_its_shards_from_replicas(pool):
 
 def test_a_failure_that_leaves_no_copy_is_a_clear_error(pool):
     results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), text=NO_REPLICA, idle=(8,))
-    for rank, result in results.items():
+    for result in results.values():
         assert result["kind"] == "loss", result
         assert "data lost: rank 1 held the only copies" in result["error"]
         assert ["embed", [24, 0], [24, 32]] in result["regions"]

@@ -239,7 +239,7 @@ def run_job(
     def target(rank: int) -> None:
         try:
             results[rank] = main(rank)
-        except BaseException as err:  # noqa: BLE001 - reported to the test
+        except BaseException as err:  # reported to the test
             errors[rank] = err
             processes[rank].exitcode = 1
 
@@ -391,7 +391,7 @@ def test_a_joiner_takes_the_place_of_a_dead_rank_and_receives_its_shards(server,
     assert [c["step"] for c in joiner["checked"]] == list(range(admitted_after + 1, STEPS))
     check_verified(joiner, range(admitted_after + 1, STEPS), 2, "serve_gen2")
     group = joiner["session"].group
-    assert group.how == "join" and group.order == survivors + [JOINER]  # the joiner comes last
+    assert group.how == "join" and group.order == [*survivors, JOINER]  # the joiner comes last
 
     for rank in survivors:
         seen = results[rank]
@@ -408,9 +408,7 @@ def test_a_joiner_takes_the_place_of_a_dead_rank_and_receives_its_shards(server,
             (JOINER,),
         )
         assert [c.generation for c in seen["grows"]] == [2]
-        assert seen["session"].group.how == "grow" and seen["session"].group.order == survivors + [
-            JOINER
-        ]
+        assert seen["session"].group.how == "grow" and seen["session"].group.order == [*survivors, JOINER]
     # the inference side is whole again: ranks 5 and 6 form the replica that ranks 4 and 5 were
     for rank in (2, 3):
         check_verified(results[rank], [0], 0, "serve")
