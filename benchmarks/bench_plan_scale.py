@@ -193,7 +193,7 @@ def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -
     """One plan case; returns the failures (empty when every check passed)."""
     from layoutlang.core import _core
     from layoutlang.errors import LayoutError
-    from layoutlang.plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
+    from layoutlang.plan import DEFAULT_BUCKET_BYTES, compile_plan
 
     case = PLAN_CASES[name]
     failures: list[str] = []
@@ -216,7 +216,7 @@ def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -
     report.line("compile_plan (end to end)", times_str(compile_times))
 
     # the C++ core call alone, on the cores already built
-    policies = [POLICIES.index(statement.policy_for(t)) for t in source.resolved.names]
+    policies = [_core.Policy[statement.policy_for(t)] for t in source.resolved.names]
     domain = program.topology.domain_size
     _, core_times = best_of(
         args.repeat,
@@ -419,8 +419,8 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
             tensor = program.tensors[fqn]
             chunks = {}
             for rank in core.holders(index):
-                for offsets, sizes, _ in core.boxes(index, rank):
-                    chunks.setdefault((tuple(offsets), tuple(sizes)), None)
+                for box in core.boxes(index, rank):
+                    chunks.setdefault((tuple(box.offsets), tuple(box.sizes)), None)
             entries[fqn] = TensorStorageMetadata(
                 TensorProperties(dtype=getattr(torch, DTYPES[tensor.dtype][1])),
                 torch.Size(tensor.shape),
@@ -447,7 +447,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
             if boxes:
                 out[fqn] = _ChunkedValue(
                     torch.Size(program.tensors[fqn].shape),
-                    [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in boxes],
+                    [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in boxes],
                 )
         return out
 
