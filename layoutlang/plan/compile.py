@@ -133,7 +133,7 @@ def plan_recovery(
     a rank may hold storages of the same name in a source and in the destination.
 
     Raises :class:`LayoutValueError` when a lost rank is in ``destination``, and
-    :class:`~layoutlang.loss.DataLossError` (a :class:`~layoutlang.errors.LayoutError`) when a
+    :class:`~layoutlang.errors.DataLossError` (a :class:`~layoutlang.errors.RuntimeFailure`) when a
     region has no surviving copy in any source: its message lists every lost tensor and box.
 
     >>> import layoutlang
