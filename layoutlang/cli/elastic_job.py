@@ -83,6 +83,67 @@ def synthetic_sources(step: int, session: ElasticSession) -> dict[str, torch.Ten
     return storages
 
 
+class _Faults:
+    """The faults this rank injects into its own refits (see the module doc)."""
+
+    def __init__(self, rank: int, faults: Sequence[tuple[int, int, str]], trigger: int | None, ctl: Any):
+        self.rank, self.trigger, self.ctl = rank, trigger, ctl
+        self.signal_steps = {step for _, step, how in faults if how == "signal"}
+        self.mine = {how: step for r, step, how in faults if r == rank}
+
+    def die(self, how: str, client: Any = None) -> None:
+        """Stamp the failure (the summary measures from it), then SIGKILL or SIGSTOP this rank."""
+        (self.ctl if client is None else client).set(f"failed/{self.rank}", f"{time.time()!r} {how}")
+        _die(how)
+
+    def progress(self, step: int, done: int, total: int) -> None:
+        """Halfway through a step's transfer: signal a spare, or die, as the faults say."""
+        if done != max(1, total // 2):
+            return
+        if self.rank == self.trigger and step in self.signal_steps:
+            self.ctl.set("signal", str(time.time()))
+        for how in ("kill", "stop"):
+            if self.mine.get(how) == step:
+                self.die(how)
+
+    def in_shrink(self) -> None:
+        if "on-shrink" in self.mine:
+            self.die("kill")
+
+    def watch_for_signal(self, namespace: str, host: str, port: int) -> None:
+        """A spare that dies on the trigger's signal waits for it in a thread of its own."""
+        if "signal" not in self.mine:
+            return
+
+        def wait_for_signal() -> None:
+            # a store client of its own: one client is never shared between threads
+            own = dist.PrefixStore(f"{namespace}-ctl", dist.TCPStore(host, port, is_master=False))
+            own.wait(["signal"])
+            self.die("kill", own)
+
+        threading.Thread(target=wait_for_signal, daemon=True).start()
+
+
+@attrs.define
+class _Seen:
+    """What the job saw on this rank: the generations it shrank and grew into, and every
+    committed step, verified where this rank holds destination storages."""
+
+    rank: int
+    shrinks: list[int] = attrs.Factory(list)
+    grows: list[int] = attrs.Factory(list)
+    checked: list[dict] = attrs.Factory(list)
+
+    def on_step(self, step: int, session: ElasticSession) -> None:
+        committed = session.last_report  # the generation the step committed in (a grow may follow)
+        assert committed is not None  # on_step runs after the step's refit committed
+        result = {"step": step, "generation": committed.generation, "destination": committed.destination}
+        if self.rank in session.destination.mesh:
+            v = verify(session.destination, self.rank, session.destinations, version=step)
+            result.update(ok=v.ok, bytes=v.bytes, mismatches=list(v.mismatches))
+        self.checked.append(result)
+
+
 def refit_job(
     text_or_path: str,
     steps: int,
@@ -113,68 +174,27 @@ def refit_job(
     if rank in idle:
         return {"rank": rank, "idle": True}
     program = lang.load(text_or_path) if os.path.exists(text_or_path) else lang.loads(text_or_path)
-    ctl = dist.PrefixStore(f"{namespace}-ctl", store)
-    mine = {how: step for r, step, how in faults if r == rank}
-
-    def mark_and_die(how: str, client: Any = ctl) -> None:
-        client.set(f"failed/{rank}", f"{time.time()!r} {how}")
-        _die(how)
-
-    def progress(step: int, done: int, total: int) -> None:
-        if done != max(1, total // 2):
-            return
-        if rank == trigger and any(how == "signal" and s == step for _, s, how in faults):
-            ctl.set("signal", str(time.time()))
-        for how in ("kill", "stop"):
-            if mine.get(how) == step:
-                mark_and_die(how)
-
-    if "signal" in mine:
-
-        def wait_for_signal() -> None:
-            # a store client of its own: one client is never shared between threads
-            own = dist.PrefixStore(f"{namespace}-ctl", dist.TCPStore(host, port, is_master=False))
-            own.wait(["signal"])
-            mark_and_die("kill", own)
-
-        threading.Thread(target=wait_for_signal, daemon=True).start()
-
-    shrinks: list[int] = []
-    grows: list[int] = []
-    checked: list[dict] = []
+    injected = _Faults(rank, faults, trigger, dist.PrefixStore(f"{namespace}-ctl", store))
+    injected.watch_for_signal(namespace, host, port)
+    seen = _Seen(rank)
 
     def on_shrink(change: Change) -> None:
-        shrinks.append(change.generation)
-        if "on-shrink" in mine:
-            mark_and_die("kill")
+        seen.shrinks.append(change.generation)
+        injected.in_shrink()
 
-    def on_step(step: int, session: ElasticSession) -> None:
-        committed = session.last_report  # the generation the step committed in (a grow may follow)
-        assert committed is not None  # on_step runs after the step's refit committed
-        result = {"step": step, "generation": committed.generation, "destination": committed.destination}
-        if rank in session.destination.mesh:
-            v = verify(session.destination, rank, session.destinations, version=step)
-            result.update(ok=v.ok, bytes=v.bytes, mismatches=list(v.mismatches))
-        checked.append(result)
-
-    base = {"rank": rank, "checked": checked}
+    base = {"rank": rank, "checked": seen.checked}
     try:
         session = ElasticSession(
             program, rank=rank, store=store, port=port, host=host, members=members, join=rank in joiners,
             namespace=namespace, deadline=deadline, timeout=timeout, memory_budget=memory_budget,
-            on_shrink=on_shrink, on_grow=lambda change: grows.append(change.generation), **options,
+            on_shrink=on_shrink, on_grow=lambda change: seen.grows.append(change.generation), **options,
         )
     except (LayoutError, RuntimeFailure) as err:  # a bad option, or no first generation
         return base | {"error": str(err), "kind": err.kind}
     with session:
-        joined = {}
-        admitted_after = session.committed_step  # a joiner is admitted after a committed step
-        if rank in joiners and rank in session.destination.mesh and admitted_after is not None:
-            # what the recovery plan gave the joiner: the weights of the last committed step
-            v = verify(session.destination, rank, session.destinations, version=admitted_after)
-            joined = {"step": admitted_after, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
+        joined = _joined(session) if rank in joiners else {}
         try:
-            reports = session.run(synthetic_sources, steps, on_step=on_step, progress=progress)
+            reports = session.run(synthetic_sources, steps, on_step=seen.on_step, progress=injected.progress)
         except (LayoutError, RuntimeFailure) as err:  # not recovered from: data loss, exclusion...
             lost = err.regions if isinstance(err, DataLossError) else []
             regions = [[t, list(o), list(s)] for t, o, s in lost]
@@ -182,14 +202,23 @@ def refit_job(
         return base | {
             "reports": [r.to_json() for r in reports],
             "recoveries": [r.to_json() for r in session.recoveries],
-            "shrinks": shrinks,
-            "grows": grows,
+            "shrinks": seen.shrinks,
+            "grows": seen.grows,
             "joined": joined,
             "generation": session.generation,
             "members": session.members,
             "source": session.source.name,
             "destination": session.destination.name,
         }
+
+
+def _joined(session: ElasticSession) -> dict:
+    """What the recovery plan gave a joiner: the weights of the last committed step, verified."""
+    rank, step = session.rank, session.committed_step  # a joiner is admitted after a committed step
+    if rank not in session.destination.mesh or step is None:
+        return {}
+    v = verify(session.destination, rank, session.destinations, version=step)
+    return {"step": step, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
 
 
 # ------------------------------------------------------------------- launching
@@ -297,6 +326,34 @@ def summarize(
     timeline measured from the failure (the failed rank's own clock stamp, same machine)."""
     errors = {r: v for r, v in results.items() if "error" in v}
     done = {r: v for r, v in results.items() if "error" not in v and not v.get("idle")}
+    steps = _steps(results)
+    joined = {str(r): v["joined"] for r, v in done.items() if v.get("joined")}
+    ok = (
+        not errors
+        and bool(steps)
+        and all(not s["mismatches"] for s in steps.values())
+        and max(steps) == options.steps - 1
+        and all(j["ok"] for j in joined.values())
+    )
+    final = next(iter(done.values()), {})
+    return {
+        "ok": ok,
+        "steps": [steps[s] for s in sorted(steps)],
+        "recoveries": _timeline(done, failed),
+        "joined": joined,  # what each replacement received by the recovery plan, verified
+        "failed": {str(r): {"at": t, "how": how} for r, (t, how) in failed.items()},
+        "errors": {str(r): {"kind": v.get("kind"), "message": v["error"]} for r, v in errors.items()},
+        "generation": final.get("generation"),
+        "members": final.get("members"),
+        "source": final.get("source"),
+        "destination": final.get("destination"),
+        "participants": list(participants),
+        "joiners": list(joiners),
+    }
+
+
+def _steps(results: dict[int, dict]) -> dict[int, dict]:
+    """Step -> its generation, destination and the bytes the ranks verified."""
     steps: dict[int, dict] = {}
     for value in results.values():  # steps committed before an error count too
         for c in value.get("checked", []):
@@ -308,6 +365,11 @@ def summarize(
                 entry["verified_bytes"] += c["bytes"]
                 entry["mismatches"] += c["mismatches"]
                 entry["ranks"] += 1
+    return steps
+
+
+def _timeline(done: dict[int, dict], failed: dict[int, tuple[float, str]]) -> list[dict]:
+    """Every recovery, its phases in seconds from the failure (or from the grow decision)."""
     recoveries: dict[int, dict] = {}
     first_failure = min((t for t, _ in failed.values()), default=None)
     for value in done.values():
@@ -332,26 +394,4 @@ def summarize(
             out[f"{key}_s"] = (min(entry[key]) - origin) if entry[key] and origin is not None else None
         out["from"] = "failure" if failures else "decision"
         timeline.append(out)
-    joined = {str(r): v["joined"] for r, v in done.items() if v.get("joined")}
-    ok = (
-        not errors
-        and bool(steps)
-        and all(not s["mismatches"] for s in steps.values())
-        and max(steps) == options.steps - 1
-        and all(j["ok"] for j in joined.values())
-    )
-    final = next(iter(done.values()), {})
-    return {
-        "ok": ok,
-        "steps": [steps[s] for s in sorted(steps)],
-        "recoveries": timeline,
-        "joined": joined,  # what each replacement received by the recovery plan, verified
-        "failed": {str(r): {"at": t, "how": how} for r, (t, how) in failed.items()},
-        "errors": {str(r): {"kind": v.get("kind"), "message": v["error"]} for r, v in errors.items()},
-        "generation": final.get("generation"),
-        "members": final.get("members"),
-        "source": final.get("source"),
-        "destination": final.get("destination"),
-        "participants": list(participants),
-        "joiners": list(joiners),
-    }
+    return timeline
