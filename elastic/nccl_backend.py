@@ -117,7 +117,7 @@ class NcclGroup:
     ) -> NcclTransport:
         """A Transport over this communicator; program ranks are job ranks unless ``rank_map``
         (program rank -> communicator rank) says otherwise. ``watch`` is called while waits
-        are pending (see :class:`~layoutlang.nccl.NcclTransport`)."""
+        are pending (see :class:`~layoutlang.transport.nccl.NcclTransport`)."""
         return NcclTransport(
             self.rank if rank is None else rank,
             self.communicator,
