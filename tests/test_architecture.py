@@ -12,6 +12,8 @@ transports know no plans, the language never imports torch) run in the test comm
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import grimp
@@ -160,3 +162,19 @@ def test_the_local_import_check_finds_an_uncommented_one(tmp_path):
     found = _local_project_imports(module, tmp_path)
     assert [(line, name) for line, name, _ in found] == [(4, "layoutlang.model"), (9, "layoutlang.runtime")]
     assert _uncommented(found) == [(4, "layoutlang.model")]
+
+
+def test_the_language_and_the_light_commands_start_without_torch():
+    """Why the commented function-local imports exist: ``layoutlang check``, ``show``,
+    ``plan`` and ``simulate`` (and ``import layoutlang``) never import torch."""
+    script = (
+        "import sys\n"
+        "import layoutlang, layoutlang.lang, layoutlang.plan, layoutlang.plan.simulate\n"
+        "from layoutlang.cli import main\n"
+        "for command in (['check', 'examples/refit.layout'], ['show', 'examples/tp_to_dp.layout', '--summary'],\n"
+        "                ['plan', 'examples/refit.layout'], ['simulate', 'examples/tp_to_dp.layout']):\n"
+        "    assert main(command) == 0, command\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"
