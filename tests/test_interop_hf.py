@@ -200,6 +200,44 @@ DEEPSEEK_V3: dict[str, Any] = {
 }
 
 
+MIXTRAL_8X7B: dict[str, Any] = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+
+# Qwen3-30B-A3B's config as transformers 5 writes it: `dtype`, and `num_local_experts` for
+# the expert count that 4.x wrote as `num_experts`
+QWEN3_30B_A3B_TRANSFORMERS_5: dict[str, Any] = {
+    **{key: value for key, value in QWEN3_30B_A3B.items() if key not in ("num_experts", "torch_dtype")},
+    "num_local_experts": QWEN3_30B_A3B["num_experts"],
+    "dtype": "bfloat16",
+    "transformers_version": "5.24.0",
+}
+
+
 def write_config(tmp_path: Path, config: dict[str, Any], name: str = "config.json") -> Path:
     path = tmp_path / name
     path.write_text(json.dumps(config), encoding="utf-8")
@@ -227,6 +265,8 @@ def parameter_count(tensors: list[tuple[str, tuple[int, ...], str]]) -> int:
         pytest.param(QWEN3_30B_A3B, 30.5, id="Qwen3-30B-A3B"),
         pytest.param(QWEN3_235B_A22B, 235.1, id="Qwen3-235B-A22B"),
         pytest.param(DEEPSEEK_V3, 671.0, id="DeepSeek-V3"),
+        pytest.param(MIXTRAL_8X7B, 46.7, id="Mixtral-8x7B"),
+        pytest.param(QWEN3_30B_A3B_TRANSFORMERS_5, 30.5, id="Qwen3-30B-A3B-transformers-5"),
     ],
 )
 def test_parameter_totals_match_published_sizes(
@@ -296,6 +336,28 @@ def test_qwen3_30b_a3b_experts_and_router(tmp_path: Path) -> None:
         "model.layers.0.mlp.experts.0.up_proj.weight",
         "model.layers.0.mlp.experts.0.down_proj.weight",
     ]
+
+
+def test_qwen3_moe_reads_either_spelling_of_the_expert_count(tmp_path: Path) -> None:
+    written_by_4 = tensors_from_hf_config(write_config(tmp_path, QWEN3_30B_A3B, "4.json"))
+    written_by_5 = tensors_from_hf_config(write_config(tmp_path, QWEN3_30B_A3B_TRANSFORMERS_5, "5.json"))
+    assert written_by_5 == written_by_4
+    no_count = {key: value for key, value in QWEN3_30B_A3B.items() if key != "num_experts"}
+    with pytest.raises(ModelDescriptionError, match="needs key 'num_experts' or 'num_local_experts'"):
+        tensors_from_hf_config(write_config(tmp_path, no_count))
+
+
+def test_mixtral_experts_w1_w2_w3_and_router(tmp_path: Path) -> None:
+    tensors = tensors_from_hf_config(write_config(tmp_path, MIXTRAL_8X7B))
+    shapes = by_name(tensors)
+    moe = "model.layers.31.block_sparse_moe"
+    assert shapes[f"{moe}.gate.weight"] == ((8, 4096), "bf16")
+    assert shapes[f"{moe}.experts.7.w1.weight"] == ((14336, 4096), "bf16")  # gate
+    assert shapes[f"{moe}.experts.7.w2.weight"] == ((4096, 14336), "bf16")  # down
+    assert shapes[f"{moe}.experts.7.w3.weight"] == ((14336, 4096), "bf16")  # up
+    assert not any(".mlp." in name or name.endswith(".bias") for name in shapes)
+    # embedding, 32 layers of 4 attention + router + 8 * 3 expert weights + 2 norms, norm, head
+    assert len(tensors) == 1 + 32 * (4 + 1 + 24 + 2) + 1 + 1
 
 
 def test_qwen3_235b_a22b_shapes(tmp_path: Path) -> None:

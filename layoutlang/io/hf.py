@@ -17,8 +17,15 @@ Limits:
   ``weight_block_size``, as DeepSeek-V3 and the Qwen3 FP8 releases ship) is described:
   each quantized projection weight is stored as fp8 with an fp32 ``weight_scale_inv`` of
   one element per block. Passing ``dtype=`` describes the unquantized checkpoint instead.
-* Every tensor of a checkpoint shares one dtype, except the FP8 case above and DeepSeek-V3's
-  router ``e_score_correction_bias``, which its published checkpoint keeps in fp32.
+* From the config alone, every tensor shares the model's dtype, except the FP8 case above and
+  DeepSeek-V3's router ``e_score_correction_bias``, which its published checkpoint keeps in
+  fp32. A checkpoint written by transformers' ``save_pretrained`` keeps more in fp32 (the
+  DeepSeek-V3 router ``gate.weight`` too): pass ``checkpoint=`` and each tensor takes the dtype
+  its safetensors header records, the header also confirming every name and shape.
+
+Config keys are read as the transformers versions in use write them: transformers 5 writes
+``dtype`` (4.x ``torch_dtype``) and a Qwen3-MoE config's expert count as
+``num_local_experts`` (4.x ``num_experts``); either spelling is read.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ from typing import Any
 from ..errors import ModelDescriptionError
 from ..model.dtypes import DTYPES, canonical_dtype
 from ._files import TensorEntry, read_json_object
+from .safetensors import checkpoint_file, tensors_from_safetensors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "TensorEntry",
+    "checkpoint_beside",
     "hf_config_constants",
     "read_config",
     "tensors_from_hf_config",
@@ -58,6 +67,13 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_json_object(_config_file(path), "Hugging Face config")
 
 
+def checkpoint_beside(path: str | os.PathLike[str]) -> Path | None:
+    """The safetensors checkpoint in the folder of the ``config.json`` at ``path``, if it has one:
+    its ``model.safetensors.index.json``, else its ``model.safetensors``; None for a config alone."""
+    file = checkpoint_file(_config_file(path).parent)
+    return file if file.is_file() else None
+
+
 def hf_config_constants(config: dict[str, Any]) -> dict[str, int]:
     """The integer-valued top-level entries of a config, for a layout file to use as constants.
 
@@ -71,6 +87,7 @@ def tensors_from_hf_config(
     dtype: str | None = None,
     *,
     include_mtp: bool = False,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> list[TensorEntry]:
     """Every weight tensor of the model described by the ``config.json`` at ``path``.
 
@@ -78,7 +95,11 @@ def tensors_from_hf_config(
     config's ``torch_dtype`` and describes an unquantized checkpoint; without it the config's
     ``torch_dtype`` (or ``dtype``) is used, else bf16. ``include_mtp`` adds DeepSeek-V3's
     multi-token-prediction layers (``num_nextn_predict_layers``), which the model proper does
-    not use. Raises :class:`ModelDescriptionError` naming the file for any problem.
+    not use. ``checkpoint`` (a ``.safetensors`` file, an index or a folder, e.g.
+    :func:`checkpoint_beside`) must hold every tensor the config describes, in the same shape;
+    without ``dtype`` each tensor then takes the dtype the checkpoint's header records (tensors
+    transformers keeps in fp32 in a bf16 model). Raises :class:`ModelDescriptionError` naming the
+    file for any problem.
     """
     file = _config_file(path)
     config = read_config(file)
@@ -92,7 +113,34 @@ def tensors_from_hf_config(
     reader = _ConfigReader(config, model_type, file)
     out = _TensorList(reader, _model_dtype(reader, dtype), explicit_dtype=dtype is not None)
     builder(reader, out, include_mtp)
-    return out.tensors
+    if checkpoint is None:
+        return out.tensors
+    return _as_stored(out.tensors, file, checkpoint, keep_dtype=dtype is not None)
+
+
+def _as_stored(
+    tensors: list[TensorEntry], config: Path, checkpoint: str | os.PathLike[str], *, keep_dtype: bool
+) -> list[TensorEntry]:
+    """The config's tensors with the checkpoint's dtypes, once the checkpoint confirms names and shapes."""
+    stored = {name: (shape, dtype) for name, shape, dtype in tensors_from_safetensors(checkpoint)}
+    where = checkpoint_file(checkpoint)
+    missing = [name for name, _, _ in tensors if name not in stored]
+    if missing:
+        shown = ", ".join(f"'{name}'" for name in missing[:3])
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelDescriptionError(
+            f"{config}: the config describes {len(missing)} tensors that the checkpoint {where} lacks:"
+            f" {shown}{more}; is it this model's checkpoint?"
+        )
+    for name, shape, _ in tensors:
+        if stored[name][0] != shape:
+            raise ModelDescriptionError(
+                f"{config}: the config gives tensor '{name}' shape {list(shape)}, the checkpoint {where}"
+                f" stores {list(stored[name][0])}"
+            )
+    if keep_dtype:
+        return tensors
+    return [(name, shape, stored[name][1]) for name, shape, _ in tensors]
 
 
 class _ConfigReader:
@@ -116,6 +164,14 @@ class _ConfigReader:
         """An integer entry that may be absent or null (then ``default``)."""
         value = self.config.get(key)
         return default if value is None else self._check_int(key, value, minimum)
+
+    def size_of_any(self, keys: tuple[str, ...]) -> int:
+        """A required integer that versions of transformers spell differently: the first key present."""
+        for key in keys:
+            if self.config.get(key) is not None:
+                return self.size(key)
+        spellings = " or ".join(repr(key) for key in keys)
+        raise self.error(f"model_type {self.model_type!r} needs key {spellings}, which is missing")
 
     def flag(self, key: str) -> bool:
         """A boolean entry; absent or null means false, as in every supported family."""
@@ -261,14 +317,18 @@ def _grouped_query_model(
     qk_norm: bool,
     mlp_bias: bool,
     moe_layer: Callable[[int], bool] | None,
+    moe: Callable[[str, int], None] | None = None,
 ) -> None:
-    """Llama-style decoder: GQA attention, SwiGLU MLP or MoE, RMSNorms, optional tied head."""
+    """Llama-style decoder: GQA attention, SwiGLU MLP or MoE, RMSNorms, optional tied head.
+
+    ``moe(prefix, hidden)`` adds the sparse block of a layer ``moe_layer`` picks (default: Qwen's)."""
     hidden = reader.size("hidden_size")
     vocab = reader.size("vocab_size")
     layers = reader.size("num_hidden_layers")
     heads = reader.size("num_attention_heads")
     kv_heads = reader.optional_size("num_key_value_heads", default=heads, minimum=1)
     head_dim = _head_dim(reader, hidden, heads)
+    sparse = moe if moe is not None or moe_layer is None else _qwen_moe(reader, out)
 
     out.add("model.embed_tokens.weight", vocab, hidden)
     for layer in range(layers):
@@ -281,13 +341,8 @@ def _grouped_query_model(
         if qk_norm:
             out.add(f"{attn}.q_norm.weight", head_dim)
             out.add(f"{attn}.k_norm.weight", head_dim)
-        if moe_layer is not None and moe_layer(layer):
-            experts = reader.size("num_experts")
-            expert_intermediate = reader.size("moe_intermediate_size")
-            # the router is a plain linear layer that FP8 checkpoints keep unquantized
-            out.add(f"{prefix}.mlp.gate.weight", experts, hidden)
-            for expert in range(experts):
-                out.gated_mlp(f"{prefix}.mlp.experts.{expert}", hidden, expert_intermediate)
+        if sparse is not None and moe_layer is not None and moe_layer(layer):
+            sparse(prefix, hidden)
         else:
             out.gated_mlp(f"{prefix}.mlp", hidden, reader.size("intermediate_size"), bias=mlp_bias)
         out.add(f"{prefix}.input_layernorm.weight", hidden)
@@ -295,6 +350,51 @@ def _grouped_query_model(
     out.add("model.norm.weight", hidden)
     if not reader.flag("tie_word_embeddings"):
         out.add("lm_head.weight", vocab, hidden)
+
+
+def _qwen_moe(reader: _ConfigReader, out: _TensorList) -> Callable[[str, int], None]:
+    """Qwen-MoE's sparse block: ``mlp.gate`` (the router) and ``mlp.experts.{e}`` gated MLPs."""
+    # transformers 5 writes the expert count as num_local_experts, 4.x as num_experts
+    experts = reader.size_of_any(("num_experts", "num_local_experts"))
+    expert_intermediate = reader.size("moe_intermediate_size")
+
+    def block(prefix: str, hidden: int) -> None:
+        # the router is a plain linear layer that FP8 checkpoints keep unquantized
+        out.add(f"{prefix}.mlp.gate.weight", experts, hidden)
+        for expert in range(experts):
+            out.gated_mlp(f"{prefix}.mlp.experts.{expert}", hidden, expert_intermediate)
+
+    return block
+
+
+def _mixtral_moe(reader: _ConfigReader, out: _TensorList) -> Callable[[str, int], None]:
+    """Mixtral's sparse block: ``block_sparse_moe.gate`` and experts named w1 (gate), w2 (down), w3 (up)."""
+    experts = reader.size("num_local_experts")
+    intermediate = reader.size("intermediate_size")
+
+    def block(prefix: str, hidden: int) -> None:
+        moe = f"{prefix}.block_sparse_moe"
+        out.add(f"{moe}.gate.weight", experts, hidden)
+        for expert in range(experts):
+            out.linear(f"{moe}.experts.{expert}.w1", intermediate, hidden)
+            out.linear(f"{moe}.experts.{expert}.w2", hidden, intermediate)
+            out.linear(f"{moe}.experts.{expert}.w3", intermediate, hidden)
+
+    return block
+
+
+def _mixtral(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    # every Mixtral layer is sparse, and its attention has no biases
+    _grouped_query_model(
+        reader,
+        out,
+        qkv_bias=False,
+        o_bias=False,
+        qk_norm=False,
+        mlp_bias=False,
+        moe_layer=lambda layer: True,
+        moe=_mixtral_moe(reader, out),
+    )
 
 
 def _llama(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
@@ -404,6 +504,7 @@ def _deepseek_moe(reader: _ConfigReader, out: _TensorList, mlp: str, hidden: int
 _BUILDERS: dict[str, Callable[[_ConfigReader, _TensorList, bool], None]] = {
     "llama": _llama,
     "mistral": _llama,
+    "mixtral": _mixtral,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,

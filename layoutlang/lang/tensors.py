@@ -2,8 +2,10 @@
 
 ``tensor "layers.{l}.w" [4096, 4096] bf16 for l in 0..31`` generates one tensor per value
 of its bindings; ``tensors from hf "config.json" as cfg`` imports every weight of a
-Hugging Face model (and its integer settings as constants ``cfg.NAME``), ``tensors from
-safetensors "model.safetensors"`` every tensor of a checkpoint's headers.
+Hugging Face model (and its integer settings as constants ``cfg.NAME``; the dtypes of the
+checkpoint beside the config when there is one), ``tensors from hf_constants "config.json" as
+cfg`` only the constants, ``tensors from safetensors "model.safetensors"`` every tensor of a
+checkpoint's headers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .scope import Scope
 __all__ = ["SOURCE_KINDS", "tensor", "tensors_from"]
 
 #: the model descriptions ``tensors from KIND`` reads
-SOURCE_KINDS = ("hf", "safetensors")
+SOURCE_KINDS = ("hf", "hf_constants", "safetensors")
 
 _PLACEHOLDER = re.compile(r"\{([^}]*)\}")
 
@@ -106,9 +108,13 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
         )
     element = _dtype(node.dtype, node.span) if node.dtype else None
     path = os.path.join(folder, node.path)
+    if node.kind == "hf_constants":
+        _constants_only(scope, node, path)
+        return
     try:
         if node.kind == "hf":
-            found = hf.tensors_from_hf_config(path, dtype=element)
+            # a checkpoint beside the config gives each tensor its stored dtype (fp32 routers)
+            found = hf.tensors_from_hf_config(path, dtype=element, checkpoint=hf.checkpoint_beside(path))
             if node.alias:
                 for key, value in hf.hf_config_constants(hf.read_config(path)).items():
                     scope.constants.define(f"{node.alias}.{key}", value)
@@ -125,3 +131,22 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
         raise
     for name, shape, tensor_dtype in found:
         _declare(scope, name, tuple(shape), tensor_dtype, node.span)
+
+
+def _constants_only(scope: Scope, node: ast.TensorsFrom, path: str) -> None:
+    """``tensors from hf_constants "config.json" as cfg``: the config's constants, no tensor."""
+    if not node.alias:
+        raise LayoutValueError(
+            "'hf_constants' imports only a config's constants, so it needs 'as NAME' to name them",
+            node.span,
+            f'write: tensors from hf_constants "{node.path}" as cfg',
+        )
+    if node.dtype:
+        raise LayoutValueError("'hf_constants' declares no tensor, so 'dtype' has nothing to apply to", node.span)
+    try:
+        config = hf.read_config(path)
+    except LayoutError as err:
+        err.with_span(node.path_span)
+        raise
+    for key, value in hf.hf_config_constants(config).items():
+        scope.constants.define(f"{node.alias}.{key}", value)
