@@ -866,3 +866,74 @@ def test_to_json_carries_kind_place_and_hint():
 def test_every_error_is_a_value_error_for_python_callers():
     err = error_of("let a = 1 // 0\n")
     assert isinstance(err, ValueError)
+
+
+# ============================================================ composing expressions
+
+
+def test_unknown_function_with_did_you_mean():
+    err = error_of("let a = mn(1, 2)\n")
+    assert_error(err, LayoutNameError, "unknown function 'mn' (functions: min, max, cdiv)", 1, 9,
+                 end_column=11, hint="'min'")
+
+
+def test_function_with_too_few_arguments():
+    err = error_of("let a = 1\nlet b = max(a)\n")
+    assert_error(err, LayoutValueError, "'max' takes at least 2 arguments, not 1", 2, 9)
+
+
+def test_ceiling_division_with_three_arguments():
+    err = error_of("let a = cdiv(7, 2, 1)\n")
+    assert_error(err, LayoutValueError, "'cdiv' takes 2 arguments, not 3", 1, 9)
+
+
+def test_ceiling_division_by_zero_in_a_constant():
+    err = error_of("let z = 0\nlet a = 1 + cdiv(7, z)\n")
+    assert_error(err, LayoutValueError, "division by zero in 'cdiv'", 2, 13)
+
+
+def test_ceiling_division_by_zero_in_a_sub_mesh_expression_surfaces_from_check():
+    text = (
+        'mesh m [pp = 2]\nlet z = 0\ntensor "layers.{l}.w" [4] fp32 for l in 0..1\n'
+        'layout a on m {\n  "layers.{l}.w": pp[cdiv(l, z)]\n}\n'
+    )
+    err = error_of(text, resolve=True)
+    assert_error(err, LayoutValueError, "division by zero in 'cdiv'", 5, 22)
+
+
+def test_unknown_function_in_a_sub_mesh_expression_is_found_when_loading():
+    text = (
+        'mesh m [pp = 2]\ntensor "layers.{l}.w" [4] fp32 for l in 0..1\n'
+        'layout a on m { "layers.{l}.w": pp[mix(l, 1)] }\n'
+    )
+    err = error_of(text)
+    assert_error(err, LayoutNameError, "unknown function 'mix'", 3, 36, hint="'min'")
+
+
+def test_unknown_axis_size_of_a_mesh_lists_the_axes_with_did_you_mean():
+    err = error_of("mesh infer [dp = 2, tp = 4]\nlet k = infer.tpp * 2\n")
+    assert_error(err, LayoutNameError, "unknown name 'infer.tpp' ('infer.' names: infer.dp, infer.tp)", 2, 9,
+                 end_column=18, hint="'infer.tp'")
+
+
+def test_axis_size_of_a_mesh_declared_later_is_unknown():
+    err = error_of("let k = infer.tp\nmesh infer [tp = 4]\n")
+    assert_error(err, LayoutNameError, "unknown name 'infer.tp'", 1, 9)
+
+
+def test_mesh_named_like_the_constants_of_a_model_description(tmp_path):
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "qwen3_tiny" / "config.json"
+    write(tmp_path / "config.json", config.read_text("utf-8"))
+    main = write(tmp_path / "main.layout", 'tensors from hf "config.json" as infer\nmesh infer [tp = 2]\n')
+    err = load_error(main)
+    assert_error(err, LayoutNameError, "mesh 'infer' has the name of the constants of a model description", 2, 1,
+                 path=str(main))
+
+
+def test_model_description_imported_under_the_name_of_a_mesh(tmp_path):
+    config = Path(__file__).resolve().parent.parent / "examples" / "configs" / "qwen3_tiny" / "config.json"
+    write(tmp_path / "config.json", config.read_text("utf-8"))
+    main = write(tmp_path / "main.layout", 'mesh cfg [tp = 2]\ntensors from hf "config.json" as cfg\n')
+    err = load_error(main)
+    assert_error(err, LayoutNameError, "'cfg' is a mesh (at", 2, 17, path=str(main))
+    assert "under another name (as ...)" in err.message

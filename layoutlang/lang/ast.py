@@ -17,6 +17,7 @@ __all__ = [
     "AxisDecl",
     "BinOp",
     "Binding",
+    "Call",
     "Expr",
     "File",
     "Include",
@@ -60,7 +61,8 @@ class Name:
 
 @attrs.frozen
 class Attr:
-    """``cfg.num_hidden_layers``: a constant of an imported model description."""
+    """``cfg.num_hidden_layers`` (a constant of an imported model description) or ``infer.tp``
+    (the size of axis ``tp`` of mesh ``infer``)."""
 
     obj: str
     key: str
@@ -86,7 +88,17 @@ class Neg:
     span: Span
 
 
-Expr = Num | Name | Attr | BinOp | Neg
+@attrs.frozen
+class Call:
+    """``min(a, b)``, ``max(a, b)``, ``cdiv(a, b)``: a function of the language applied to integers."""
+
+    function: str
+    args: tuple[Expr, ...]
+    span: Span
+    function_span: Span = attrs.field(eq=False)  # the function's name alone
+
+
+Expr = Num | Name | Attr | BinOp | Neg | Call
 
 # ------------------------------------------------------------------- statements
 

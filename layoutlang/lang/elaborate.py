@@ -59,7 +59,9 @@ class _Elaborator:
                 scope.topology, scope.topology_span = topology(node), node.span
             case ast.MeshDecl():
                 scope.meshes.check_new(node.name, node.span)
-                scope.meshes.declare(node.name, meshes.mesh(scope, node), node.span)
+                built = meshes.mesh(scope, node)
+                scope.constants.define_mesh(built, node.span)
+                scope.meshes.declare(node.name, built, node.span)
             case ast.TensorDecl():
                 tensors.tensor(scope, node)
             case ast.TensorsFrom():

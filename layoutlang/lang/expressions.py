@@ -4,19 +4,63 @@ Constants (``let``) and sizes are evaluated once, when their statement is read
 (:func:`evaluate`). Expressions in rules (``pp[l // 4]``) and computed storage names
 (``{l % 4}``) depend on the digits a pattern captures from each tensor's name; they are
 checked when read and compiled (:func:`compile_expression`), because they run once per
-tensor, tens of thousands of times in a large model. Unknown names and division by zero
-point at their text.
+tensor, tens of thousands of times in a large model. Unknown names, unknown functions,
+wrong numbers of arguments and division by zero point at their text.
+
+Names are constants (``let``), a model description's constants (``cfg.hidden_size``) and
+the sizes of mesh axes (``infer.tp``); :class:`~layoutlang.lang.scope.Constants` holds all
+three under these names. The functions are :data:`FUNCTIONS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..model.rules import CaptureFn
 from . import ast
 
-__all__ = ["compile_expression", "evaluate", "names_in"]
+__all__ = ["FUNCTIONS", "cdiv", "compile_expression", "evaluate", "names_in"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division, ``a / b`` rounded toward plus infinity (vLLM's and Triton's ``cdiv``)."""
+    return -(-a // b)
+
+
+#: name -> (the function, the fewest arguments, the most: None for any number)
+FUNCTIONS: dict[str, tuple[Callable[..., int], int, int | None]] = {
+    "min": (min, 2, None),
+    "max": (max, 2, None),
+    "cdiv": (cdiv, 2, 2),
+}
+
+
+def _unknown_name(expr: ast.Name | ast.Attr, known: Collection[str], extra: str = "") -> LayoutNameError:
+    message = f"unknown name '{expr.name}'"
+    if isinstance(expr, ast.Attr):
+        # 'infer.tpp' or 'cfg.hiden_size': list what 'infer.' or 'cfg.' does name
+        siblings = sorted(n for n in known if n.startswith(f"{expr.obj}."))
+        if siblings:
+            shown = ", ".join(siblings[:8]) + (", ..." if len(siblings) > 8 else "")
+            message += f" ('{expr.obj}.' names: {shown})"
+    return LayoutNameError(message + extra, expr.span, did_you_mean(expr.name, known))
+
+
+def _check_call(node: ast.Call) -> Callable[..., int]:
+    """The function a call names, once its name and number of arguments are checked."""
+    if node.function not in FUNCTIONS:
+        raise LayoutNameError(
+            f"unknown function '{node.function}' (functions: {', '.join(FUNCTIONS)})",
+            node.function_span,
+            did_you_mean(node.function, FUNCTIONS),
+        )
+    function, fewest, most = FUNCTIONS[node.function]
+    count = len(node.args)
+    if count < fewest or (most is not None and count > most):
+        wanted = f"{fewest}" if most == fewest else f"at least {fewest}"
+        raise LayoutValueError(f"'{node.function}' takes {wanted} arguments, not {count}", node.span)
+    return function
 
 
 def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
@@ -25,10 +69,16 @@ def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
         return expr.value
     if isinstance(expr, (ast.Name, ast.Attr)):
         if expr.name not in env:
-            raise LayoutNameError(f"unknown name '{expr.name}'", expr.span, did_you_mean(expr.name, env))
+            raise _unknown_name(expr, env)
         return env[expr.name]
     if isinstance(expr, ast.Neg):
         return -evaluate(expr.operand, env)
+    if isinstance(expr, ast.Call):
+        function = _check_call(expr)
+        args = [evaluate(a, env) for a in expr.args]
+        if expr.function == "cdiv" and args[1] == 0:
+            raise LayoutValueError("division by zero in 'cdiv'", expr.span)
+        return function(*args)
     left = evaluate(expr.left, env)
     right = evaluate(expr.right, env)
     if expr.op == "+":
@@ -50,22 +100,22 @@ def names_in(expr: ast.Expr) -> list[ast.Name | ast.Attr]:
         return []
     if isinstance(expr, ast.Neg):
         return names_in(expr.operand)
+    if isinstance(expr, ast.Call):
+        return [name for a in expr.args for name in names_in(a)]
     return names_in(expr.left) + names_in(expr.right)
 
 
 def compile_expression(expr: ast.Expr, constants: Mapping[str, int], captures: Collection[str]) -> CaptureFn:
-    """A function of the captures' values; names are checked now, divisions when it is called.
+    """A function of the captures' values; names and functions are checked now, divisions
+    when it is called.
 
     The expression is compiled to Python with the constants folded in.
     """
     for name in names_in(expr):
         if name.name not in captures and name.name not in constants:
-            raise LayoutNameError(
-                f"unknown name '{name.name}' (captures of the pattern: {', '.join(sorted(captures)) or 'none'})",
-                name.span,
-                did_you_mean(name.name, [*captures, *constants]),
-            )
-    divisions: list[ast.BinOp] = []
+            extra = f" (captures of the pattern: {', '.join(sorted(captures)) or 'none'})"
+            raise _unknown_name(name, [*captures, *constants], extra)
+    divisions: list[ast.BinOp | ast.Call] = []
 
     def source(node: ast.Expr) -> str:
         if isinstance(node, ast.Num):
@@ -76,6 +126,13 @@ def compile_expression(expr: ast.Expr, constants: Mapping[str, int], captures: C
             return str(constants[node.name])
         if isinstance(node, ast.Neg):
             return f"(-{source(node.operand)})"
+        if isinstance(node, ast.Call):
+            _check_call(node)
+            if node.function != "cdiv":
+                return f"{node.function}({', '.join(source(a) for a in node.args)})"
+            divisions.append(node)
+            which = len(divisions) - 1  # before the arguments append their own divisions
+            return f"divide({source(node.args[0])}, {source(node.args[1])}, {which})"
         if node.op in ("//", "%"):
             divisions.append(node)
             which = len(divisions) - 1  # before the operands append their own divisions
@@ -84,10 +141,13 @@ def compile_expression(expr: ast.Expr, constants: Mapping[str, int], captures: C
 
     def divide(left: int, right: int, which: int) -> int:
         node = divisions[which]
+        op = "cdiv" if isinstance(node, ast.Call) else node.op
         if right == 0:
-            raise LayoutValueError(f"division by zero in '{node.op}'", node.span)
-        return left // right if node.op == "//" else left % right
+            raise LayoutValueError(f"division by zero in '{op}'", node.span)
+        if op == "cdiv":
+            return cdiv(left, right)
+        return left // right if op == "//" else left % right
 
-    # the source is built from the syntax tree above: integers, captures[...] and operators only
-    function: CaptureFn = eval(f"lambda captures: {source(expr)}", {"divide": divide})
+    # the source is built from the syntax tree above: integers, captures[...], min, max and operators only
+    function: CaptureFn = eval(f"lambda captures: {source(expr)}", {"divide": divide, "min": min, "max": max})
     return function

@@ -139,6 +139,11 @@ class _Builder(Transformer[Token, Any]):
         obj, key = children
         return ast.Attr(str(obj), str(key), self._meta(meta))
 
+    def call(self, meta: Meta, children: list[Any]) -> ast.Call:
+        function, *args = children
+        present = tuple(a for a in args if a is not None)  # the optional trailing comma
+        return ast.Call(str(function), present, self._meta(meta), self._tok(function))
+
     def _binop(self, op: str, meta: Meta, children: list[ast.Expr]) -> ast.BinOp:
         left, right = children
         return ast.BinOp(op, left, right, self._meta(meta))
@@ -574,7 +579,7 @@ def parse_expression(text: str, span: Span) -> ast.Expr:
         raise LayoutSyntaxError(
             f"cannot read the expression '{text}'",
             Span(span.path, span.line, column, span.line, column + 1, span.source_line),
-            "expressions use integers, names, + - * // % and parentheses",
+            "expressions use integers, names, + - * // %, min, max, cdiv and parentheses",
         ) from None
     lines = [""] * (span.line - 1) + [span.source_line]
     return _Builder(span.path, lines, span.line - 1, span.column - 1).transform(tree)

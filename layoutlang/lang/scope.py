@@ -9,7 +9,7 @@ from ..errors import LayoutNameError, Span
 from ..model import LogicalTensor, Mesh, Topology
 from . import ast
 
-__all__ = ["Declarations", "Scope"]
+__all__ = ["Constants", "Declarations", "Scope"]
 
 T = TypeVar("T")
 
@@ -46,6 +46,42 @@ class Declarations(Mapping[str, T], Generic[T]):
         self._values[name] = value
 
 
+class Constants(Declarations[int]):
+    """Every integer a program's expressions may name.
+
+    ``let`` constants (``heads``), a model description's constants (``cfg.hidden_size``,
+    defined by ``tensors from hf ... as cfg``) and the size of every axis of every mesh
+    (``infer.tp``). A mesh and an ``as`` alias share the dotted names, so the same word
+    cannot be both: whichever comes second is an error.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("constant")
+        self._meshes: dict[str, Span] = {}
+
+    def define(self, name: str, value: int) -> None:
+        prefix, dot, _ = name.partition(".")
+        if dot and prefix in self._meshes:
+            raise LayoutNameError(
+                f"'{prefix}' is a mesh (at {self._meshes[prefix]}), so '{name}' would name the size of one "
+                f"of its axes; import the model description's constants under another name (as ...)"
+            )
+        super().define(name, value)
+
+    def define_mesh(self, mesh: Mesh, span: Span) -> None:
+        """``MESH.AXIS`` for every axis: its size."""
+        taken = sorted(n for n in self if n.startswith(f"{mesh.name}."))
+        if taken:
+            raise LayoutNameError(
+                f"mesh '{mesh.name}' has the name of the constants of a model description "
+                f"('{taken[0]}', ...); rename the mesh or the 'as' name of the import",
+                span,
+            )
+        self._meshes[mesh.name] = span
+        for axis, size in mesh.axes:
+            super().define(f"{mesh.name}.{axis}", size)
+
+
 class Scope:
     """The declarations of one program, as its statements are read in order.
 
@@ -54,7 +90,7 @@ class Scope:
     """
 
     def __init__(self) -> None:
-        self.constants: Declarations[int] = Declarations("constant")
+        self.constants = Constants()
         self.meshes: Declarations[Mesh] = Declarations("mesh")
         self.tensors: Declarations[LogicalTensor] = Declarations("tensor")
         self.layouts: Declarations[ast.LayoutDecl] = Declarations("layout")
