@@ -85,7 +85,8 @@ ShardSpec to_spec(const std::vector<DimTuple>& dims) {
 void make_core(
     LayoutCore* self, Shape axis_sizes, Shape ranks, const std::vector<std::vector<DimTuple>>& specs,
     const std::vector<std::tuple<Shape, int32_t, std::vector<int32_t>, int32_t, int32_t>>& tensors,
-    const std::vector<std::tuple<int32_t, std::vector<int32_t>, Shape, Shape>>& storages) {
+    const std::vector<std::tuple<int32_t, std::vector<int32_t>, Shape, Shape, std::vector<int32_t>, std::vector<uint8_t>>>&
+        storages) {
   std::vector<ShardSpec> core_specs;
   core_specs.reserve(specs.size());
   for (const auto& s : specs) core_specs.push_back(to_spec(s));
@@ -96,8 +97,8 @@ void make_core(
   }
   std::vector<StorageEntry> core_storages;
   core_storages.reserve(storages.size());
-  for (const auto& [dim, parts, blocks, declared] : storages) {
-    core_storages.push_back(StorageEntry{dim, parts, blocks, declared});
+  for (const auto& [dim, parts, blocks, declared, element_of, transposed] : storages) {
+    core_storages.push_back(StorageEntry{dim, parts, blocks, declared, element_of, transposed});
   }
   // nanobind's idiom for custom constructors: construct in place.
   new (self) LayoutCore(std::move(axis_sizes), std::move(ranks), std::move(core_specs),
@@ -233,10 +234,12 @@ NB_MODULE(_core, m) {
   nb::class_<BoxRecord>(m, "PlacedBox", "A box a rank holds, with its place (offsets) in the rank's storage.")
       .def_ro("offsets", &BoxRecord::offsets)
       .def_ro("sizes", &BoxRecord::sizes)
-      .def_ro("storage_offsets", &BoxRecord::storage_offsets)
+      .def_ro("storage_offsets", &BoxRecord::storage_offsets, "One per storage dim.")
+      .def_ro("storage_sizes", &BoxRecord::storage_sizes,
+              "One per storage dim: the sizes, swapped for a transposed part, behind a 1 in a stacked storage.")
       .def("__repr__", [](const BoxRecord& b) {
         return "PlacedBox(offsets=" + text(b.offsets) + ", sizes=" + text(b.sizes) +
-               ", storage_offsets=" + text(b.storage_offsets) + ")";
+               ", storage_offsets=" + text(b.storage_offsets) + ", storage_sizes=" + text(b.storage_sizes) + ")";
       });
 
   nb::class_<Problem>(m, "StorageProblem", "A storage that is wrong on one rank (LayoutCore.validate).")
@@ -363,12 +366,13 @@ NB_MODULE(_core, m) {
             if (offsets.size() != core.tensor(tensor).shape.size()) {
               throw CoreValueError("argument", "one offset per dim", tensor, rank);
             }
-            Shape out(offsets.size());
-            if (!core.locate(tensor, rank, offsets.data(), out.data())) return std::nullopt;
+            Shape out;
+            if (!core.locate(tensor, rank, offsets.data(), out)) return std::nullopt;
             return out;
           },
           "tensor"_a, "rank"_a, "offsets"_a,
-          "Place in the rank's storage of the element at `offsets`, or None when not held.");
+          "Place in the rank's storage (one offset per storage dim) of the element at `offsets`, or None when not "
+          "held.");
 
   // ---------------------------------------------------------------- plans
   nb::class_<PlanData>(m, "PlanArrays",

@@ -15,7 +15,35 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return out.str();
 }
 
+std::size_t part_pos(const StorageEntry& s, int32_t tensor) {
+  for (std::size_t p = 0; p < s.parts.size(); ++p) {
+    if (s.parts[p] == tensor) return p;
+  }
+  return s.parts.size();
+}
+
+void swap_last(std::vector<int64_t>& v) {
+  if (v.size() >= 2) std::swap(v[v.size() - 1], v[v.size() - 2]);
+}
+
+// The local shape of part p as it sits in the storage (its last two dims swapped when transposed).
+std::vector<int64_t> placed_shape(const StorageEntry& s, std::size_t p, std::vector<int64_t> shape) {
+  if (s.is_transposed(p)) swap_last(shape);
+  return shape;
+}
+
 }  // namespace
+
+void Placing::offsets(std::vector<int64_t>& coords) const {
+  if (transposed) swap_last(coords);
+  if (dim < coords.size()) coords[dim] += base;
+  if (stacked) coords.insert(coords.begin(), stack);
+}
+
+void Placing::sizes(std::vector<int64_t>& coords) const {
+  if (transposed) swap_last(coords);
+  if (stacked) coords.insert(coords.begin(), 1);
+}
 
 Interleave interleave_of(const StorageEntry& s, int32_t tensor) {
   Interleave il;
@@ -88,6 +116,26 @@ LayoutCore::LayoutCore(std::vector<int64_t> axis_sizes, std::vector<int64_t> ran
         throw CoreValueError("storage", "storage refers to a missing tensor");
       }
     }
+    if (s.stacked() && s.element_of.size() != s.parts.size()) {
+      throw CoreValueError("storage", "a stacked storage needs one element per part");
+    }
+    for (std::size_t p = 1; p < s.element_of.size(); ++p) {
+      if (s.element_of[p] < s.element_of[p - 1]) {
+        throw CoreValueError("storage", "the parts of a stacked storage must come in element order");
+      }
+    }
+    if (!s.transposed.empty() && s.transposed.size() != s.parts.size()) {
+      throw CoreValueError("storage", "a storage with transposed parts needs one flag per part");
+    }
+    const bool transposes = std::any_of(s.transposed.begin(), s.transposed.end(), [](uint8_t t) { return t != 0; });
+    if (!s.block_sizes.empty() && (s.stacked() || transposes)) {
+      throw CoreValueError("storage", "an interleaved storage can be neither stacked nor transposed");
+    }
+    for (std::size_t p = 0; p < s.parts.size(); ++p) {
+      if (s.is_transposed(p) && tensors_[s.parts[p]].shape.size() < 2) {
+        throw CoreValueError("storage", "a transposed part needs at least 2 dims", s.parts[p]);
+      }
+    }
   }
 }
 
@@ -141,13 +189,42 @@ bool LayoutCore::local_shape(int32_t tensor, int64_t rank, std::vector<int64_t>&
 
 int64_t LayoutCore::part_base(int32_t storage, int32_t tensor, int64_t index) const {
   const StorageEntry& s = storages_[storage];
+  const std::size_t me = part_pos(s, tensor);
   int64_t base = 0;
   LocalShard shard;
-  for (int32_t part : s.parts) {
-    if (part == tensor) return base;
-    if (local_shard(part, index, shard)) base += shard.shape[s.dim];
+  for (std::size_t p = 0; p < me; ++p) {
+    if (s.stacked() && s.element_of[p] != s.element_of[me]) continue;  // another element
+    if (local_shard(s.parts[p], index, shard)) base += placed_shape(s, p, shard.shape)[s.dim];
   }
   return base;
+}
+
+int64_t LayoutCore::stack_index(int32_t storage, int32_t tensor, int64_t index) const {
+  const StorageEntry& s = storages_[storage];
+  const std::size_t me = part_pos(s, tensor);
+  int64_t count = 0;
+  int64_t counted = -1;  // the last element counted (each element once)
+  for (std::size_t p = 0; p < me; ++p) {
+    const int32_t element = s.element_of[p];
+    if (element == s.element_of[me]) break;
+    if (element != counted && holds_index(s.parts[p], index)) {
+      ++count;
+      counted = element;
+    }
+  }
+  return count;
+}
+
+Placing LayoutCore::placing(int32_t tensor, int64_t index) const {
+  const TensorEntry& t = tensors_[tensor];
+  const StorageEntry& s = storages_[t.storage];
+  Placing out;
+  out.transposed = s.is_transposed(part_pos(s, tensor));
+  out.stacked = s.stacked();
+  out.dim = static_cast<std::size_t>(s.dim);
+  out.base = s.block_sizes.empty() && !t.shape.empty() ? part_base(t.storage, tensor, index) : 0;
+  out.stack = out.stacked ? stack_index(t.storage, tensor, index) : 0;
+  return out;
 }
 
 void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard,
@@ -162,7 +239,7 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
 
   const bool interleaved = !s.block_sizes.empty();
   const Interleave il = interleaved ? interleave_of(s, tensor) : Interleave{};
-  const int64_t base = interleaved ? 0 : part_base(t.storage, tensor, index);
+  const Placing place = interleaved ? Placing{} : placing(tensor, index);
 
   // Cartesian product of the runs of every dim (odometer over run indices).
   std::vector<std::size_t> pick(ndim, 0);
@@ -177,10 +254,10 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
       box.sizes[d] = run.length;
       box.storage_offsets[d] = run.local_start;
     }
-    if (ndim == 0) {  // a scalar: one element, nothing to place along a dim
-      out.push_back(std::move(box));
-    } else if (!interleaved) {
-      box.storage_offsets[dim] += base;
+    box.storage_sizes = box.sizes;
+    if (ndim == 0 || !interleaved) {  // a scalar has no dim to place along, at most a stack index
+      place.offsets(box.storage_offsets);
+      place.sizes(box.storage_sizes);
       out.push_back(std::move(box));
     } else {
       // Cut the box where the part's blocks end; each piece lands in its own group.
@@ -194,6 +271,7 @@ void LayoutCore::boxes_at(int32_t tensor, int64_t index, const LocalShard& shard
         piece.offsets[dim] = box.offsets[dim] + (pos - local_start);
         piece.sizes[dim] = stop - pos;
         piece.storage_offsets[dim] = group * il.group_stride + il.prefix + (pos - group * il.block);
+        piece.storage_sizes = piece.sizes;
         out.push_back(std::move(piece));
         pos = stop;
       }
@@ -218,11 +296,12 @@ void LayoutCore::boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out
 }
 
 bool LayoutCore::locate(int32_t tensor, int64_t rank, const int64_t* offsets,
-                        int64_t* storage_offsets) const {
+                        std::vector<int64_t>& storage_offsets) const {
   const int64_t index = mesh_index(rank);
   LocalShard shard;
   if (index < 0 || !local_shard(tensor, index, shard)) return false;
   const std::size_t ndim = shard.runs.size();
+  storage_offsets.assign(ndim, 0);
   for (std::size_t d = 0; d < ndim; ++d) {
     bool found = false;
     for (const Run& run : shard.runs[d]) {
@@ -236,12 +315,11 @@ bool LayoutCore::locate(int32_t tensor, int64_t rank, const int64_t* offsets,
   }
   const TensorEntry& t = tensors_[tensor];
   const StorageEntry& s = storages_[t.storage];
-  const std::size_t dim = static_cast<std::size_t>(s.dim);
-  if (ndim == 0) return true;  // a scalar sits at the start of its storage
-  if (s.block_sizes.empty()) {
-    storage_offsets[dim] += part_base(t.storage, tensor, index);
+  if (ndim == 0 || s.block_sizes.empty()) {  // a scalar sits at its stack index, or at the start
+    placing(tensor, index).offsets(storage_offsets);
     return true;
   }
+  const std::size_t dim = static_cast<std::size_t>(s.dim);
   const Interleave il = interleave_of(s, tensor);
   const int64_t local = storage_offsets[dim];
   storage_offsets[dim] = (local / il.block) * il.group_stride + il.prefix + local % il.block;
@@ -254,16 +332,90 @@ bool LayoutCore::storage_shape(int32_t storage, int64_t rank, std::vector<int64_
   const StorageEntry& s = storages_[storage];
   LocalShard shard;
   bool any = false;
-  for (int32_t part : s.parts) {
-    if (!local_shard(part, index, shard)) continue;
+  int64_t elements = 0;
+  int64_t first = -1, last = -1;  // the first element held (it gives the shape), the last counted
+  for (std::size_t p = 0; p < s.parts.size(); ++p) {
+    if (!local_shard(s.parts[p], index, shard)) continue;
+    const int64_t element = s.stacked() ? s.element_of[p] : 0;
+    if (element != last) {
+      ++elements;
+      last = element;
+    }
+    std::vector<int64_t> placed = placed_shape(s, p, shard.shape);
     if (!any) {
-      shape = shard.shape;
+      shape = std::move(placed);
+      first = element;
       any = true;
-    } else if (!shape.empty()) {
-      shape[s.dim] += shard.shape[s.dim];
+    } else if (element == first && !shape.empty()) {
+      shape[s.dim] += placed[s.dim];
     }
   }
+  if (any && s.stacked()) shape.insert(shape.begin(), elements);
   return any;
+}
+
+// A stacked storage on one rank: each element's parts fit beside each other and are held
+// together, every element held has the same shape, and the stack matches a declared shape.
+void LayoutCore::validate_stacked(int32_t storage, int64_t index, std::vector<Problem>& problems) const {
+  const StorageEntry& s = storages_[storage];
+  const int64_t rank = ranks_[index];
+  const std::size_t dim = static_cast<std::size_t>(s.dim);
+  LocalShard shard;
+  std::vector<int64_t> first_shape;
+  int64_t elements = 0;
+  std::size_t p = 0;
+  while (p < s.parts.size()) {
+    std::size_t end = p;
+    while (end < s.parts.size() && s.element_of[end] == s.element_of[p]) ++end;
+    std::vector<int64_t> shape;
+    std::size_t held = 0;
+    for (std::size_t q = p; q < end; ++q) {
+      if (!local_shard(s.parts[q], index, shard)) continue;
+      std::vector<int64_t> placed = placed_shape(s, q, shard.shape);
+      if (held++ == 0) {
+        shape = std::move(placed);
+        continue;
+      }
+      bool same = placed.size() == shape.size() && dim < shape.size();
+      for (std::size_t d = 0; same && d < shape.size(); ++d) same = d == dim || shape[d] == placed[d];
+      if (!same) {
+        problems.push_back({"storage-shape", storage, rank,
+                            "part " + std::to_string(q) + " has local shape " + shape_str(placed) +
+                                ", which does not fit beside the earlier parts of its element " +
+                                shape_str(shape) + " along dim " + std::to_string(dim)});
+        return;
+      }
+      shape[dim] += placed[dim];
+    }
+    if (held > 0 && held != end - p) {
+      problems.push_back({"storage-element", storage, rank,
+                          "holds " + std::to_string(held) + " of the " + std::to_string(end - p) +
+                              " parts of element " + std::to_string(elements) +
+                              " of the stack; the parts of one element must live on the same ranks"});
+      return;
+    }
+    if (held > 0) {
+      if (elements == 0) {
+        first_shape = shape;
+      } else if (shape != first_shape) {
+        problems.push_back({"storage-shape", storage, rank,
+                            "element " + std::to_string(elements) + " of the stack has local shape " +
+                                shape_str(shape) + ", the first has " + shape_str(first_shape) +
+                                "; stacked elements must have one shape"});
+        return;
+      }
+      ++elements;
+    }
+    p = end;
+  }
+  if (elements > 0 && !s.declared_shape.empty()) {
+    first_shape.insert(first_shape.begin(), elements);
+    if (first_shape != s.declared_shape) {
+      problems.push_back({"storage-declared", storage, rank,
+                          "the stacked parts make " + shape_str(first_shape) + ", the storage is declared " +
+                              shape_str(s.declared_shape)});
+    }
+  }
 }
 
 std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
@@ -273,6 +425,11 @@ std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
     const StorageEntry& s = storages_[si];
     const auto sid = static_cast<int32_t>(si);
     for (std::size_t index = 0; index < ranks_.size(); ++index) {
+      if (s.stacked()) {
+        validate_stacked(sid, static_cast<int64_t>(index), problems);
+        if (problems.size() >= max_problems) break;
+        continue;
+      }
       const int64_t rank = ranks_[index];
       std::vector<int64_t> shape;
       int64_t groups = -1;
@@ -281,6 +438,7 @@ std::vector<Problem> LayoutCore::validate(std::size_t max_problems) const {
       for (std::size_t p = 0; p < s.parts.size() && !bad; ++p) {
         const int32_t part = s.parts[p];
         if (!local_shard(part, static_cast<int64_t>(index), shard)) continue;
+        shard.shape = placed_shape(s, p, shard.shape);
         ++held;
         if (static_cast<std::size_t>(s.dim) >= shard.shape.size() && !(shard.shape.empty() && s.parts.size() == 1)) {
           problems.push_back({"storage-shape", sid, rank,

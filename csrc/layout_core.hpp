@@ -28,11 +28,22 @@ struct TensorEntry {
 // A rank's local buffer holding the local shards of one or more tensors ("parts"),
 // concatenated along `dim`; with block_sizes, interleaved in blocks of block_sizes[p]
 // elements of part p (Megatron's fused QKV per query group).
+//
+// A stacked storage (element_of not empty) groups its parts into elements (element_of[p],
+// ascending, the parts of one element adjacent): each element is its parts concatenated
+// along `dim`, and a rank stacks the elements it holds, in element order, along a new
+// leading dim (vLLM's w13_weight: [local experts, 2 * I / tp, H]). A transposed part
+// (transposed[p]) sits in the storage with its last two dims swapped (Megatron's GroupedMLP
+// keeps [in, out]); `dim` counts the dims as placed.
 struct StorageEntry {
   int32_t dim = 0;
   std::vector<int32_t> parts;
   std::vector<int64_t> block_sizes;     // empty: plain concatenation
   std::vector<int64_t> declared_shape;  // empty: not declared; otherwise checked on every rank
+  std::vector<int32_t> element_of;      // empty: not stacked; otherwise one element per part
+  std::vector<uint8_t> transposed;      // empty: no part transposed; otherwise one flag per part
+  bool stacked() const { return !element_of.empty(); }
+  bool is_transposed(std::size_t p) const { return !transposed.empty() && transposed[p] != 0; }
 };
 
 // Where part `tensor` of an interleaved storage goes: block b of the part (block elements
@@ -44,15 +55,31 @@ struct Interleave {
 };
 Interleave interleave_of(const StorageEntry& storage, int32_t tensor);
 
-// One box: offsets and sizes in the logical tensor, offsets in the storage (same sizes).
+// One box: offsets and sizes in the logical tensor, offsets and sizes in the storage (one
+// per storage dim: a stacked storage has a leading dim of size 1 here, a transposed part its
+// last two dims swapped; otherwise the same sizes).
 struct BoxRecord {
   std::vector<int64_t> offsets;
   std::vector<int64_t> sizes;
   std::vector<int64_t> storage_offsets;
+  std::vector<int64_t> storage_sizes;
+};
+
+// How one part's local coordinates become storage coordinates on one rank: the last two
+// dims swapped (transposed), `base` added along the storage dim `dim` (the parts before it
+// in its element), and the stack index put in front (stacked).
+struct Placing {
+  bool transposed = false;
+  bool stacked = false;
+  std::size_t dim = 0;
+  int64_t base = 0;
+  int64_t stack = 0;
+  void offsets(std::vector<int64_t>& coords) const;  // local offsets -> storage offsets
+  void sizes(std::vector<int64_t>& coords) const;    // local sizes -> storage sizes
 };
 
 struct Problem {
-  std::string kind;  // "storage-shape", "storage-blocks", "storage-rank", "storage-declared"
+  std::string kind;  // "storage-shape", "storage-blocks", "storage-rank", "storage-declared", "storage-element"
   int32_t storage;
   int64_t rank;
   std::string message;
@@ -95,9 +122,9 @@ class LayoutCore {
   // Boxes of `tensor` on `rank`, with their places in the storage; empty when not held.
   void boxes(int32_t tensor, int64_t rank, std::vector<BoxRecord>& out) const;
 
-  // Where a region (inside one box of the rank) sits in the rank's storage; false when the
-  // rank does not hold the region's first element.
-  bool locate(int32_t tensor, int64_t rank, const int64_t* offsets, int64_t* storage_offsets) const;
+  // Where a region (inside one box of the rank) sits in the rank's storage, one offset per
+  // storage dim; false when the rank does not hold the region's first element.
+  bool locate(int32_t tensor, int64_t rank, const int64_t* offsets, std::vector<int64_t>& storage_offsets) const;
 
   const TensorEntry& tensor(int32_t t) const { return tensors_[t]; }
   const StorageEntry& storage(int32_t s) const { return storages_[s]; }
@@ -118,6 +145,11 @@ class LayoutCore {
   void boxes_at(int32_t tensor, int64_t index, const LocalShard& shard,
                 std::vector<BoxRecord>& out) const;
   int64_t part_base(int32_t storage, int32_t tensor, int64_t index) const;
+  // The position, among the elements `index` holds, of the element holding `tensor`.
+  int64_t stack_index(int32_t storage, int32_t tensor, int64_t index) const;
+  // How local coordinates of `tensor` at mesh position `index` map into its storage.
+  Placing placing(int32_t tensor, int64_t index) const;
+  void validate_stacked(int32_t storage, int64_t index, std::vector<Problem>& problems) const;
 
   std::vector<int64_t> axis_sizes_;
   std::vector<int64_t> ranks_;

@@ -9,7 +9,7 @@ from typing import Any
 from .._text import rank_span, region, table
 from ..errors import ExitCode, LayoutNameError, did_you_mean
 from ..lang import load
-from ..model import Layout, Program, compile_pattern
+from ..model import Box, Layout, Program, compile_pattern
 
 HELP = "print which boxes each rank holds"
 DESCRIPTION = (
@@ -73,6 +73,13 @@ def _summary(layout: Layout, ranks: list[int]) -> tuple[dict[str, Any], list[str
     return {"layout": layout.name, "mesh": layout.mesh.name, "summary": totals}, lines
 
 
+def _place(box: Box) -> str:
+    """``[2, 6:12, 0:16]``: the box's index in its storage (an element of a stacked storage as
+    one integer), with ``.T`` when the box sits transposed there."""
+    items = [i if isinstance(i, int) else f"{i.start}:{i.stop}" for i in box.storage_index()]
+    return "[" + ", ".join(map(str, items)) + "]" + (".T" if box.transposed else "")
+
+
 def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[str, Any], list[str]]:
     """Every box of ``tensors`` on ``ranks``, with its place in its storage: the JSON record and the table."""
     cells: list[list[object]] = []
@@ -87,7 +94,7 @@ def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[s
                         tensor,
                         region(box.offsets, box.sizes),
                         box.storage,
-                        region(box.storage_offsets, box.sizes),
+                        _place(box),
                         "x".join(map(str, shape or ())),
                     ]
                 )
@@ -99,6 +106,8 @@ def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[s
                         "sizes": list(box.sizes),
                         "storage": box.storage,
                         "storage_offsets": list(box.storage_offsets),
+                        "storage_sizes": [s.stop - s.start for s in box.storage_slices()],
+                        "transposed": box.transposed,
                     }
                 )
     if cells:

@@ -36,10 +36,11 @@ __all__ = [
 
 
 def _in_storage(storages: Mapping[str, torch.Tensor], box: Box) -> torch.Tensor:
-    """The elements of ``box`` in its storage."""
+    """The elements of ``box`` in its storage, in the logical tensor's order (a view)."""
     # a layout names the storage of every box it hands out (only shard_boxes' boxes have none)
     assert box.storage is not None
-    return storages[box.storage][box.storage_slices()]
+    region = storages[box.storage][box.storage_index()]
+    return region.transpose(-1, -2) if box.transposed else region
 
 
 def _modulus(dtype: str) -> int:

@@ -242,6 +242,8 @@ class StorageDecl:
     along: Expr | None
     blocks: tuple[Expr, ...] | None
     span: Span
+    stack: tuple[str, Span] | None = None  # ``stack e of``: the capture the elements are stacked by
+    transposed: tuple[bool, ...] = ()  # per part: ``transposed "..."``
 
 
 @attrs.frozen

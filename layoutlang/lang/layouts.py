@@ -9,6 +9,7 @@ what can be checked from the text alone is checked here, pointing at the text.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
@@ -141,6 +142,22 @@ def _storage(scope: Scope, decl: ast.StorageDecl) -> StorageRule:
         for name in pattern_captures(part, span, allow_star=False):
             if name not in first_captures:
                 raise LayoutNameError(f"'{{{name}}}' is not captured by the first part \"{first}\"", span)
+    stack = None
+    if decl.stack is not None:
+        stack, stack_span = decl.stack
+        if stack not in first_captures:
+            raise LayoutNameError(
+                f"storage '{decl.name}' stacks by '{stack}', which the first part \"{first}\" does not capture",
+                stack_span,
+                f"capture it in the part names, e.g. \"...experts.{{{stack}}}.gate_proj.weight\"",
+            )
+        if re.search(rf"\{{[^}}]*\b{re.escape(stack)}\b[^}}]*\}}", decl.name):
+            raise LayoutValueError(
+                f"the name of stacked storage '{decl.name}' uses its stack capture '{stack}'; "
+                "every element of the stack lives in the one storage",
+                decl.name_span,
+            )
+        first_captures = [c for c in first_captures if c != stack]
     name_fn = name_template(decl.name, decl.name_span, scope.constants, first_captures)
     shape = tuple(evaluate(e, scope.constants) for e in decl.shape) if decl.shape is not None else None
     if shape is not None and any(n < 0 or n > INT64_MAX for n in shape):
@@ -159,8 +176,12 @@ def _storage(scope: Scope, decl: ast.StorageDecl) -> StorageRule:
             raise LayoutValueError(f"storage '{decl.name}': block sizes must be at least 1", decl.span)
         if any(b > INT64_MAX for b in blocks):
             raise LayoutValueError(f"storage '{decl.name}': block size {max(blocks)} is too large", decl.span)
+    if blocks is not None and (stack is not None or any(decl.transposed)):
+        raise LayoutValueError(
+            f"storage '{decl.name}': interleaved parts (blocks) can be neither stacked nor transposed", decl.span
+        )
     parts = [part for part, _ in decl.parts]
-    return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span)
+    return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span, stack, decl.transposed)
 
 
 def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout]) -> Reshard:

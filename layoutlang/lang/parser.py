@@ -84,6 +84,19 @@ class _Blocks:
     sizes: tuple[ast.Expr, ...]
 
 
+@attrs.frozen
+class _Stack:
+    name: str
+    span: Span
+
+
+@attrs.frozen
+class _Part:
+    name: str
+    span: Span
+    transposed: bool
+
+
 def _unquote(token: Token) -> str:
     return str(token)[1:-1]
 
@@ -293,12 +306,24 @@ class _Builder(Transformer[Token, Any]):
     def blocks(self, meta: Meta, children: list[Any]) -> _Blocks:
         return _Blocks(tuple(children[1:]))  # after the BLOCKS keyword
 
+    def stack(self, meta: Meta, children: list[Token]) -> _Stack:
+        return _Stack(str(children[0]), self._tok(children[0]))
+
+    def storage_part(self, meta: Meta, children: list[Any]) -> _Part:
+        transposed, name = children
+        return _Part(_unquote(name), self._tok(name), transposed is not None)
+
     def storage(self, meta: Meta, children: list[Any]) -> ast.StorageDecl:
-        name, shape, *rest = children
+        name, shape, stack, *rest = children
         along = next((item.dim for item in rest if isinstance(item, _Along)), None)
         blocks = next((item.sizes for item in rest if isinstance(item, _Blocks)), None)
-        parts = tuple((_unquote(item), self._tok(item)) for item in rest if isinstance(item, Token))
-        return ast.StorageDecl(_unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta))
+        found = [item for item in rest if isinstance(item, _Part)]
+        parts = tuple((p.name, p.span) for p in found)
+        transposed = tuple(p.transposed for p in found) if any(p.transposed for p in found) else ()
+        return ast.StorageDecl(
+            _unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta),
+            (stack.name, stack.span) if stack is not None else None, transposed,
+        )
 
     def layout(self, meta: Meta, children: list[Any]) -> ast.LayoutDecl:
         name, mesh, *items = children

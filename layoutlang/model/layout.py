@@ -161,6 +161,8 @@ class _Resolved:
         for rule in layout.storages:
             first = compile_pattern(rule.parts[0])
             matched = False
+            # A stack's elements by storage name: (stack capture, parts), ordered at the end.
+            stacks: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
             for name in self.names:
                 m = first.fullmatch(name)
                 if m is None:
@@ -196,7 +198,24 @@ class _Resolved:
                             f"storage '{storage_name}' fuses along dim {rule.dim}, but tensor '{part}' has {ndim} dims",
                             rule.span,
                         )
-                storage = Storage(storage_name, parts, rule.dim, rule.blocks, rule.shape, rule.span)
+                if rule.stack is None:
+                    storage = Storage(storage_name, parts, rule.dim, rule.blocks, rule.shape, rule.span,
+                                      transposed=rule.transposed)
+                    for part in parts:
+                        assigned[part] = storage
+                    self._add_storage(storage)
+                else:
+                    stacks.setdefault(storage_name, []).append((captures[rule.stack], parts))
+                    for part in parts:
+                        assigned[part] = Storage(storage_name, parts)  # named here for the error above
+            for storage_name, elements in stacks.items():
+                elements.sort()
+                parts = tuple(p for _, element in elements for p in element)
+                storage = Storage(
+                    storage_name, parts, rule.dim, None, rule.shape, rule.span,
+                    elements=tuple(i for i, (_, element) in enumerate(elements) for _ in element),
+                    transposed=rule.transposed * len(elements),
+                )
                 for part in parts:
                     assigned[part] = storage
                 self._add_storage(storage)
@@ -234,7 +253,14 @@ class _Resolved:
                 fixed[axis_of[axis]] = value
             tensors.append((list(tensor.shape), self.spec_of[i], fixed, self.storage_of[i], itemsize(tensor.dtype)))
         storages = [
-            (s.dim, [self.index[p] for p in s.parts], list(s.blocks or ()), list(s.shape or ()))
+            (
+                s.dim,
+                [self.index[p] for p in s.parts],
+                list(s.blocks or ()),
+                list(s.shape or ()),
+                list(s.elements or ()),
+                [int(t) for t in s.transposed] if any(s.transposed) else [],
+            )
             for s in self.storages
         ]
         specs = [[(pad, list(splits)) for pad, splits in spec] for spec in self.specs]
@@ -311,9 +337,13 @@ class Layout:
     def boxes(self, tensor: str, rank: int) -> list[Box]:
         """The boxes of ``tensor`` that ``rank`` holds, each with its place in the rank's storage."""
         index = self._tensor_index(tensor)
-        storage = self.resolved.storages[self.resolved.storage_of[index]].name
+        storage = self.resolved.storages[self.resolved.storage_of[index]]
+        transposed = storage.is_transposed(tensor)
         return [
-            Box(tensor, tuple(b.offsets), tuple(b.sizes), storage, tuple(b.storage_offsets))
+            Box(
+                tensor, tuple(b.offsets), tuple(b.sizes), storage.name, tuple(b.storage_offsets),
+                tuple(b.storage_sizes), transposed,
+            )
             for b in self.core.boxes(index, rank)
         ]
 

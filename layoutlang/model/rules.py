@@ -91,6 +91,10 @@ def _parts(parts: Iterable[str]) -> tuple[str, ...]:
     return tuple(parts)
 
 
+def _flags(flags: Iterable[bool]) -> tuple[bool, ...]:
+    return tuple(bool(f) for f in flags)
+
+
 @attrs.frozen
 class StorageRule:
     """Storages holding several logical tensors, fused along ``dim``.
@@ -100,6 +104,11 @@ class StorageRule:
     with the captures (``name`` may compute, e.g. ``{l % 4}``, through ``name_fn``).
     ``blocks``: interleave the parts in blocks of so many elements along ``dim`` (Megatron's
     fused QKV per query group); ``shape``: the local shape every rank must end up with.
+
+    ``stack``: a capture of ``parts[0]`` (``e``). The matches that differ only in it are the
+    elements of one storage, ordered by its value; each rank stacks the elements it holds
+    along a new leading dim (vLLM's ``w13_weight``). ``transposed``: per part, whether its
+    last two dims are swapped in the storage (empty: none is).
     """
 
     name: str
@@ -109,6 +118,8 @@ class StorageRule:
     shape: tuple[int, ...] | None = None
     name_fn: Callable[[Mapping[str, int]], str] | None = attrs.field(default=None, eq=False)
     span: Span | None = attrs.field(default=None, eq=False)
+    stack: str | None = None
+    transposed: tuple[bool, ...] = attrs.field(default=(), converter=_flags)
 
     def storage_name(self, captures: Mapping[str, int]) -> str:
         if self.name_fn is not None:
@@ -128,7 +139,12 @@ def _substitute(template: str, captures: Mapping[str, int]) -> str:
 
 @attrs.frozen
 class Storage:
-    """A rank-local buffer: the local shards of ``parts`` fused along ``dim``."""
+    """A rank-local buffer: the local shards of ``parts`` fused along ``dim``.
+
+    Stacked (``elements`` not None): part ``p`` belongs to element ``elements[p]``; each
+    element is its parts fused along ``dim``, and a rank stacks the elements it holds along
+    a new leading dim. ``transposed[p]``: part ``p`` sits with its last two dims swapped.
+    """
 
     name: str
     parts: tuple[str, ...]
@@ -136,3 +152,12 @@ class Storage:
     blocks: tuple[int, ...] | None = None
     shape: tuple[int, ...] | None = None
     span: Span | None = attrs.field(default=None, eq=False, repr=False)
+    elements: tuple[int, ...] | None = None
+    transposed: tuple[bool, ...] = attrs.field(default=(), converter=_flags)
+
+    @property
+    def stacked(self) -> bool:
+        return self.elements is not None
+
+    def is_transposed(self, part: str) -> bool:
+        return bool(self.transposed) and self.transposed[self.parts.index(part)]

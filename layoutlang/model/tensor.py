@@ -54,8 +54,11 @@ class Box:
     """A region of a logical tensor and its place in a rank's storage.
 
     ``offsets`` and ``sizes`` are global coordinates in the logical tensor; the box occupies
-    ``storage[storage_offsets[d] : storage_offsets[d] + sizes[d]]`` along every dim of the
-    storage named ``storage``.
+    ``storage[storage_offsets[d] : storage_offsets[d] + storage_sizes[d]]`` along every dim
+    of the storage named ``storage``. ``storage_sizes`` are the ``sizes`` unless the box is
+    ``transposed`` in its storage (its last two dims swapped) or its storage is stacked (one
+    more, leading, dim of size 1: the element's index in the stack); None means the same
+    as ``sizes``.
     """
 
     tensor: str | None
@@ -63,6 +66,8 @@ class Box:
     sizes: tuple[int, ...]
     storage: str | None
     storage_offsets: tuple[int, ...]
+    storage_sizes: tuple[int, ...] | None = attrs.field(default=None, repr=False)
+    transposed: bool = attrs.field(default=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -76,13 +81,21 @@ class Box:
         return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
 
     def storage_slices(self) -> tuple[slice, ...]:
-        """Index of the box in its storage."""
-        return tuple(slice(o, o + s) for o, s in zip(self.storage_offsets, self.sizes))
+        """Index of the box in its storage (one slice per storage dim)."""
+        sizes = self.storage_sizes if self.storage_sizes is not None else self.sizes
+        return tuple(slice(o, o + s) for o, s in zip(self.storage_offsets, sizes))
+
+    def storage_index(self) -> tuple[slice | int, ...]:
+        """Index of the box in its storage, the element of a stacked storage as an integer, so
+        that indexing drops that dim (a transposed box still needs its last two dims swapped)."""
+        slices = self.storage_slices()
+        stacked = len(slices) - len(self.sizes)
+        return (*(s.start for s in slices[:stacked]), *slices[stacked:])
 
     def __str__(self) -> str:
         region = ", ".join(f"{o}:{o + s}" for o, s in zip(self.offsets, self.sizes))
-        place = ", ".join(f"{o}:{o + s}" for o, s in zip(self.storage_offsets, self.sizes))
-        return f"{self.tensor}[{region}] at {self.storage}[{place}]"
+        place = ", ".join(f"{s.start}:{s.stop}" for s in self.storage_slices())
+        return f"{self.tensor}[{region}] at {self.storage}[{place}]{'.T' if self.transposed else ''}"
 
 
 @attrs.frozen

@@ -247,7 +247,7 @@ class Executor:
         """The step's local copies, done while its messages are in flight."""
         nbytes = 0
         for read, write in step.copies:
-            target, value = spaces.target(write)[write.index], spaces.view(read)
+            target, value = spaces.region(write), spaces.view(read)
             if not _same_memory(target, value):  # a storage that is its own source stays put
                 target.copy_(value)
             nbytes += read.nbytes
@@ -267,8 +267,8 @@ class Executor:
             buf = recvs[peer]
             nbytes = 0
             for piece, offset in zip(message.pieces, message.offsets):
-                staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece))
-                spaces.target(piece)[piece.index].copy_(staged)
+                staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
             tally.received[self._kind(peer)] += nbytes
 
@@ -290,7 +290,7 @@ class Executor:
         for peer, message in step.sends.items():
             buf = torch.empty(message.nbytes, dtype=torch.uint8, device=spaces.device)
             for piece, offset in zip(message.pieces, message.offsets):
-                buf[offset : offset + piece.nbytes].view(piece.dtype).view(_sizes(piece)).copy_(spaces.view(piece))
+                buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(spaces.view(piece))
             out[peer] = buf
         return out
 
@@ -316,8 +316,12 @@ class _Spaces:
         self._storages[(_SCRATCH, 0)] = self.scratch
 
     def view(self, piece: Piece) -> torch.Tensor:
-        """The region a piece reads."""
-        return self._storages[piece.key][piece.storage][piece.index]
+        """The region a piece reads, in the logical tensor's order (a view of its storage)."""
+        return _oriented(self._storages[piece.key][piece.storage][piece.index], piece)
+
+    def region(self, piece: Piece) -> torch.Tensor:
+        """The region a piece writes, in the logical tensor's order (a view of its storage)."""
+        return _oriented(self.target(piece)[piece.index], piece)
 
     def target(self, piece: Piece) -> torch.Tensor:
         """The storage a piece is written into."""
@@ -356,8 +360,9 @@ class _Tally:
         return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
 
 
-def _sizes(piece: Piece) -> tuple[int, ...]:
-    return tuple(s.stop - s.start for s in piece.index)
+def _oriented(region: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """A transposed part's region turned back to the logical tensor's order (a view)."""
+    return region.transpose(-1, -2) if piece.transposed else region
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

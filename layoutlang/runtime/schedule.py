@@ -21,15 +21,23 @@ _SOURCE, _DESTINATION, _SCRATCH = (SPACES.index(s) for s in ("source", "destinat
 
 @attrs.frozen
 class Piece:
-    """One region in one of this rank's spaces."""
+    """One region in one of this rank's spaces.
+
+    ``index`` selects the region in its storage, one item per storage dim: an integer for
+    the leading dim of a stacked storage (the element), slices for the rest, swapped when
+    the region sits ``transposed`` (its last two dims swapped) there. ``sizes`` are the
+    region's sizes in the logical tensor's order: what travels on the wire.
+    """
 
     space: int
     storage: str
-    index: tuple[slice, ...]
+    index: tuple[slice | int, ...]
     tensor: int
     dtype: torch.dtype  # the logical dtype: what travels on the wire
     numel: int
     source: int = 0  # which source layout, for pieces of the source space
+    transposed: bool = False
+    sizes: tuple[int, ...] = ()
 
     @property
     def key(self) -> tuple[int, int]:
@@ -91,22 +99,36 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         src, dst = int(src_cols[i]), int(dst_cols[i])
         if src == dst:
             step.copies.append(
-                (_piece(move, move.src_space, read, tensor, dtypes[tensor]),
-                 _piece(move, move.dst_space, write, tensor, dtypes[tensor]))
+                (_piece(plan, move, move.src_space, read, tensor, dtypes[tensor]),
+                 _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor]))
             )
         elif src == rank:
-            step.sends.setdefault(dst, Message(dst)).add(_piece(move, move.src_space, read, tensor, dtypes[tensor]))
+            piece = _piece(plan, move, move.src_space, read, tensor, dtypes[tensor])
+            step.sends.setdefault(dst, Message(dst)).add(piece)
         else:
-            step.recvs.setdefault(src, Message(src)).add(_piece(move, move.dst_space, write, tensor, dtypes[tensor]))
+            piece = _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor])
+            step.recvs.setdefault(src, Message(src)).add(piece)
     return [steps[k] for k in sorted(steps)]
 
 
-def _piece(move: Move, space: str, place: tuple[str, tuple[int, ...]] | None, tensor: int, dtype: torch.dtype) -> Piece:
+def _piece(
+    plan: Plan, move: Move, space: str, place: tuple[str, tuple[int, ...]] | None, tensor: int, dtype: torch.dtype
+) -> Piece:
     """The region ``move`` reads or writes in ``space`` of this rank, at ``place`` (storage, offsets)."""
     if place is None:
         raise AssertionError(f"move {move} has no place in the {space} space of its rank")  # plans are validated
     storage, offsets = place
-    index = tuple(slice(o, o + s) for o, s in zip(offsets, move.sizes))
+    sizes = list(move.sizes)
+    transposed = False
+    if space != "scratch":  # scratch buffers hold whole tensors as they are
+        layout = plan.sources[move.source] if space == "source" else plan.destination
+        transposed = layout.storage_of(move.tensor).is_transposed(move.tensor)
+    if transposed:
+        sizes[-2:] = sizes[:-3:-1]
+    stacked = len(offsets) - len(sizes)  # 1: the leading dim of a stacked storage picks the element
+    index: tuple[slice | int, ...] = (
+        *offsets[:stacked], *(slice(o, o + s) for o, s in zip(offsets[stacked:], sizes))
+    )
     numel = math.prod(move.sizes)  # 1 for a scalar
     source = move.source if space == "source" else 0
-    return Piece(SPACES.index(space), storage, index, tensor, dtype, numel, source)
+    return Piece(SPACES.index(space), storage, index, tensor, dtype, numel, source, transposed, tuple(move.sizes))

@@ -1,0 +1,182 @@
+"""Stacked and transposed storages: the engines' own parameters, byte for byte.
+
+The oracles are written here from the engines' loading rules, not from layoutlang's model:
+
+- vLLM's FusedMoE (``vllm/model_executor/layers/fused_moe/layer.py``): ``determine_expert_map``
+  gives each EP rank its experts (``linear``: a contiguous range, the first ``E % ep`` ranks
+  one more; ``round_robin``: ``e % ep == rank``, local id ``e // ep``); ``_load_w13`` narrows
+  gate (``w1``) and up (``w3``) to the TP rank's rows along dim 0 (the bias along its last
+  dim) and writes gate into the first half of the expert's ``w13``, up into the second;
+  ``_load_w2`` narrows down along dim 1 (the input dim) and copies ``w2_bias`` whole.
+- Megatron-core's legacy ``GroupedMLP`` (``megatron/core/transformer/moe/experts.py``):
+  ``weight1`` is ``[hidden, local_experts * 2 * ffn / tp]`` and is used as
+  ``weight1.view(local_experts, hidden, -1)``, each expert's ``[gate_r | up_r]`` transposed to
+  ``[in, out]``; ``weight2`` is ``[local_experts * ffn / tp, hidden]``, used as
+  ``view(local_experts, -1, hidden)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import layoutlang
+from layoutlang.errors import LayoutError
+
+E, H, F = 8, 16, 12  # experts, hidden, intermediate (ffn) size per expert
+
+
+def vllm_program(ep: int, tp: int, placement: str = "linear", bias: bool = False) -> str:
+    where = f"ep[e // {E // ep}]" if placement == "linear" else f"ep[e % {ep}]"
+    bias_tensors = bias_rules = bias_storages = ""
+    if bias:
+        bias_tensors = f"""
+tensor "mlp.experts.{{e}}.gate_proj.bias" [{F}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.up_proj.bias" [{F}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.down_proj.bias" [{H}] fp32 for e in 0..{E - 1}"""
+        bias_rules = f"""
+  "mlp.experts.{{e}}.gate_proj.bias": {where}, tp = shard(0)
+  "mlp.experts.{{e}}.up_proj.bias": {where}, tp = shard(0)
+  "mlp.experts.{{e}}.down_proj.bias": {where}"""
+        bias_storages = """
+  storage "mlp.experts.w13_bias" = stack e of "mlp.experts.{e}.gate_proj.bias" | "mlp.experts.{e}.up_proj.bias"
+  storage "mlp.experts.w2_bias" = stack e of "mlp.experts.{e}.down_proj.bias\""""
+    return f"""
+mesh infer [ep = {ep}, tp = {tp}]
+tensor "mlp.experts.{{e}}.gate_proj.weight" [{F}, {H}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.up_proj.weight" [{F}, {H}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.down_proj.weight" [{H}, {F}] fp32 for e in 0..{E - 1}{bias_tensors}
+layout vllm on infer {{
+  "mlp.experts.{{e}}.gate_proj.weight": {where}, tp = shard(0)
+  "mlp.experts.{{e}}.up_proj.weight": {where}, tp = shard(0)
+  "mlp.experts.{{e}}.down_proj.weight": {where}, tp = shard(1){bias_rules}
+  storage "mlp.experts.w13_weight" [{E // ep}, {2 * F // tp}, {H}] =
+      stack e of "mlp.experts.{{e}}.gate_proj.weight" | "mlp.experts.{{e}}.up_proj.weight"
+  storage "mlp.experts.w2_weight" = stack e of "mlp.experts.{{e}}.down_proj.weight"{bias_storages}
+}}
+"""
+
+
+def full_weights(program: layoutlang.Program) -> dict[str, torch.Tensor]:
+    """Every logical tensor, random (the checkpoint an engine would load)."""
+    gen = torch.Generator().manual_seed(0)
+    return {n: torch.randn(t.shape, generator=gen) for n, t in program.tensors.items()}
+
+
+def placed_by_layoutlang(layout: layoutlang.Layout, rank: int, full: dict[str, torch.Tensor]) -> dict:
+    """The rank's storages, each box written where layoutlang places it."""
+    out = {name: torch.full(shape, float("nan")) for name, shape in layout.storages_on(rank).items()}
+    for name in layout.tensors:
+        for box in layout.boxes(name, rank):
+            region = out[box.storage][box.storage_index()]
+            (region.transpose(-1, -2) if box.transposed else region).copy_(full[name][box.slices()])
+    return out
+
+
+# ------------------------------------------------------------------- vLLM's rules
+
+
+def vllm_local_experts(ep_rank: int, ep: int, placement: str) -> list[int]:
+    """Global expert ids of an EP rank, in local order (vLLM's determine_expert_map)."""
+    if placement == "round_robin":
+        return list(range(ep_rank, E, ep))
+    base, remainder = divmod(E, ep)
+    count = base + (1 if ep_rank < remainder else 0)
+    start = ep_rank * base + min(ep_rank, remainder)
+    return list(range(start, start + count))
+
+
+def vllm_storages(full, ep_rank: int, ep: int, tp_rank: int, tp: int, placement: str, bias: bool) -> dict:
+    """What vLLM's FusedMoE weight_loader leaves in the rank's parameters."""
+    experts = vllm_local_experts(ep_rank, ep, placement)
+    shard = F // tp
+    w13 = torch.empty(len(experts), 2 * shard, H)
+    w2 = torch.empty(len(experts), H, shard)
+    w13_bias = torch.empty(len(experts), 2 * shard)
+    w2_bias = torch.empty(len(experts), H)
+    for local, e in enumerate(experts):
+        p = f"mlp.experts.{e}"
+        w13[local].narrow(0, 0, shard).copy_(full[f"{p}.gate_proj.weight"].narrow(0, shard * tp_rank, shard))
+        w13[local].narrow(0, shard, shard).copy_(full[f"{p}.up_proj.weight"].narrow(0, shard * tp_rank, shard))
+        w2[local].copy_(full[f"{p}.down_proj.weight"].narrow(1, shard * tp_rank, shard))
+        if bias:
+            w13_bias[local].narrow(-1, 0, shard).copy_(full[f"{p}.gate_proj.bias"].narrow(-1, shard * tp_rank, shard))
+            w13_bias[local].narrow(-1, shard, shard).copy_(full[f"{p}.up_proj.bias"].narrow(-1, shard * tp_rank, shard))
+            w2_bias[local].copy_(full[f"{p}.down_proj.bias"])
+    out = {"mlp.experts.w13_weight": w13, "mlp.experts.w2_weight": w2}
+    if bias:
+        out |= {"mlp.experts.w13_bias": w13_bias, "mlp.experts.w2_bias": w2_bias}
+    return out
+
+
+VLLM_CASES = [
+    pytest.param(1, 2, "linear", False, id="tp-only"),
+    pytest.param(2, 1, "linear", False, id="ep-only"),
+    pytest.param(2, 2, "linear", False, id="ep-x-tp"),
+    pytest.param(4, 1, "round_robin", False, id="round-robin"),
+    pytest.param(2, 2, "round_robin", True, id="round-robin-ep-x-tp-biases"),
+    pytest.param(2, 2, "linear", True, id="biases"),
+]
+
+
+@pytest.mark.parametrize(("ep", "tp", "placement", "bias"), VLLM_CASES)
+def test_vllm_fused_moe_storages_hold_what_its_weight_loader_writes(ep, tp, placement, bias):
+    program = layoutlang.loads(vllm_program(ep, tp, placement, bias), path="vllm.layout")
+    layout = program.layout("vllm")
+    layout.check()
+    full = full_weights(program)
+    for rank in layout.mesh.ranks:
+        ep_rank, tp_rank = divmod(rank, tp)
+        expected = vllm_storages(full, ep_rank, ep, tp_rank, tp, placement, bias)
+        # storages_on gives the engine's own N-D parameter shapes
+        assert layout.storages_on(rank) == {name: tuple(t.shape) for name, t in expected.items()}
+        got = placed_by_layoutlang(layout, rank, full)
+        for name, want in expected.items():
+            assert torch.equal(got[name], want), (rank, name)
+
+
+def test_a_stacked_storage_is_one_storage_per_layer():
+    text = vllm_program(2, 1).replace('"mlp.experts.{e}', '"layers.{l}.mlp.experts.{e}').replace(
+        f"for e in 0..{E - 1}", f"for l in 0..1, e in 0..{E - 1}"
+    ).replace('storage "mlp.experts', 'storage "layers.{l}.mlp.experts')
+    layout = layoutlang.loads(text, path="layers.layout").layout("vllm")
+    assert layout.storages_on(0) == {
+        "layers.0.mlp.experts.w13_weight": (4, 2 * F, H),
+        "layers.0.mlp.experts.w2_weight": (4, H, F),
+        "layers.1.mlp.experts.w13_weight": (4, 2 * F, H),
+        "layers.1.mlp.experts.w2_weight": (4, H, F),
+    }
+    parts = layout.storage_of("layers.1.mlp.experts.5.up_proj.weight").parts
+    assert parts[3] == "layers.1.mlp.experts.1.up_proj.weight"
+
+
+# ------------------------------------------------------------------- mistakes
+
+
+def test_a_declared_stack_shape_that_does_not_hold_names_the_storage_and_rank():
+    text = vllm_program(2, 2).replace(f"[{E // 2}, {2 * F // 2}, {H}]", f"[{E}, {F}, {H}]")
+    with pytest.raises(LayoutError) as err:
+        layoutlang.loads(text, path="bad.layout").layout("vllm").check()
+    assert "storage 'mlp.experts.w13_weight' of layout 'vllm' on rank 0" in str(err.value)
+    assert f"the stacked parts make [{E // 2}, {F}, {H}], the storage is declared [{E}, {F}, {H}]" in str(err.value)
+    assert "bad.layout:" in str(err.value)
+
+
+def test_a_stack_by_a_name_the_parts_do_not_capture_is_refused():
+    text = vllm_program(2, 1).replace("stack e of", "stack x of", 1)
+    with pytest.raises(LayoutError, match=r"stacks by 'x', which the first part .* does not capture") as err:
+        layoutlang.loads(text, path="bad.layout")
+    assert err.value.span is not None and err.value.span.path == "bad.layout"
+
+
+def test_a_stacked_storage_named_after_its_element_is_refused():
+    text = vllm_program(2, 1).replace('storage "mlp.experts.w2_weight"', 'storage "mlp.experts.{e}.w2"')
+    with pytest.raises(LayoutError, match="uses its stack capture 'e'"):
+        layoutlang.loads(text, path="bad.layout")
+
+
+def test_parts_of_one_element_on_different_ranks_are_refused():
+    up = '"mlp.experts.{e}.up_proj.weight": ep'
+    text = vllm_program(2, 1).replace(f"{up}[e // 4]", f"{up}[1 - e // 4]")
+    with pytest.raises(LayoutError, match="parts of one element must live on the same ranks"):
+        layoutlang.loads(text, path="bad.layout").layout("vllm").check()
