@@ -217,7 +217,95 @@ def test_apply_exits_2_for_a_checkpoint_that_lacks_a_tensor(tmp_path):
     write_safetensors(checkpoint / "model.safetensors", {"w": torch.zeros(64, 64)})  # no "b"
     result = run_with_fault(tmp_path, "none", "--from", str(checkpoint))
     assert_clean_failure(result, 2)
-    # every rank stopped before a byte moved, on the source rank's mistake
+    # the launching process read the header and refused, before any worker started
     assert result.stderr.strip() == (
-        "error: rank 0 is not ready: the checkpoint has no tensor 'b' (ranks 0, 1 failed); nothing was moved"
+        f"error: {checkpoint / 'model.safetensors'}: the checkpoint does not hold the source layout 'a' as the"
+        " program declares it (1 of its 2 tensors):\n  'b' is missing (declared fp32 [64])"
     )
+
+
+# ------------------------------------------------------- --from, before workers start
+
+# Records, when the launching process exits, whether it imported torch: the workers and the
+# jobs that start them need it, so a launcher that never imported torch started no worker.
+TORCH_PROBE = """\
+import atexit
+import os
+import sys
+
+atexit.register(
+    lambda: open(os.environ["LAYOUTLANG_TEST_PROBE"], "a").write(f"{os.getpid()} {'torch' in sys.modules}\\n")
+)
+"""
+
+
+def run_probed(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``layoutlang apply SMALL ARGS`` with every process reporting whether it imported torch."""
+    program = tmp_path / "small.layout"
+    program.write_text(SMALL)
+    hooks = tmp_path / "probe"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(TORCH_PROBE)
+    probe = tmp_path / "probe.txt"
+    environment = os.environ.copy()
+    environment.pop("RANK", None)
+    path = os.pathsep.join(p for p in (str(hooks), environment.get("PYTHONPATH", "")) if p)
+    environment.update(PYTHONPATH=path, LAYOUTLANG_TEST_PROBE=str(probe))
+    result = run("apply", str(program), *args, env=environment)
+    return result, probe.read_text().splitlines() if probe.exists() else []
+
+
+def test_apply_from_reports_every_mismatch_at_once_before_any_worker_starts(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    # "w" has another shape, "b" another dtype, and "c" of the checkpoint is not the program's
+    write_safetensors(
+        checkpoint / "model.safetensors",
+        {"w": torch.zeros(64, 32), "b": torch.zeros(64, dtype=torch.bfloat16), "c": torch.zeros(3)},
+    )
+    result, processes = run_probed(tmp_path, "--from", str(checkpoint), "--json")
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = json.loads(result.stderr)
+    assert error["error"] == "model"
+    assert error["message"].splitlines()[1:] == [
+        "  'w' is fp32 [64, 32], declared fp32 [64, 64]",
+        "  'b' is bf16 [64], declared fp32 [64]",
+    ]
+    # one process, the launcher, and it never imported torch: no worker was started
+    assert [line.split()[1] for line in processes] == ["False"], processes
+
+
+def test_apply_from_suggests_the_checkpoints_consistent_prefix(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    write_safetensors(
+        checkpoint / "model.safetensors", {"model.w": torch.zeros(64, 64), "model.b": torch.zeros(64)}
+    )
+    result, processes = run_probed(tmp_path, "--from", str(checkpoint))
+    assert_clean_failure(result, 2)
+    assert "  'w' is missing (declared fp32 [64, 64])\n  'b' is missing (declared fp32 [64])\n" in result.stderr
+    assert result.stderr.rstrip().endswith(
+        "hint: did you mean 'model.w'? the checkpoint stores all 2 missing tensors under the prefix 'model.'"
+    )
+    assert len(processes) == 1
+
+
+def test_apply_from_a_matching_checkpoint_casts_with_the_languages_dtype_name(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    weights = {"w": torch.arange(64 * 64, dtype=torch.float32).view(64, 64), "b": torch.arange(64.0)}
+    write_safetensors(checkpoint / "model.safetensors", weights)
+    out = tmp_path / "out"
+    result, _ = run_probed(tmp_path, "--from", str(checkpoint), "--to", str(out), "--cast", "bf16", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["ok"]
+    # destination rank 3 holds columns 32:64 of w (tp = shard(1)) and all of b, cast to bf16
+    written = SafetensorsCheckpoint(out / "rank00003.safetensors")
+    assert torch.equal(written.read_box("w", "bf16", (64, 32), (0, 0), (64, 32)), weights["w"][:, 32:].bfloat16())
+    assert torch.equal(written.read_box("b", "bf16", (64,), (0,), (64,)), weights["b"].bfloat16())
+
+
+def test_apply_cast_refuses_an_unknown_dtype_naming_both_spellings(tmp_path):
+    result = run("apply", str(EXAMPLES / "tp_to_dp.layout"), "--cast", "bf17")
+    assert result.returncode == 2
+    assert "argument --cast: unknown dtype 'bf17' (known: bf16 (bfloat16), fp16 (float16)," in result.stderr

@@ -342,3 +342,24 @@ def test_error_in_a_shard_names_the_shard(tmp_path: Path) -> None:
     index = write_index(tmp_path / "model.safetensors.index.json", {"a": "s1.safetensors"})
     message = error_for(index)
     assert str(shard) in message and "truncated" in message
+
+
+# --- what a checkpoint lacks, and the prefix it may use instead ---------------------------
+
+@pytest.mark.parametrize(
+    ("missing", "spare", "expected"),
+    [
+        (["layers.0.w", "norm.w"], ["model.layers.0.w", "model.norm.w"], ("", "model.")),
+        (["model.layers.0.w", "model.norm.w"], ["layers.0.w", "norm.w", "extra"], ("model.", "")),
+        (["module.layers.0.w"], ["decoder.layers.0.w"], ("module.", "decoder.")),
+        # no one prefix explains both names
+        (["layers.0.w", "norm.w"], ["model.layers.0.w", "other.norm.w"], None),
+        (["layers.0.w"], ["layers.0.v"], None),
+        (["w"], [], None),
+    ],
+)
+def test_renamed_prefix(missing: list[str], spare: list[str], expected: tuple[str, str] | None) -> None:
+    assert safetensors.renamed_prefix(missing, spare) == expected
+    if expected is not None:
+        ours, theirs = expected
+        assert {theirs + name[len(ours):] for name in missing} <= set(spare)

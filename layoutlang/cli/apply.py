@@ -9,9 +9,11 @@ import sys
 from typing import Any
 
 from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
-from ..errors import ExitCode, LayoutValueError
+from ..errors import ExitCode, LayoutValueError, ModelDescriptionError
+from ..io.safetensors import checkpoint_file, checkpoint_mismatches
 from ..lang import load
-from ..model.dtypes import DTYPES
+from ..model import Program
+from ..model.dtypes import DTYPES, canonical_dtype
 from ..plan import POLICIES
 
 HELP = "run a refit for real and verify every destination byte"
@@ -49,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cast",
-        choices=sorted({DTYPES[d][1] for d in DTYPES}),
+        type=_torch_dtype_name,
         metavar="DTYPE",
-        help="destination dtype, converted on arrival (e.g. bfloat16)",
+        help="destination dtype, converted on arrival: the language's name (bf16) or torch's (bfloat16)",
     )
     parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
     parser.add_argument(
@@ -101,6 +103,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument("--destination-axis", metavar="AXIS", help="the axis the destination policy shrinks")
 
 
+def _torch_dtype_name(text: str) -> str:
+    """torch's name of a dtype given in any spelling the language knows (``bf16``, ``bfloat16``)."""
+    short = canonical_dtype(text)
+    if short is None:
+        known = ", ".join(f"{name} ({torch_name})" for name, (_, torch_name) in DTYPES.items())
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r} (known: {known})")
+    return DTYPES[short][1]
+
+
+def check_checkpoint(program: Program, reshard: str | None, from_dir: str) -> None:
+    """Refuse a ``--from`` checkpoint that lacks a tensor of the source layout, or stores one with
+    another dtype or shape: every such tensor at once, from the headers, before a worker starts."""
+    statement = program.reshard(reshard)
+    source = program.layout(statement.source)
+    expected = [(name, source.tensors[name].shape, source.tensors[name].dtype) for name in source.resolved.names]
+    problems, hint = checkpoint_mismatches(from_dir, expected)
+    if problems:
+        listed = "\n".join(f"  {line}" for line in problems)
+        raise ModelDescriptionError(
+            f"{checkpoint_file(from_dir)}: the checkpoint does not hold the source layout '{source.name}' as the"
+            f" program declares it ({len(problems)} of its {len(expected)} tensors):\n{listed}",
+            hint=hint,
+        )
+
+
 def _rank_at_step(text: str) -> tuple[int, int]:
     rank, at, step = text.partition("@")
     if not at or not rank.strip().isdigit() or not step.strip().isdigit():
@@ -109,14 +136,19 @@ def _rank_at_step(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # The jobs import torch: here, so that the other commands start without it.
-    from . import apply_job as job
-    from .launch import WorkerError
-
     if args.elastic:
         return _apply_elastic(args)
     if args.kill or args.stop or args.replace:
         raise LayoutValueError("--kill, --stop and --replace need --elastic")
+    if args.from_dir:
+        # before torch is imported and any worker starts: a wrong checkpoint fails in well under a second
+        program = load(args.file)
+        program.check()
+        check_checkpoint(program, args.reshard, args.from_dir)
+
+    # The jobs import torch: here, so that the other commands start without it.
+    from . import apply_job as job
+    from .launch import WorkerError
 
     options = job.ApplyOptions(
         path=args.file,

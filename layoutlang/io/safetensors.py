@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,10 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "TensorEntry",
     "checkpoint_file",
+    "checkpoint_mismatches",
     "read_safetensors_header",
     "read_weight_map",
+    "renamed_prefix",
     "tensors_from_safetensors",
 ]
 
@@ -121,6 +124,77 @@ def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[TensorEntry]:
     if file.suffix == ".json":
         return _tensors_from_index(file)
     return _tensors_from_file(file)
+
+
+def checkpoint_mismatches(
+    path: str | os.PathLike[str], expected: Iterable[TensorEntry]
+) -> tuple[list[str], str | None]:
+    """Every way the checkpoint at ``path`` fails to hold the ``expected`` tensors, from headers only.
+
+    Returns one line per tensor that is missing or stored with another dtype or shape (none
+    when the checkpoint holds them all; extra tensors are fine), and a hint when the missing
+    names are all in the checkpoint under one other prefix (``model.`` added or dropped...).
+    """
+    stored = {name: (shape, dtype) for name, shape, dtype in tensors_from_safetensors(path)}
+    problems: list[str] = []
+    missing: list[str] = []
+    wanted: set[str] = set()
+    for name, shape, dtype in expected:
+        wanted.add(name)
+        declared = f"{dtype} {list(shape)}"
+        if name not in stored:
+            missing.append(name)
+            problems.append(f"'{name}' is missing (declared {declared})")
+        elif stored[name] != (tuple(shape), dtype):
+            found_shape, found_dtype = stored[name]
+            problems.append(f"'{name}' is {found_dtype} {list(found_shape)}, declared {declared}")
+    renamed = renamed_prefix(missing, [name for name in stored if name not in wanted])
+    hint = None
+    if renamed is not None:
+        ours, theirs = renamed
+        if not ours:
+            how = f"under the prefix '{theirs}'"
+        elif not theirs:
+            how = f"without the prefix '{ours}'"
+        else:
+            how = f"with the prefix '{theirs}' for '{ours}'"
+        hint = (
+            f"did you mean '{theirs}{missing[0][len(ours):]}'? the checkpoint stores all {len(missing)}"
+            f" missing tensors {how}"
+        )
+    return problems, hint
+
+
+#: how many leading name components a renamed prefix may differ in ("module.model." is 2)
+_MAX_PREFIX_PARTS = 3
+
+
+def renamed_prefix(missing: list[str], spare: Iterable[str]) -> tuple[str, str] | None:
+    """``(ours, theirs)`` such that every name in ``missing`` with ``ours`` replaced by ``theirs`` at
+    its start is a name in ``spare``; None when no one prefix explains them all.
+
+    Candidates come from the first missing name, whose last components must match a spare
+    name's; each is then tried on every missing name."""
+    spare_names = set(spare)
+    if not missing or not spare_names:
+        return None
+    by_rest: dict[str, list[str]] = {}
+    for name in spare_names:
+        parts = name.split(".")
+        for dropped in range(min(_MAX_PREFIX_PARTS, len(parts) - 1) + 1):
+            by_rest.setdefault(".".join(parts[dropped:]), []).append(name)
+    first = missing[0]
+    parts = first.split(".")
+    for dropped in range(min(_MAX_PREFIX_PARTS, len(parts) - 1) + 1):
+        rest = ".".join(parts[dropped:])
+        ours = first[: len(first) - len(rest)]
+        for candidate in sorted(by_rest.get(rest, ())):
+            theirs = candidate[: len(candidate) - len(rest)]
+            if theirs != ours and all(
+                name.startswith(ours) and theirs + name[len(ours) :] in spare_names for name in missing
+            ):
+                return ours, theirs
+    return None
 
 
 def checkpoint_file(path: str | os.PathLike[str]) -> Path:
