@@ -18,6 +18,7 @@ The oracles are written here from the engines' loading rules, not from layoutlan
 from __future__ import annotations
 
 import pytest
+import stacked_jobs
 import torch
 
 import layoutlang
@@ -180,3 +181,53 @@ def test_parts_of_one_element_on_different_ranks_are_refused():
     text = vllm_program(2, 1).replace(f"{up}[e // 4]", f"{up}[1 - e // 4]")
     with pytest.raises(LayoutError, match="parts of one element must live on the same ranks"):
         layoutlang.loads(text, path="bad.layout").layout("vllm").check()
+
+
+# ------------------------------------------------------------------- refit
+
+
+def refit_program(ep: int, tp: int, placement: str) -> str:
+    """torchtitan's stacked experts (ep = 2, ranks 0-1) into vLLM's FusedMoE (ranks 2...)."""
+    vllm = vllm_program(ep, tp, placement).replace(
+        f"mesh infer [ep = {ep}, tp = {tp}]", f"mesh infer [ep = {ep}, tp = {tp}] on ranks 2..{1 + ep * tp}"
+    )
+    return vllm + f"""
+mesh train [ep = 2] on ranks 0..1
+layout titan on train {{
+  "mlp.experts.{{e}}.*": ep[e // {E // 2}]
+  storage "moe.experts.w1" = stack e of "mlp.experts.{{e}}.gate_proj.weight"
+  storage "moe.experts.w3" = stack e of "mlp.experts.{{e}}.up_proj.weight"
+  storage "moe.experts.w2" = stack e of "mlp.experts.{{e}}.down_proj.weight"
+}}
+reshard titan -> vllm
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.workers(6)
+@pytest.mark.parametrize(("ep", "tp", "placement"), [(2, 2, "round_robin"), (1, 4, "linear"), (4, 1, "linear")])
+def test_a_refit_from_torchtitans_stacked_experts_into_vllms_w13_and_w2_is_bit_exact(pool, ep, tp, placement):
+    text = refit_program(ep, tp, placement)
+    participants = list(range(2 + ep * tp))
+    results = [r for r in pool.run(stacked_jobs.refit_stacked, text, participants, [0, 1], (E, H, F)) if r]
+    titan = stacked_jobs.titan_full(E, H, F)
+    full = {}
+    for e in range(E):  # torchtitan's stacked tensors, read as the per-expert logical tensors
+        full[f"mlp.experts.{e}.gate_proj.weight"] = titan["moe.experts.w1"][e]
+        full[f"mlp.experts.{e}.up_proj.weight"] = titan["moe.experts.w3"][e]
+        full[f"mlp.experts.{e}.down_proj.weight"] = titan["moe.experts.w2"][e]
+    checked = 0
+    for result in results:
+        rank = result["rank"]
+        if rank < 2:
+            assert result["destinations"] == {}
+            continue
+        ep_rank, tp_rank = divmod(rank - 2, tp)
+        expected = vllm_storages(full, ep_rank, ep, tp_rank, tp, placement, False)
+        assert sorted(result["destinations"]) == sorted(expected)
+        for name, want in expected.items():
+            got = result["destinations"][name]
+            assert got.shape == want.shape and torch.equal(got, want), (rank, name)
+            checked += 1
+        assert result["completed"] == sorted(expected)
+    assert checked == 2 * ep * tp
