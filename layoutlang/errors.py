@@ -71,7 +71,11 @@ class ExitCode(enum.IntEnum):
 
 @attrs.frozen
 class Span:
-    """A region of a source file: 1-based line and column, end exclusive."""
+    """A region of a source file: 1-based line and column, end exclusive.
+
+    ``included_from``: where the file was included (the ``include`` statements, innermost
+    first), when it was read through an include or a preset.
+    """
 
     path: str
     line: int
@@ -79,6 +83,7 @@ class Span:
     end_line: int
     end_column: int
     source_line: str = ""
+    included_from: tuple[Span, ...] = attrs.field(default=(), eq=False, repr=False)
 
     def __str__(self) -> str:
         return f"{self.path}:{self.line}:{self.column}"
@@ -122,6 +127,8 @@ class LayoutError(ValueError):
         parts = [head]
         if self.span is not None and self.span.source_line:
             parts.append(self.span.caret())
+        if self.span is not None:
+            parts.extend(f"  included from {where}" for where in self.span.included_from)
         if self.hint:
             parts.append(f"  hint: {self.hint}")
         return "\n".join(parts)
@@ -137,6 +144,10 @@ class LayoutError(ValueError):
                 end_line=self.span.end_line,
                 end_column=self.span.end_column,
             )
+            if self.span.included_from:
+                out["included_from"] = [
+                    {"file": s.path, "line": s.line, "column": s.column} for s in self.span.included_from
+                ]
         if self.hint:
             out["hint"] = self.hint
         return out

@@ -46,3 +46,19 @@ def refit_stacked(text: str, participants: list[int], train_ranks: list[int], sh
     completed: list[str] = []
     destinations = resharder.run(sources, on_complete=lambda name, tensor: completed.append(name))
     return {"rank": rank, "destinations": destinations, "completed": sorted(completed)}
+
+
+def refit_given(text: str, participants: list[int], sources_by_rank: dict[int, dict[str, torch.Tensor]]):
+    """Refit from the source storages the test computed for each rank (the engine's own
+    parameters, in their own shapes); return this rank's destination storages."""
+    index = dist.get_rank()
+    if index >= len(participants):
+        return None
+    rank = participants[index]
+    program = layoutlang.loads(text, path="refit.layout")
+    resharder = Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+    completed: list[str] = []
+    destinations = resharder.run(
+        sources_by_rank.get(rank, {}), on_complete=lambda name, tensor: completed.append(name)
+    )
+    return {"rank": rank, "destinations": destinations, "completed": sorted(completed)}

@@ -937,3 +937,121 @@ def test_model_description_imported_under_the_name_of_a_mesh(tmp_path):
     err = load_error(main)
     assert_error(err, LayoutNameError, "'cfg' is a mesh (at", 2, 17, path=str(main))
     assert "under another name (as ...)" in err.message
+
+
+# ====================================================== patterns that match nothing
+
+MISSPELLED = (
+    'mesh m [tp = 2]\n'
+    'tensor "model.layers.{l}.self_attn.o_proj.weight" [4, 4] fp32 for l in 0..3\n'
+    'tensor "model.layers.{l}.mlp.experts.{e}.w1" [4, 4] fp32 for l in 0..3, e in 0..7\n'
+    "layout a on m {\n"
+    '  "model.layers.{l}.mlp.experts.{e}.w1": tp = shard(0)\n'
+    '  "model.layers.{l}.self_attn.o_prj.weight": tp = shard(1)\n'
+    "  default: replicate\n"
+    "}\n"
+)
+
+
+def test_rule_whose_pattern_matches_no_tensor_with_did_you_mean():
+    err = error_of(MISSPELLED)
+    assert_error(
+        err,
+        LayoutNameError,
+        "pattern \"model.layers.{l}.self_attn.o_prj.weight\" of layout 'a' matches no tensor of the program",
+        6,
+        3,
+        end_column=44,
+        hint='did you mean "model.layers.{l}.self_attn.o_proj.weight"?',
+    )
+
+
+def test_pattern_with_a_literal_digit_that_matches_no_tensor():
+    text = TINY + 'tensor "layers.3.w" [4] fp32\nlayout a on m {\n'
+    text += '  "layers.4.w": tp = shard(0)\n  default: replicate\n}\n'
+    err = error_of(text)
+    assert_error(err, LayoutNameError, 'pattern "layers.4.w" of layout \'a\' matches no tensor', 5, 3)
+
+
+def test_pattern_matching_only_some_digit_runs_is_fine():
+    text = TINY + 'tensor "layers.3.w" [4] fp32\nlayout a on m {\n'
+    text += '  "layers.3.w": tp = shard(0)\n  default: replicate\n}\n'
+    assert layoutlang.loads(text).layouts["a"].placement("layers.3.w").placements[0].dim == 0
+
+
+def test_unmatched_pattern_in_an_included_layout_names_the_including_file(tmp_path):
+    write(tmp_path / "layouts" / "a.layout", 'layout a on m {\n  "w": tp = shard(0)\n  "v": tp = shard(0)\n}\n')
+    main = write(tmp_path / "main.layout", TINY + 'include "layouts/a.layout"\n')
+    err = load_error(main)
+    assert_error(err, LayoutNameError, 'pattern "v" of layout \'a\' matches no tensor', 3, 3,
+                 path=str(tmp_path / "layouts" / "a.layout"))
+    assert [(s.path, s.line, s.column) for s in err.span.included_from] == [(str(main), 3, 1)]
+
+
+def tied_qwen3(tmp_path: Path) -> Path:
+    config = json.loads((Path(__file__).resolve().parent.parent / "examples" / "configs" / "qwen3_tiny" /
+                         "config.json").read_text("utf-8"))
+    config["tie_word_embeddings"] = True  # no lm_head.weight
+    return write(tmp_path / "config.json", json.dumps(config))
+
+
+def test_rules_of_a_preset_are_generic_and_may_match_nothing(tmp_path):
+    tied_qwen3(tmp_path)
+    main = write(
+        tmp_path / "main.layout",
+        'tensors from hf "config.json" as cfg\nlet infer_tp = 2\nmesh infer [tp = 2]\ninclude "preset:llama/vllm"\n',
+    )
+    program = layoutlang.load(main)
+    assert "lm_head.weight" not in program.tensors
+    assert program.layouts["vllm"].placement("model.embed_tokens.weight").placements[0].dim == 0
+    # the same rule written in the program itself is checked
+    write(main, main.read_text("utf-8") + 'layout own on infer {\n  "lm_head.weight": tp = shard(0)\n}\n')
+    err = load_error(main)
+    assert_error(err, LayoutNameError, 'pattern "lm_head.weight" of layout \'own\' matches no tensor', 6, 3,
+                 path=str(main))
+
+
+# ========================================================== errors in included files
+
+
+def test_error_in_a_nested_include_names_every_including_file(tmp_path):
+    write(tmp_path / "bad.layout", "let layers = 4\nlet per_stage = layers // stagse\n")
+    write(tmp_path / "mid.layout", '# the model\ninclude "bad.layout"\n')
+    main = write(tmp_path / "main.layout", 'let stages = 2\n\ninclude "mid.layout"\n')
+    err = load_error(main)
+    assert_error(err, LayoutNameError, "unknown name 'stagse'", 2, 27, path=str(tmp_path / "bad.layout"))
+    text = str(err)
+    assert f"  included from {tmp_path / 'mid.layout'}:2:1\n  included from {main}:3:1\n  hint:" in text
+    assert err.to_json()["included_from"] == [
+        {"file": str(tmp_path / "mid.layout"), "line": 2, "column": 1},
+        {"file": str(main), "line": 3, "column": 1},
+    ]
+
+
+def test_syntax_error_in_an_included_file_names_the_including_file(tmp_path):
+    write(tmp_path / "bad.layout", "let a = 4 / 2\n")
+    main = write(tmp_path / "main.layout", 'let b = 1\ninclude "bad.layout"\n')
+    err = load_error(main)
+    assert_error(err, LayoutSyntaxError, "unexpected character '/'", 1, 11, path=str(tmp_path / "bad.layout"))
+    assert [(s.path, s.line) for s in err.span.included_from] == [(str(main), 2)]
+
+
+def test_error_found_when_resolving_a_preset_layout_names_the_including_file(tmp_path):
+    """Rule matching runs lazily, long after the include was read: the span keeps the chain."""
+    tied_qwen3(tmp_path)
+    main = write(
+        tmp_path / "main.layout",
+        'tensors from hf "config.json" as cfg\nlet infer_tp = 3\nmesh infer [tp = 3]\ninclude "preset:llama/vllm"\n',
+    )
+    err = load_error(main)  # 3 ranks cannot split q_proj's heads evenly, or kv into chunks
+    assert err.span is not None and err.span.path.endswith("vllm.layout")
+    assert [(s.path, s.line, s.column) for s in err.span.included_from] == [(str(main), 4, 1)]
+    assert f"included from {main}:4:1" in str(err)
+
+
+def test_file_not_utf8_included_names_the_including_file(tmp_path):
+    write(tmp_path / "latin1.layout", "let caf\xe9 = 1\n".encode("latin-1"))
+    main = write(tmp_path / "main.layout", 'let a = 1\ninclude "latin1.layout"\n')
+    err = load_error(main)
+    assert_error(err, LayoutSyntaxError, "not UTF-8", 1, 8, path=str(tmp_path / "latin1.layout"))
+    assert [(s.path, s.line) for s in err.span.included_from] == [(str(main), 2)]

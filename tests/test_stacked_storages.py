@@ -69,7 +69,8 @@ def placed_by_layoutlang(layout: layoutlang.Layout, rank: int, full: dict[str, t
     out = {name: torch.full(shape, float("nan")) for name, shape in layout.storages_on(rank).items()}
     for name in layout.tensors:
         for box in layout.boxes(name, rank):
-            region = out[box.storage][box.storage_index()]
+            # box offsets index the shape the parts make (a storage viewed 'as' another shape)
+            region = out[box.storage].view(layout.parts_shape(box.storage, rank))[box.storage_index()]
             (region.transpose(-1, -2) if box.transposed else region).copy_(full[name][box.slices()])
     return out
 
@@ -149,6 +150,91 @@ def test_a_stacked_storage_is_one_storage_per_layer():
     }
     parts = layout.storage_of("layers.1.mlp.experts.5.up_proj.weight").parts
     assert parts[3] == "layers.1.mlp.experts.1.up_proj.weight"
+
+
+# ------------------------------------------------------------ Megatron's GroupedMLP
+
+
+def megatron_program(ep: int, tp: int) -> str:
+    """Megatron-core's legacy GroupedMLP: weight1 [H, local * 2F / tp], weight2 [local * F / tp, H]."""
+    local = E // ep
+    return f"""
+mesh train [ep = {ep}, tp = {tp}]
+tensor "mlp.experts.{{e}}.gate_proj.weight" [{F}, {H}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.up_proj.weight" [{F}, {H}] fp32 for e in 0..{E - 1}
+tensor "mlp.experts.{{e}}.down_proj.weight" [{H}, {F}] fp32 for e in 0..{E - 1}
+layout megatron on train {{
+  "mlp.experts.{{e}}.gate_proj.weight": ep[e // {local}], tp = shard(0)
+  "mlp.experts.{{e}}.up_proj.weight": ep[e // {local}], tp = shard(0)
+  "mlp.experts.{{e}}.down_proj.weight": ep[e // {local}], tp = shard(1)
+  storage "decoder.layers.0.mlp.experts.weight1" as [{H}, {local * 2 * F // tp}] =
+      stack e of transposed "mlp.experts.{{e}}.gate_proj.weight" | transposed "mlp.experts.{{e}}.up_proj.weight" along 1
+  storage "decoder.layers.0.mlp.experts.weight2" as [{local * F // tp}, {H}] =
+      stack e of transposed "mlp.experts.{{e}}.down_proj.weight"
+}}
+"""
+
+
+def megatron_storages(full, ep_rank: int, ep: int, tp_rank: int, tp: int) -> dict:
+    """GroupedMLP's parameters on one rank: weight1.view(local, H, -1)[l] is expert l's
+    [gate_r | up_r] as [in, out]; weight2.view(local, -1, H)[l] its down_r as [in, out]."""
+    local, shard = E // ep, F // tp
+    weight1 = torch.empty(H, local * 2 * shard)
+    weight2 = torch.empty(local * shard, H)
+    w1, w2 = weight1.view(local, H, -1), weight2.view(local, -1, H)
+    for i in range(local):
+        p = f"mlp.experts.{ep_rank * local + i}"
+        rows = slice(tp_rank * shard, (tp_rank + 1) * shard)
+        w1[i].copy_(torch.cat([full[f"{p}.gate_proj.weight"][rows], full[f"{p}.up_proj.weight"][rows]]).T)
+        w2[i].copy_(full[f"{p}.down_proj.weight"][:, rows].T)
+    return {"decoder.layers.0.mlp.experts.weight1": weight1, "decoder.layers.0.mlp.experts.weight2": weight2}
+
+
+@pytest.mark.parametrize(("ep", "tp"), [(2, 2), (1, 2), (4, 1)])
+def test_megatron_legacy_grouped_mlp_storages_hold_transposed_experts(ep, tp):
+    program = layoutlang.loads(megatron_program(ep, tp), path="megatron.layout")
+    layout = program.layout("megatron")
+    layout.check()
+    full = full_weights(program)
+    for rank in layout.mesh.ranks:
+        ep_rank, tp_rank = divmod(rank, tp)
+        expected = megatron_storages(full, ep_rank, ep, tp_rank, tp)
+        assert layout.storages_on(rank) == {name: tuple(t.shape) for name, t in expected.items()}
+        got = placed_by_layoutlang(layout, rank, full)
+        for name, want in expected.items():
+            assert torch.equal(got[name], want), (rank, name)
+    box = layout.boxes("mlp.experts.1.up_proj.weight", 0)[0]
+    assert box.transposed and str(box).endswith(".T")
+    assert layout.parts_shape("decoder.layers.0.mlp.experts.weight1", 0) == (E // ep, H, 2 * F // tp)
+
+
+def test_a_view_of_another_size_is_refused():
+    text = megatron_program(2, 2).replace(f"as [{H}, {4 * 2 * F // 2}]", f"as [{H}, {8 * F}]")
+    wrong = r"its parts make \[4, 16, 12\] \(768 elements\), which cannot be viewed as \[16, 96\]"
+    with pytest.raises(LayoutError, match=wrong):
+        layoutlang.loads(text, path="bad.layout").layout("megatron").check()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.workers(6)
+def test_a_refit_from_megatrons_grouped_mlp_into_vllm_is_bit_exact(pool):
+    """Megatron's transposed, viewed weight1/weight2 (ep = 2, ranks 0-1) into vLLM's w13/w2
+    (ep = 2 x tp = 2, ranks 2-5), each side's storages computed by its engine's rules."""
+    megatron = megatron_program(2, 1).replace("[ep = 2, tp = 1]", "[ep = 2, tp = 1] on ranks 0..1")
+    vllm = vllm_program(2, 2).replace("mesh infer [ep = 2, tp = 2]", "mesh infer [ep = 2, tp = 2] on ranks 2..5")
+    vllm = vllm.replace("tensor ", "# tensor ")  # the tensors are declared once, by the Megatron side
+    text = megatron + vllm + "reshard megatron -> vllm\n"
+    program = layoutlang.loads(text, path="refit.layout")
+    full = full_weights(program)
+    sources = {rank: megatron_storages(full, rank, 2, 0, 1) for rank in (0, 1)}
+    results = [r for r in pool.run(stacked_jobs.refit_given, text, list(range(6)), sources) if r]
+    for result in results[2:]:
+        ep_rank, tp_rank = divmod(result["rank"] - 2, 2)
+        expected = vllm_storages(full, ep_rank, 2, tp_rank, 2, "linear", False)
+        assert sorted(result["destinations"]) == sorted(expected) == result["completed"]
+        for name, want in expected.items():
+            assert torch.equal(result["destinations"][name], want), (result["rank"], name)
+    assert [r["rank"] for r in results] == list(range(6))
 
 
 # ------------------------------------------------------------------- mistakes

@@ -35,11 +35,15 @@ __all__ = [
 ]
 
 
-def _in_storage(storages: Mapping[str, torch.Tensor], box: Box) -> torch.Tensor:
+def _in_storage(layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], box: Box) -> torch.Tensor:
     """The elements of ``box`` in its storage, in the logical tensor's order (a view)."""
     # a layout names the storage of every box it hands out (only shard_boxes' boxes have none)
     assert box.storage is not None
-    region = storages[box.storage][box.storage_index()]
+    storage = storages[box.storage]
+    parts = layout.parts_shape(box.storage, rank)  # what box offsets index (an engine may hold it 'as' another shape)
+    if parts is not None and tuple(storage.shape) != parts:
+        storage = storage.view(parts)
+    region = storage[box.storage_index()]
     return region.transpose(-1, -2) if box.transposed else region
 
 
@@ -82,7 +86,7 @@ def fill_synthetic(
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
             values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
-            held = _in_storage(storages, box)
+            held = _in_storage(layout, rank, storages, box)
             held[...] = values.to(held.device)
             written += values.numel() * values.element_size()
     return written
@@ -118,7 +122,7 @@ def verify(
         tensor = layout.tensors[name]
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
-            got = _in_storage(storages, box)
+            got = _in_storage(layout, rank, storages, box)
             if truth:
                 expected = truth(name, index, box)
             else:
@@ -186,7 +190,7 @@ class SafetensorsCheckpoint:
             tensor = layout.tensors[name]
             for box in layout.boxes(name, rank):
                 values = self.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
-                _in_storage(storages, box)[...] = values
+                _in_storage(layout, rank, storages, box)[...] = values
                 written += values.numel() * values.element_size()
         return written
 

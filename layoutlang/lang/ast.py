@@ -244,6 +244,7 @@ class StorageDecl:
     span: Span
     stack: tuple[str, Span] | None = None  # ``stack e of``: the capture the elements are stacked by
     transposed: tuple[bool, ...] = ()  # per part: ``transposed "..."``
+    view: tuple[Expr, ...] | None = None  # ``as [DIM, ...]``: the shape the engine holds it in
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ class _Elaborator:
         self.includes = Includes()
 
     def file(self, source: Source) -> None:
-        tree = parse(source.text, source.display)
+        tree = parse(source.text, source.display, source.included_from)
         with self.includes.reading(source):
             for statement in tree.statements:
                 self.statement(statement, source)
@@ -74,7 +74,8 @@ class _Elaborator:
     def program(self, path: str) -> Program:
         scope = self.scope
         every_tensor = dict(scope.tensors)
-        built = {name: layouts.layout(scope, decl, every_tensor) for name, decl in scope.layouts.items()}
+        names = layouts.TensorNames(list(every_tensor))
+        built = {name: layouts.layout(scope, decl, every_tensor, names) for name, decl in scope.layouts.items()}
         reshards: Declarations[Reshard] = Declarations("reshard")
         for decl in scope.reshards:
             r = layouts.reshard(decl, built)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
+from ..errors import LayoutError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
 from . import ast
 
-__all__ = ["PRESET_PREFIX", "Includes", "Source", "preset_file", "read_source"]
+__all__ = ["PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
 
 #: ``include "preset:NAME"`` reads NAME.layout, or NAME/model.layout, from the packaged presets
 PRESET_PREFIX = "preset:"
@@ -35,6 +35,8 @@ class Source:
     text: str
     display: str
     real: str | None
+    #: the includes that led here, innermost first (what errors in this file also name)
+    included_from: tuple[Span, ...] = ()
 
     @property
     def folder(self) -> str:
@@ -86,6 +88,11 @@ def preset_file(name: str, span: Span) -> str:
     raise LayoutIncludeError(f"unknown preset '{name}' (presets: {', '.join(known)})", span, did_you_mean(name, known))
 
 
+def is_preset(path: str) -> bool:
+    """Whether ``path`` (as a span names it) is one of the packaged presets."""
+    return os.path.realpath(path).startswith(f"{_PRESETS}{os.sep}")
+
+
 def _layout_files(folder: str) -> list[str]:
     try:
         return [f for f in os.listdir(folder) if f.endswith(".layout")]
@@ -133,4 +140,11 @@ class Includes:
                 node.span,
                 did_you_mean(os.path.basename(node.path), _layout_files(os.path.dirname(real))),
             )
-        return Source(read_source(real, display), display, real)
+        led_here = (attrs.evolve(node.span, included_from=()), *node.span.included_from)
+        try:
+            text = read_source(real, display)
+        except LayoutError as err:
+            if err.span is not None:  # a place in the included file: not UTF-8
+                err.span = attrs.evolve(err.span, included_from=led_here)
+            raise
+        return Source(text, display, real, led_here)

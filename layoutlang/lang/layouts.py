@@ -10,25 +10,84 @@ what can be checked from the text alone is checked here, pointing at the text.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
 from ..model import Layout, LogicalTensor, Mesh, Replicate, Reshard, Rule, Shard, StorageRule
-from ..model.rules import CaptureFn
+from ..model.rules import CaptureFn, compile_pattern
 from . import ast
 from .expressions import compile_expression, evaluate
+from .includes import is_preset
 from .limits import INT32_MAX, INT64_MAX
 from .patterns import name_template, pattern_captures
 from .scope import Scope
 
-__all__ = ["SHARD_OPTIONS", "layout", "reshard"]
+__all__ = ["SHARD_OPTIONS", "TensorNames", "layout", "reshard"]
 
 #: the options of ``shard(dim, ...)``
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
 
 
-def layout(scope: Scope, node: ast.LayoutDecl, tensors: Mapping[str, LogicalTensor]) -> Layout:
-    """The layout a statement declares, over ``tensors``."""
+class TensorNames:
+    """A program's tensor names, grouped by skeleton (the text between their digit runs).
+
+    A pattern without a literal digit matches either every name of a skeleton or none
+    (a capture takes a whole digit run, ``*`` any text), which is also what rule matching
+    in :class:`~layoutlang.model.Layout` relies on; so whether a pattern matches some
+    tensor is asked of one name per skeleton, not of tens of thousands of expert tensors.
+    """
+
+    _DIGITS = re.compile(r"[0-9]+")
+
+    def __init__(self, names: Collection[str]) -> None:
+        self.names = names
+        self.by_skeleton: dict[tuple[str, ...], str] = {}
+        for name in names:
+            self.by_skeleton.setdefault(tuple(self._DIGITS.split(name)), name)
+
+    def matches_some(self, pattern: str) -> bool:
+        regex = compile_pattern(pattern)
+        literal = re.sub(r"\{[^}]*\}", "", pattern)
+        candidates = self.names if re.search(r"[0-9]", literal) else self.by_skeleton.values()
+        return any(regex.fullmatch(name) for name in candidates)
+
+    def closest(self, pattern: str, captures: list[str]) -> str | None:
+        """A did-you-mean: the names written as patterns with the pattern's own captures."""
+        shapes = {self._as_pattern(name, captures) for name in self.by_skeleton.values()}
+        hint = did_you_mean(pattern, shapes)
+        return hint.replace("did you mean '", 'did you mean "').replace("'?", '"?') if hint else None
+
+    @classmethod
+    def _as_pattern(cls, name: str, captures: list[str]) -> str:
+        """``layers.3.experts.7.w1`` as ``layers.{l}.experts.{e}.w1`` for captures l and e."""
+        runs = iter(captures)
+        return cls._DIGITS.sub(lambda m: f"{{{next(runs, m.group(0))}}}", name)
+
+
+def _check_matches(node: ast.LayoutDecl, rules: list[Rule], names: TensorNames) -> None:
+    """Every pattern of a layout matches some tensor of the program.
+
+    A misspelled pattern would otherwise send its tensors to ``default`` without a word.
+    Layouts of the packaged presets are generic (written once for every size of a model
+    family, included into programs that may lack some tensors), so theirs are not checked.
+    """
+    if is_preset(node.span.path):
+        return
+    for decl, rule in zip(node.rules, rules):
+        if decl.pattern is None or names.matches_some(decl.pattern):
+            continue
+        raise LayoutNameError(
+            f'pattern "{decl.pattern}" of layout \'{node.name}\' matches no tensor of the program',
+            decl.pattern_span,
+            names.closest(decl.pattern, list(rule.captures)),
+        )
+
+
+def layout(
+    scope: Scope, node: ast.LayoutDecl, tensors: Mapping[str, LogicalTensor], names: TensorNames | None = None
+) -> Layout:
+    """The layout a statement declares, over ``tensors`` (``names``: their names, grouped once
+    for every layout of the program)."""
     if node.mesh not in scope.meshes:
         raise LayoutNameError(
             f"unknown mesh '{node.mesh}' in layout '{node.name}' (meshes: {', '.join(scope.meshes) or 'none'})",
@@ -46,6 +105,7 @@ def layout(scope: Scope, node: ast.LayoutDecl, tensors: Mapping[str, LogicalTens
             )
         patterns[decl.pattern] = decl.pattern_span
         rules.append(_rule(scope, decl, mesh, node.name))
+    _check_matches(node, rules, names or TensorNames(list(tensors)))
     storages = [_storage(scope, decl) for decl in node.storages]
     return Layout(node.name, mesh, tensors, rules, storages, node.span)
 

@@ -109,9 +109,17 @@ class _Builder(Transformer[Token, Any]):
     position and its children, already built.
     """
 
-    def __init__(self, path: str, lines: list[str], line_offset: int = 0, column_offset: int = 0):
+    def __init__(
+        self,
+        path: str,
+        lines: list[str],
+        line_offset: int = 0,
+        column_offset: int = 0,
+        included_from: tuple[Span, ...] = (),
+    ):
         super().__init__()
         self._path = path
+        self._included_from = included_from
         self._lines = lines
         self._line_offset = line_offset
         self._column_offset = column_offset
@@ -125,7 +133,7 @@ class _Builder(Transformer[Token, Any]):
         line += self._line_offset
         end_line += self._line_offset
         source = self._lines[line - 1] if 0 < line <= len(self._lines) else ""
-        return Span(self._path, line, column, end_line, end_column, source)
+        return Span(self._path, line, column, end_line, end_column, source, self._included_from)
 
     def _meta(self, meta: Meta) -> Span:
         return self._span(meta.line, meta.column, meta.end_line, meta.end_column)
@@ -554,8 +562,21 @@ def _error_from_lark(err: LarkError, path: str, lines: list[str]) -> LayoutSynta
 # ----------------------------------------------------------------------- entry
 
 
-def parse(text: str, path: str = "<string>") -> ast.File:
-    """Parse the text of one ``.layout`` file; raises LayoutSyntaxError with a caret."""
+def parse(text: str, path: str = "<string>", included_from: tuple[Span, ...] = ()) -> ast.File:
+    """Parse the text of one ``.layout`` file; raises LayoutSyntaxError with a caret.
+
+    ``included_from``: the ``include`` statements that led to this file, innermost first;
+    every span of the result (and of an error) carries them.
+    """
+    try:
+        return _parse(text, path, included_from)
+    except LayoutError as err:
+        if err.span is not None and not err.span.included_from:
+            err.span = attrs.evolve(err.span, included_from=included_from)
+        raise
+
+
+def _parse(text: str, path: str, included_from: tuple[Span, ...]) -> ast.File:
     lines = text.splitlines(keepends=True)
     if all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines):
         raise LayoutSyntaxError(
@@ -567,7 +588,7 @@ def parse(text: str, path: str = "<string>") -> ast.File:
         tree = _parse_program(text)
     except LarkError as err:
         raise _error_from_lark(err, path, lines) from None
-    builder = _Builder(path, lines)
+    builder = _Builder(path, lines, included_from=included_from)
     statements = []
     for node in tree.children:  # one statement at a time, so that a failure has a place
         assert isinstance(node, Tree)  # every child of the start rule is a statement
@@ -603,8 +624,8 @@ def parse_expression(text: str, span: Span) -> ast.Expr:
         column = span.column + max(0, (getattr(err, "column", 1) or 1) - 1)
         raise LayoutSyntaxError(
             f"cannot read the expression '{text}'",
-            Span(span.path, span.line, column, span.line, column + 1, span.source_line),
+            attrs.evolve(span, column=column, end_line=span.line, end_column=column + 1),
             "expressions use integers, names, + - * // %, min, max, cdiv and parentheses",
         ) from None
     lines = [""] * (span.line - 1) + [span.source_line]
-    return _Builder(span.path, lines, span.line - 1, span.column - 1).transform(tree)
+    return _Builder(span.path, lines, span.line - 1, span.column - 1, span.included_from).transform(tree)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Collection, Mapping
 
+import attrs
+
 from ..errors import LayoutNameError, LayoutSyntaxError, LayoutValueError, Span
 from ..model.rules import CaptureFn
 from .expressions import compile_expression
@@ -24,7 +26,7 @@ _CAPTURE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def _inside(span: Span, start: int, end: int) -> Span:
     """The place of ``text[start:end]`` of the quoted string at ``span`` (+1: the opening quote)."""
-    return Span(span.path, span.line, span.column + start + 1, span.line, span.column + end + 1, span.source_line)
+    return attrs.evolve(span, column=span.column + start + 1, end_line=span.line, end_column=span.column + end + 1)
 
 
 def pattern_captures(pattern: str, span: Span, allow_star: bool = True) -> list[str]:

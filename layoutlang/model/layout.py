@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping
 
@@ -200,7 +201,7 @@ class _Resolved:
                         )
                 if rule.stack is None:
                     storage = Storage(storage_name, parts, rule.dim, rule.blocks, rule.shape, rule.span,
-                                      transposed=rule.transposed)
+                                      transposed=rule.transposed, view=rule.view)
                     for part in parts:
                         assigned[part] = storage
                     self._add_storage(storage)
@@ -214,7 +215,7 @@ class _Resolved:
                 storage = Storage(
                     storage_name, parts, rule.dim, None, rule.shape, rule.span,
                     elements=tuple(i for i, (_, element) in enumerate(elements) for _ in element),
-                    transposed=rule.transposed * len(elements),
+                    transposed=rule.transposed * len(elements), view=rule.view,
                 )
                 for part in parts:
                     assigned[part] = storage
@@ -348,13 +349,25 @@ class Layout:
         ]
 
     def storages_on(self, rank: int) -> dict[str, tuple[int, ...]]:
-        """Every storage ``rank`` holds, with its local shape."""
+        """Every storage ``rank`` holds, with its local shape: the engine's own, N-D
+        (``[local experts, 2 * I / tp, H]`` for a stacked ``w13_weight``; its ``as [...]``
+        view when it declares one)."""
         out = {}
         for sid, storage in enumerate(self.resolved.storages):
             shape = self.core.storage_shape(sid, rank)
             if shape is not None:
-                out[storage.name] = tuple(shape)
+                out[storage.name] = storage.view if storage.view is not None else tuple(shape)
         return out
+
+    def parts_shape(self, name: str, rank: int) -> tuple[int, ...] | None:
+        """The shape the parts of storage ``name`` make on ``rank``, which boxes' storage
+        offsets index; it differs from :meth:`storage_shape` only for a storage viewed
+        ``as [...]`` another shape. None when the rank holds no such storage."""
+        for sid in self._storage_indices(name):
+            shape = self.core.storage_shape(sid, rank)
+            if shape is not None:
+                return tuple(shape)
+        return None
 
     def storage(self, name: str, rank: int) -> Storage:
         """The storage of that name on ``rank`` (names may repeat on disjoint ranks)."""
@@ -364,10 +377,12 @@ class Layout:
         raise LayoutValueError(f"rank {rank} holds no storage '{name}' in layout '{self.name}'")
 
     def storage_shape(self, name: str, rank: int) -> tuple[int, ...] | None:
+        """The local shape of storage ``name`` on ``rank`` as the engine holds it (None: not held)."""
         for sid in self._storage_indices(name):
             shape = self.core.storage_shape(sid, rank)
             if shape is not None:
-                return tuple(shape)
+                view = self.resolved.storages[sid].view
+                return view if view is not None else tuple(shape)
         return None
 
     def summary(self) -> list[dict[str, int]]:
@@ -388,6 +403,7 @@ class Layout:
                 f"storage '{storage.name}' of layout '{self.name}' on rank {problem.rank}: {problem.message}",
                 storage.span,
             )
+        self._check_views()
         # Storage names may repeat only on disjoint ranks (Megatron's per-stage local names).
         for name, sids in resolved.storage_index.items():
             if len(sids) < 2:
@@ -403,3 +419,18 @@ class Layout:
                             resolved.storages[sid].span or other.span,
                         )
                     seen[rank] = sid
+
+    def _check_views(self) -> None:
+        """A storage viewed ``as [...]`` has, on every rank holding it, as many elements as its parts."""
+        for sid, storage in enumerate(self.resolved.storages):
+            if storage.view is None:
+                continue
+            for rank in self.mesh.ranks:
+                shape = self.core.storage_shape(sid, rank)
+                if shape is not None and math.prod(shape) != math.prod(storage.view):
+                    raise LayoutValueError(
+                        f"storage '{storage.name}' of layout '{self.name}' on rank {rank}: its parts make "
+                        f"{list(shape)} ({math.prod(shape)} elements), which cannot be viewed as "
+                        f"{list(storage.view)} ({math.prod(storage.view)} elements)",
+                        storage.span,
+                    )

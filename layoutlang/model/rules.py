@@ -108,7 +108,9 @@ class StorageRule:
     ``stack``: a capture of ``parts[0]`` (``e``). The matches that differ only in it are the
     elements of one storage, ordered by its value; each rank stacks the elements it holds
     along a new leading dim (vLLM's ``w13_weight``). ``transposed``: per part, whether its
-    last two dims are swapped in the storage (empty: none is).
+    last two dims are swapped in the storage (empty: none is). ``view``: the shape the engine
+    holds the storage in, a row-major reshape of the shape its parts make (Megatron's
+    ``weight1`` is ``[hidden, experts * 2 * ffn]`` over ``[experts, hidden, 2 * ffn]``).
     """
 
     name: str
@@ -120,6 +122,7 @@ class StorageRule:
     span: Span | None = attrs.field(default=None, eq=False)
     stack: str | None = None
     transposed: tuple[bool, ...] = attrs.field(default=(), converter=_flags)
+    view: tuple[int, ...] | None = None
 
     def storage_name(self, captures: Mapping[str, int]) -> str:
         if self.name_fn is not None:
@@ -144,6 +147,7 @@ class Storage:
     Stacked (``elements`` not None): part ``p`` belongs to element ``elements[p]``; each
     element is its parts fused along ``dim``, and a rank stacks the elements it holds along
     a new leading dim. ``transposed[p]``: part ``p`` sits with its last two dims swapped.
+    ``view``: the shape the engine holds it in (a row-major reshape of what the parts make).
     """
 
     name: str
@@ -154,6 +158,7 @@ class Storage:
     span: Span | None = attrs.field(default=None, eq=False, repr=False)
     elements: tuple[int, ...] | None = None
     transposed: tuple[bool, ...] = attrs.field(default=(), converter=_flags)
+    view: tuple[int, ...] | None = None
 
     @property
     def stacked(self) -> bool:

@@ -79,6 +79,12 @@ class Executor:
         self.destination_storages: dict[str, tuple[int, ...]] = (
             plan.destination.storages_on(rank) if rank in plan.destination.mesh else {}
         )
+        # Storages the engine holds in another shape (``as [...]``) are indexed in the shape
+        # their parts make: name -> that shape, per source layout and for the destination.
+        self._parts_shapes = [
+            _parts_shapes(layout, rank, held) for layout, held in zip(plan.sources, self.sources_storages)
+        ]
+        self._destination_parts_shapes = _parts_shapes(plan.destination, rank, self.destination_storages)
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
 
@@ -182,7 +188,12 @@ class Executor:
         """
         per_source = self._check_and_agree(sources, destinations, cast, not_ready)
         device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
-        spaces = _Spaces(per_source, destinations, self._shapes, device)
+        spaces = _Spaces(
+            [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
+            _as_parts(destinations, self._destination_parts_shapes),
+            self._shapes,
+            device,
+        )
         tally = _Tally()
         self._announce(-1, destinations, on_complete)
         start = time.perf_counter()
@@ -358,6 +369,24 @@ class _Tally:
 
     def report(self, rank: int, seconds: float, steps: int) -> RunReport:
         return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
+
+
+def _parts_shapes(layout: Layout, rank: int, held: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The storages of ``held`` whose parts make another shape than the engine's, with that shape."""
+    out = {}
+    for name, shape in held.items():
+        parts = layout.parts_shape(name, rank)
+        if parts is not None and parts != shape:
+            out[name] = parts
+    return out
+
+
+def _as_parts(given: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]]) -> Mapping[str, torch.Tensor]:
+    """Storages viewed in the shape their parts make (the same memory: destinations are
+    contiguous; a source that is not is read through a copy)."""
+    if not shapes:
+        return given
+    return {name: t.reshape(shapes[name]) if name in shapes else t for name, t in given.items()}
 
 
 def _oriented(region: torch.Tensor, piece: Piece) -> torch.Tensor:
