@@ -240,8 +240,11 @@ def _storage(scope: Scope, decl: ast.StorageDecl) -> StorageRule:
         raise LayoutValueError(
             f"storage '{decl.name}': interleaved parts (blocks) can be neither stacked nor transposed", decl.span
         )
+    view = tuple(evaluate(e, scope.constants) for e in decl.view) if decl.view is not None else None
+    if view is not None and any(n < 0 or n > INT64_MAX for n in view):
+        raise LayoutValueError(f"storage '{decl.name}' is viewed as an impossible shape {list(view)}", decl.span)
     parts = [part for part, _ in decl.parts]
-    return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span, stack, decl.transposed)
+    return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span, stack, decl.transposed, view)
 
 
 def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout]) -> Reshard:

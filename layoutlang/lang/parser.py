@@ -91,6 +91,11 @@ class _Stack:
 
 
 @attrs.frozen
+class _View:
+    shape: tuple[ast.Expr, ...]
+
+
+@attrs.frozen
 class _Part:
     name: str
     span: Span
@@ -321,8 +326,11 @@ class _Builder(Transformer[Token, Any]):
         transposed, name = children
         return _Part(_unquote(name), self._tok(name), transposed is not None)
 
+    def storage_view(self, meta: Meta, children: list[Any]) -> _View:
+        return _View(children[0])
+
     def storage(self, meta: Meta, children: list[Any]) -> ast.StorageDecl:
-        name, shape, stack, *rest = children
+        name, shape, view, stack, *rest = children
         along = next((item.dim for item in rest if isinstance(item, _Along)), None)
         blocks = next((item.sizes for item in rest if isinstance(item, _Blocks)), None)
         found = [item for item in rest if isinstance(item, _Part)]
@@ -331,6 +339,7 @@ class _Builder(Transformer[Token, Any]):
         return ast.StorageDecl(
             _unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta),
             (stack.name, stack.span) if stack is not None else None, transposed,
+            view.shape if view is not None else None,
         )
 
     def layout(self, meta: Meta, children: list[Any]) -> ast.LayoutDecl:
