@@ -1055,3 +1055,23 @@ def test_file_not_utf8_included_names_the_including_file(tmp_path):
     err = load_error(main)
     assert_error(err, LayoutSyntaxError, "not UTF-8", 1, 8, path=str(tmp_path / "latin1.layout"))
     assert [(s.path, s.line) for s in err.span.included_from] == [(str(main), 2)]
+
+
+# ======================================================================== extends
+
+_EXTENDS = 'mesh m [tp = 2]\ntensor "w" [4] fp32\nlayout base on m {\n  "w": tp = shard(0)\n}\n'
+
+
+def test_layout_extending_an_unknown_layout_with_did_you_mean():
+    err = error_of(_EXTENDS + "layout child on m extends bse {\n  default: replicate\n}\n")
+    assert_error(err, LayoutNameError, "layout 'child' extends an unknown layout 'bse'", 6, 27, hint="'base'")
+
+
+def test_layouts_extending_each_other_in_a_cycle():
+    err = error_of(_EXTENDS + "layout a on m extends b {}\nlayout b on m extends a {}\n")
+    assert_error(err, LayoutNameError, "layouts extend each other in a cycle: a -> b -> a", 7, 23)
+
+
+def test_inherited_rule_on_a_mesh_without_its_axis_points_at_the_rule():
+    err = error_of(_EXTENDS + "mesh d [dp = 2]\nlayout child on d extends base {}\n")
+    assert_error(err, LayoutNameError, "unknown axis 'tp'", 4, 8)

@@ -79,3 +79,82 @@ def test_axis_sizes_and_functions_in_rules_and_storage_names():
         name = f"layers.{layer}.w"
         assert dict(layout.placement(name).submesh) == {"pp": min(layer // per_stage, 2)}
         assert layout.storage_of(name).name == f"stage.{layer % per_stage}.w"
+
+
+# ======================================================================= extends
+
+MODEL = """
+mesh infer [ep = 2, tp = 2]
+tensor "layers.{l}.q.weight" [8, 4] bf16 for l in 0..1
+tensor "layers.{l}.k.weight" [4, 4] bf16 for l in 0..1
+tensor "layers.{l}.experts.{e}.gate.weight" [8, 4] bf16 for l in 0..1, e in 0..3
+tensor "layers.{l}.experts.{e}.up.weight" [8, 4] bf16 for l in 0..1, e in 0..3
+tensor "norm.weight" [4] bf16
+"""
+
+BASE = """
+layout vllm on infer {
+    "layers.{l}.q.weight": tp = shard(0)
+    "layers.{l}.k.weight": tp = shard(0)
+    "layers.{l}.experts.{e}.*": tp = shard(0)
+    default: replicate
+    storage "layers.{l}.qk.weight" = "layers.{l}.q.weight" | "layers.{l}.k.weight"
+    storage "layers.{l}.experts.{e}.gate_up.weight" =
+        "layers.{l}.experts.{e}.gate.weight" | "layers.{l}.experts.{e}.up.weight"
+}
+"""
+
+EXTENDED = """
+layout vllm_ep on infer extends vllm {
+    "layers.{l}.experts.{e}.*": ep[e // 2], tp = shard(1)
+    "norm.weight": tp = shard(0)
+    storage "layers.{l}.experts.{e}.w13" =
+        "layers.{l}.experts.{e}.gate.weight" | "layers.{l}.experts.{e}.up.weight" along 1
+}
+"""
+
+# what vllm_ep means, written out in full: the oracle
+FULL = """
+layout full on infer {
+    "layers.{l}.q.weight": tp = shard(0)
+    "layers.{l}.k.weight": tp = shard(0)
+    "layers.{l}.experts.{e}.*": ep[e // 2], tp = shard(1)
+    "norm.weight": tp = shard(0)
+    default: replicate
+    storage "layers.{l}.qk.weight" = "layers.{l}.q.weight" | "layers.{l}.k.weight"
+    storage "layers.{l}.experts.{e}.w13" =
+        "layers.{l}.experts.{e}.gate.weight" | "layers.{l}.experts.{e}.up.weight" along 1
+}
+"""
+
+
+def test_an_extended_layout_equals_the_layout_written_in_full():
+    program = layoutlang.loads(MODEL + BASE + EXTENDED + FULL)
+    program.check()
+    extended, full, base = program.layouts["vllm_ep"], program.layouts["full"], program.layouts["vllm"]
+    for name in program.tensors:
+        assert extended.placement(name) == full.placement(name), name
+        assert extended.storage_of(name).name == full.storage_of(name).name, name
+        for rank in range(4):
+            assert extended.boxes(name, rank) == full.boxes(name, rank), (name, rank)
+    for rank in range(4):
+        assert extended.storages_on(rank) == full.storages_on(rank)
+    # the layout extended is unchanged
+    assert base.storage_of("layers.0.experts.3.up.weight").name == "layers.0.experts.3.gate_up.weight"
+    assert base.placement("norm.weight").placements == (layoutlang.Replicate(), layoutlang.Replicate())
+
+
+def test_layouts_extend_in_chains_and_in_any_order():
+    chained = (
+        "layout top on infer extends vllm_ep {\n    default: tp = shard(0)\n}\n"
+    )
+    program = layoutlang.loads(MODEL + chained + EXTENDED + BASE)
+    top = program.layouts["top"]
+    assert dict(top.placement("layers.1.experts.2.up.weight").submesh) == {"ep": 1}
+    assert top.placement("norm.weight").placements[1] == layoutlang.Shard(0)
+
+
+def test_an_extended_layout_may_live_on_another_mesh():
+    other = "mesh small [tp = 2] on ranks 4..5\nlayout small_vllm on small extends vllm {}\n"
+    program = layoutlang.loads(MODEL + BASE + other)
+    assert program.layouts["small_vllm"].holders("layers.0.q.weight") == [4, 5]

@@ -255,6 +255,8 @@ class LayoutDecl:
     rules: tuple[RuleDecl, ...]
     storages: tuple[StorageDecl, ...]
     span: Span
+    parent: str | None = None  # ``extends PARENT``
+    parent_span: Span | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

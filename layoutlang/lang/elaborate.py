@@ -75,7 +75,10 @@ class _Elaborator:
         scope = self.scope
         every_tensor = dict(scope.tensors)
         names = layouts.TensorNames(list(every_tensor))
-        built = {name: layouts.layout(scope, decl, every_tensor, names) for name, decl in scope.layouts.items()}
+        built = {
+            name: layouts.layout(scope, layouts.extended(scope.layouts, name), every_tensor, names)
+            for name in scope.layouts
+        }
         reshards: Declarations[Reshard] = Declarations("reshard")
         for decl in scope.reshards:
             r = layouts.reshard(decl, built)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Collection, Mapping
 
+import attrs
+
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
 from ..model import Layout, LogicalTensor, Mesh, Replicate, Reshard, Rule, Shard, StorageRule
 from ..model.rules import CaptureFn, compile_pattern
@@ -22,7 +24,7 @@ from .limits import INT32_MAX, INT64_MAX
 from .patterns import name_template, pattern_captures
 from .scope import Scope
 
-__all__ = ["SHARD_OPTIONS", "TensorNames", "layout", "reshard"]
+__all__ = ["SHARD_OPTIONS", "TensorNames", "extended", "layout", "reshard"]
 
 #: the options of ``shard(dim, ...)``
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
@@ -68,19 +70,49 @@ def _check_matches(node: ast.LayoutDecl, rules: list[Rule], names: TensorNames) 
     """Every pattern of a layout matches some tensor of the program.
 
     A misspelled pattern would otherwise send its tensors to ``default`` without a word.
-    Layouts of the packaged presets are generic (written once for every size of a model
-    family, included into programs that may lack some tensors), so theirs are not checked.
+    Rules written in the packaged presets are generic (written once for every size of a
+    model family, included into programs that may lack some tensors), so they are not
+    checked, also when a layout of the program extends a preset's layout.
     """
-    if is_preset(node.span.path):
-        return
     for decl, rule in zip(node.rules, rules):
-        if decl.pattern is None or names.matches_some(decl.pattern):
+        if decl.pattern is None or is_preset(decl.pattern_span.path) or names.matches_some(decl.pattern):
             continue
         raise LayoutNameError(
             f'pattern "{decl.pattern}" of layout \'{node.name}\' matches no tensor of the program',
             decl.pattern_span,
             names.closest(decl.pattern, list(rule.captures)),
         )
+
+
+def extended(layouts: Mapping[str, ast.LayoutDecl], name: str, chain: tuple[str, ...] = ()) -> ast.LayoutDecl:
+    """Layout ``name`` with what it extends merged in: ``layout b on m extends a { ... }``.
+
+    ``b`` has the rules and storages of ``a`` (itself merged with what it extends), except
+    that a rule of ``b`` replaces the rule of ``a`` with exactly the same pattern (``default``
+    replaces ``default``), and a storage of ``b`` replaces every storage of ``a`` with the same
+    name or a part of the same name; the rest of ``b`` is added. Rules then compete as in any
+    layout: the most specific pattern wins. ``b``'s mesh is its own.
+    """
+    node = layouts[name]
+    if node.parent is None:
+        return node
+    span = node.parent_span or node.span
+    if node.parent not in layouts:
+        raise LayoutNameError(
+            f"layout '{name}' extends an unknown layout '{node.parent}' (layouts: {', '.join(layouts)})",
+            span,
+            did_you_mean(node.parent, [n for n in layouts if n != name]),
+        )
+    if node.parent == name or node.parent in chain:
+        cycle = " -> ".join([*chain, name, node.parent][[*chain, name].index(node.parent) :])
+        raise LayoutNameError(f"layouts extend each other in a cycle: {cycle}", span)
+    parent = extended(layouts, node.parent, (*chain, name))
+    own = {r.pattern for r in node.rules}
+    rules = [r for r in parent.rules if r.pattern not in own] + list(node.rules)
+    names = {s.name for s in node.storages}
+    parts = {p for s in node.storages for p, _ in s.parts}
+    storages = [s for s in parent.storages if s.name not in names and not parts & {p for p, _ in s.parts}]
+    return attrs.evolve(node, rules=tuple(rules), storages=(*storages, *node.storages))
 
 
 def layout(

@@ -342,11 +342,23 @@ class _Builder(Transformer[Token, Any]):
             view.shape if view is not None else None,
         )
 
+    def extends(self, meta: Meta, children: list[Token]) -> Token:
+        return children[0]
+
     def layout(self, meta: Meta, children: list[Any]) -> ast.LayoutDecl:
-        name, mesh, *items = children
+        name, mesh, parent, *items = children
         rules = tuple(i for i in items if isinstance(i, ast.RuleDecl))
         storages = tuple(i for i in items if isinstance(i, ast.StorageDecl))
-        return ast.LayoutDecl(str(name), str(mesh), self._tok(mesh), rules, storages, self._meta(meta))
+        return ast.LayoutDecl(
+            str(name),
+            str(mesh),
+            self._tok(mesh),
+            rules,
+            storages,
+            self._meta(meta),
+            str(parent) if parent is not None else None,
+            self._tok(parent) if parent is not None else None,
+        )
 
     # -- reshards
     def policy(self, meta: Meta, children: list[Token]) -> str:
