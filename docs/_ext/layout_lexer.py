@@ -36,7 +36,7 @@ __all__ = ["LayoutLexer", "setup"]
 
 # Words of the grammar (layout.lark), by role.
 STATEMENTS = ("include", "let", "topology", "mesh", "tensor", "tensors", "layout", "storage", "reshard")
-CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along")
+CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed")
 PLACEMENTS = ("shard", "replicate", "broadcast")
 SOURCES = ("hf", "safetensors")
 SHARD_OPTIONS = ("blocks", "chunks", "pad")

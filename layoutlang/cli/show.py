@@ -98,18 +98,18 @@ def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[s
                         "x".join(map(str, shape or ())),
                     ]
                 )
-                records.append(
-                    {
-                        "rank": rank,
-                        "tensor": tensor,
-                        "offsets": list(box.offsets),
-                        "sizes": list(box.sizes),
-                        "storage": box.storage,
-                        "storage_offsets": list(box.storage_offsets),
-                        "storage_sizes": [s.stop - s.start for s in box.storage_slices()],
-                        "transposed": box.transposed,
-                    }
-                )
+                record = {
+                    "rank": rank,
+                    "tensor": tensor,
+                    "offsets": list(box.offsets),
+                    "sizes": list(box.sizes),
+                    "storage": box.storage,
+                    "storage_offsets": list(box.storage_offsets),
+                }
+                storage_sizes = [s.stop - s.start for s in box.storage_slices()]
+                if box.transposed or storage_sizes != list(box.sizes):  # a stacked or transposed place
+                    record |= {"storage_sizes": storage_sizes, "transposed": box.transposed}
+                records.append(record)
     if cells:
         lines = table(cells, ["rank", "tensor", "region", "storage", "place", "storage shape"], {0})
     else:
