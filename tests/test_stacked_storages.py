@@ -22,6 +22,7 @@ import stacked_jobs
 import torch
 
 import layoutlang
+from layoutlang.cli.main import main
 from layoutlang.errors import LayoutError
 
 E, H, F = 8, 16, 12  # experts, hidden, intermediate (ffn) size per expert
@@ -317,3 +318,17 @@ def test_a_refit_from_torchtitans_stacked_experts_into_vllms_w13_and_w2_is_bit_e
             checked += 1
         assert result["completed"] == sorted(expected)
     assert checked == 2 * ep * tp
+
+
+def test_plan_explain_gives_the_places_in_stacked_and_transposed_storages(tmp_path, capsys):
+    megatron = megatron_program(2, 1).replace("[ep = 2, tp = 1]", "[ep = 2, tp = 1] on ranks 0..1")
+    vllm = vllm_program(2, 2).replace("mesh infer [ep = 2, tp = 2]", "mesh infer [ep = 2, tp = 2] on ranks 2..5")
+    path = tmp_path / "refit.layout"
+    path.write_text(megatron + vllm.replace("tensor ", "# tensor ") + "reshard megatron -> vllm\n")
+    assert main(["plan", str(path), "--no-compare", "--explain", "mlp.experts.5.up_proj.weight"]) == 0
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if "r1 -> r4" in line]
+    # expert 5: element 1 on Megatron's ep rank 1 (rows 12:18 of its [16, 2 * 12] element,
+    # transposed), and element 1 on vLLM's ep rank 1 (up's half of w13, tp rank 0's rows)
+    move = f"mlp.experts.5.up_proj.weight[0:6, 0:{H}] r1 -> r4 network (bucket 0, stage 0)"
+    places = f"from decoder.layers.0.mlp.experts.weight1[1, 0:{H}, 12:18].T into mlp.experts.w13_weight[1, 6:12, 0:{H}]"
+    assert lines == [f"{move} {places}"]

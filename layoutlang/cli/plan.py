@@ -9,7 +9,7 @@ import json
 from .._text import parse_size
 from ..errors import ExitCode
 from ..lang import load
-from ..plan import DEFAULT_BUCKET_BYTES, POLICIES, compile_plan
+from ..plan import DEFAULT_BUCKET_BYTES, POLICIES, Move, Plan, compile_plan
 from .report import plan_report
 
 HELP = "compile the plan of a reshard statement and print its statistics"
@@ -76,14 +76,14 @@ def run(args: argparse.Namespace) -> int:
             out["gather_and_broadcast"] = baseline.stats.to_json()
             out["gather_and_broadcast"].pop("per_rank")
         if args.explain:
-            out["moves"] = [str(m) for m in explained]
+            out["moves"] = [_explained(plan, m) for m in explained]
         print(json.dumps(out, indent=2))
         return ExitCode.OK
     lines = plan_report(plan, baseline, per_rank=args.per_rank)
     if args.explain:
         total = sum(1 for _ in plan.moves(args.explain)) if len(explained) == args.limit else len(explained)
         lines += ["", f"moves of {args.explain!r} ({total:,} in all):"]
-        lines += [f"  {m}" for m in explained]
+        lines += [f"  {_explained(plan, m)}" for m in explained]
         if total > len(explained):
             lines.append(f"  ... {total - len(explained):,} more (raise --limit to see them)")
     if args.out:
@@ -91,3 +91,26 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     return ExitCode.OK
 
+
+
+def _explained(plan: Plan, move: Move) -> str:
+    """A move's line; where it reads from or writes into a stacked or transposed storage,
+    with its places there (``w13_weight[2, 6:12, 0:16]``; ``.T``: the region transposed),
+    since those differ from the region's own coordinates."""
+    places = []
+    for space, place in zip((move.src_space, move.dst_space), plan.place(move)):
+        if space == "scratch" or place is None:
+            continue
+        layout = plan.sources[move.source] if space == "source" else plan.destination
+        storage = layout.storage_of(move.tensor)
+        if not storage.stacked and not storage.is_transposed(move.tensor):
+            continue
+        sizes = list(move.sizes)
+        if storage.is_transposed(move.tensor):
+            sizes[-2:] = sizes[:-3:-1]
+        name, offsets = place
+        lead = len(offsets) - len(sizes)  # the element of a stacked storage: an index
+        items = [str(o) for o in offsets[:lead]] + [f"{o}:{o + n}" for o, n in zip(offsets[lead:], sizes)]
+        transposed = ".T" if storage.is_transposed(move.tensor) else ""
+        places.append(f"{'from' if space == 'source' else 'into'} {name}[{', '.join(items)}]{transposed}")
+    return f"{move} {' '.join(places)}" if places else str(move)
