@@ -23,7 +23,9 @@ import torch
 
 import layoutlang
 from layoutlang.cli.main import main
+from layoutlang.core import _core
 from layoutlang.errors import LayoutError
+from layoutlang.transport.nccl.copies import copy_pairs
 
 E, H, F = 8, 16, 12  # experts, hidden, intermediate (ffn) size per expert
 
@@ -59,7 +61,7 @@ layout vllm on infer {{
 """
 
 
-def full_weights(program: layoutlang.Program) -> dict[str, torch.Tensor]:
+def full_weights(program: layoutlang.Program | layoutlang.Layout) -> dict[str, torch.Tensor]:
     """Every logical tensor, random (the checkpoint an engine would load)."""
     gen = torch.Generator().manual_seed(0)
     return {n: torch.randn(t.shape, generator=gen) for n, t in program.tensors.items()}
@@ -332,3 +334,20 @@ def test_plan_explain_gives_the_places_in_stacked_and_transposed_storages(tmp_pa
     move = f"mlp.experts.5.up_proj.weight[0:6, 0:{H}] r1 -> r4 network (bucket 0, stage 0)"
     places = f"from decoder.layers.0.mlp.experts.weight1[1, 0:{H}, 12:18].T into mlp.experts.w13_weight[1, 6:12, 0:{H}]"
     assert lines == [f"{move} {places}"]
+
+
+def test_the_native_box_copies_write_transposed_and_stacked_regions():
+    """The device path's pitched copies (CudaMock: host memory) take the executor's views of
+    a stacked, transposed storage as they are: strides swapped, one element of the stack."""
+    layout = layoutlang.loads(megatron_program(2, 1), path="megatron.layout").layout("megatron")
+    full = full_weights(layout)
+    engine = torch.zeros(layout.storages_on(1)["decoder.layers.0.mlp.experts.weight1"])
+    parts = engine.view(layout.parts_shape("decoder.layers.0.mlp.experts.weight1", 1))
+    names = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(E // 2, E) for p in ("gate", "up")]
+    pairs = [
+        (parts[box.storage_index()].transpose(-1, -2), full[name][box.slices()].contiguous())
+        for name in names
+        for box in layout.boxes(name, 1)
+    ]
+    copy_pairs(pairs, cuda=_core.nccl.CudaMock())
+    assert torch.equal(engine, megatron_storages(full, 1, 2, 0, 1)["decoder.layers.0.mlp.experts.weight1"])
