@@ -351,3 +351,31 @@ def test_the_native_box_copies_write_transposed_and_stacked_regions():
     ]
     copy_pairs(pairs, cuda=_core.nccl.CudaMock())
     assert torch.equal(engine, megatron_storages(full, 1, 2, 0, 1)["decoder.layers.0.mlp.experts.weight1"])
+
+
+STACK_MISTAKES = [
+    (
+        'tensor "x.{e}.w" [4, 2] fp32 for e in 0..1\ntensor "x.2.w" [4, 3] fp32',
+        'storage "x.stack" = stack e of "x.{e}.w"',
+        r"element 2 of the stack has local shape \[4, 3\], the first has \[4, 2\]; stacked elements must",
+    ),
+    (
+        'tensor "x.{e}.b" [4] fp32 for e in 0..1',
+        'storage "x.stack" = stack e of transposed "x.{e}.b"',
+        "storage 'x.stack' transposes tensor 'x.0.b', which has 1 dims",
+    ),
+    (
+        'tensor "x.{e}.w" [4, 2] fp32 for e in 0..1',
+        'storage "x.stack" = stack e of "x.{e}.w" blocks(2)',
+        r"interleaved parts \(blocks\) can be neither stacked nor transposed",
+    ),
+]
+
+
+@pytest.mark.parametrize(("tensors", "storage", "message"), STACK_MISTAKES)
+def test_stack_mistakes_are_layout_errors_at_the_storage(tensors, storage, message):
+    text = f"mesh m [tp = 1]\n{tensors}\nlayout l on m {{\n  default: replicate\n  {storage}\n}}\n"
+    with pytest.raises(LayoutError, match=message) as err:
+        layoutlang.loads(text, path="bad.layout").layout("l").check()
+    assert err.value.span is not None and err.value.span.path == "bad.layout"
+    assert err.value.span.line == text.splitlines().index(f"  {storage}") + 1

@@ -194,6 +194,12 @@ class _Resolved:
                             rule.span,
                         )
                     ndim = len(layout.tensors[part].shape)
+                    if rule.transposed and rule.transposed[parts.index(part)] and ndim < 2:
+                        raise LayoutValueError(
+                            f"storage '{storage_name}' transposes tensor '{part}', which has {ndim} dims "
+                            "(a transposed part swaps its last two dims)",
+                            rule.span,
+                        )
                     if not 0 <= rule.dim < ndim:
                         raise LayoutValueError(
                             f"storage '{storage_name}' fuses along dim {rule.dim}, but tensor '{part}' has {ndim} dims",
