@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
+from layoutlang.errors import RuntimeFailure
 from layoutlang.runtime import Resharder
 
 #: torchtitan's GroupedExperts: w1 (gate) and w3 (up) are [E, ffn, dim], w2 (down) [E, dim, ffn]
@@ -62,3 +63,22 @@ def refit_given(text: str, participants: list[int], sources_by_rank: dict[int, d
         sources_by_rank.get(rank, {}), on_complete=lambda name, tensor: completed.append(name)
     )
     return {"rank": rank, "destinations": destinations, "completed": sorted(completed)}
+
+
+def refit_into_flattened(text: str, participants: list[int], sources_by_rank, flattened: str, on_rank: int):
+    """Refit with one destination rank passing ``flattened`` as a 2-D ``view(-1, H)`` instead
+    of the engine's own 3-D parameter; return the error every rank stops with."""
+    index = dist.get_rank()
+    if index >= len(participants):
+        return None
+    rank = participants[index]
+    program = layoutlang.loads(text, path="refit.layout")
+    resharder = Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+    destinations = resharder.allocate("destination")
+    if rank == on_rank:
+        destinations[flattened] = destinations[flattened].view(-1, destinations[flattened].shape[-1])
+    try:
+        resharder.run(sources_by_rank.get(rank, {}), destinations)
+    except RuntimeFailure as err:
+        return type(err).__name__ + ": " + err.message
+    return None

@@ -379,3 +379,21 @@ def test_stack_mistakes_are_layout_errors_at_the_storage(tensors, storage, messa
         layoutlang.loads(text, path="bad.layout").layout("l").check()
     assert err.value.span is not None and err.value.span.path == "bad.layout"
     assert err.value.span.line == text.splitlines().index(f"  {storage}") + 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.workers(6)
+def test_a_flattened_engine_parameter_is_refused_on_every_rank(pool):
+    """The runtime takes the engine's 3-D parameter as it is; a view(-1, H) of it is a
+    mistake that stops every rank before a byte moves, naming the storage and both shapes."""
+    megatron = megatron_program(2, 1).replace("[ep = 2, tp = 1]", "[ep = 2, tp = 1] on ranks 0..1")
+    vllm = vllm_program(2, 2).replace("mesh infer [ep = 2, tp = 2]", "mesh infer [ep = 2, tp = 2] on ranks 2..5")
+    text = megatron + vllm.replace("tensor ", "# tensor ") + "reshard megatron -> vllm\n"
+    full = full_weights(layoutlang.loads(text, path="refit.layout"))
+    sources = {rank: megatron_storages(full, rank, 2, 0, 1) for rank in (0, 1)}
+    args = (text, list(range(6)), sources, "mlp.experts.w13_weight", 3)
+    messages = pool.run(stacked_jobs.refit_into_flattened, *args)[:6]
+    assert all(m is not None for m in messages)
+    wanted = f"'mlp.experts.w13_weight' has shape [{4 * F}, {H}], layout 'vllm' needs [4, {F}, {H}]"
+    assert wanted in messages[3]
+    assert all("rank 3" in m for m in messages)
