@@ -464,10 +464,18 @@ def _shard_in_order(
     "dp, tp", FSDP_OVER_TP_MESHES, ids=[f"dp{d}-tp{t}" for d, t in FSDP_OVER_TP_MESHES]
 )
 def test_fsdp_over_tp_on_any_size_nests_tp_first_then_dp(dp: int, tp: int):
-    """Uneven sizes too: tp cuts the dim with torch.chunk, then dp cuts each tp piece."""
+    """Uneven sizes too: tp cuts the dim with torch.chunk, then dp cuts each tp piece; where
+    DTensor's [_StridedShard(0, sf=tp), Shard(0)] gives other rows, the layout is refused
+    (tests/test_shard_semantics.py checks exactly where)."""
     for rows in range(2 * dp * tp + 2):
         shape = (rows, 2)
         layout = fsdp_over_tp_layout(dp, tp, shape)
+        strided = Case([dp, tp], shape, [_StridedShard(0, split_factor=tp), DShard(0)])
+        nested = [_shard_in_order(shape, (dp, tp), c, order=(1, 0)) for c in strided.coordinates()]
+        if any(not torch.equal(n, dtensor_local_indices(strided, c)) for n, c in zip(nested, strided.coordinates())):
+            with pytest.raises(layoutlang.LayoutValueError, match="ambiguous"):
+                layout.boxes("w", 0)
+            continue
         for rank, coords in enumerate(itertools.product(range(dp), range(tp))):
             expected = _shard_in_order(shape, (dp, tp), coords, order=(1, 0))
             boxes = layout.boxes("w", rank)

@@ -97,6 +97,8 @@ class _Resolved:
                 sid = spec_of_rule[(chosen, ndim)] = spec_ids.setdefault(spec, len(spec_ids))
                 if sid == len(self.specs):
                     self.specs.append(spec)
+            if rule.order:
+                self._check_order(rule, name, tensor.shape)
             self.rule_of.append(rule)
             self.spec_of.append(sid)
             self.submesh_of.append(self._submesh(name, rule, captures))
@@ -135,6 +137,14 @@ class _Resolved:
         placement = TensorPlacement(self.layout.mesh, self._placements(rule), axes_only, tuple(rule.order))
         try:
             return placement.spec(ndim, tensor)
+        except LayoutError as err:
+            err.with_span(rule.span)
+            raise
+
+    def _check_order(self, rule: Rule, tensor: str, shape: tuple[int, ...]) -> None:
+        placement = TensorPlacement(self.layout.mesh, self._placements(rule), (), tuple(rule.order))
+        try:
+            placement.check_order(shape, tensor)
         except LayoutError as err:
             err.with_span(rule.span)
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -161,6 +162,51 @@ class TensorPlacement:
             dims.append((pads.pop() if pads else 1, tuple(splits)))
         return tuple(dims)
 
+    def check_order(self, shape: Sequence[int], tensor: str = "?") -> None:
+        """Refuse an explicit right-to-left order on a size where DTensor's form of it differs.
+
+        ``(tp, dp) = shard(d)`` on ``[dp, tp]`` nests truly: tp cuts the dim with
+        ``torch.chunk``, then dp cuts each tp piece (what FSDP2 holds: ``fully_shard``
+        chunks each TP shard). DTensor writes the same layout as
+        ``[_StridedShard(d, split_factor=|tp|), Shard(d)]``, applied in mesh order, and on
+        some uneven sizes (7 over dp = 3, tp = 2) that computation gives other rows. Rather
+        than silently side with one of them, such a size is a LayoutValueError naming the
+        first rank where they differ; on every other size the two are the same boxes.
+        """
+        explicit = {d + len(shape) if d < 0 else d: axes for d, axes in self.order}
+        if not explicit:
+            return
+        spec = self.spec(len(shape), tensor)
+        sizes = tuple(self.mesh.shape)
+        for d, axes in sorted(explicit.items()):
+            pad, splits = spec[d]
+            found = _strided_disagreement(int(shape[d]), pad, tuple(s[0] for s in splits), sizes)
+            if found is None:
+                continue
+            coords, nested, dtensor = found
+            names = self.mesh.axis_names
+            rank = self.mesh.rank_at({names[i]: c for i, c in enumerate(coords)})
+            where = ", ".join(f"{names[i]}={c}" for i, c in enumerate(coords))
+            in_mesh_order = sorted(self.mesh.axis_index(a) for a in axes)
+            factors = _split_factors(tuple(s[0] for s in splits), sizes)
+            dtensor_form = ", ".join(
+                f"{names[i]}: _StridedShard({d}, split_factor={sf})" if sf > 1 else f"{names[i]}: Shard({d})"
+                for i, sf in zip(in_mesh_order, factors)
+            )
+            spelled = ", ".join(
+                f"{names[i]} = shard({d}, blocks = {sf})" if sf > 1 else f"{names[i]} = shard({d})"
+                for i, sf in zip(in_mesh_order, factors)
+            )
+            raise LayoutValueError(
+                f"tensor '{tensor}': ({', '.join(axes)}) = shard({d}) is ambiguous for size {shape[d]} of "
+                f"dim {d}: cutting {' then '.join(axes)} gives rank {rank} ({where}) {_indices_text(nested)}, "
+                f"DTensor's form of it ({dtensor_form}) gives {_indices_text(dtensor)}",
+                hint=(
+                    f"the two agree whenever dim {d} divides by the product of the axis sizes; to hold "
+                    f"DTensor's shards write {spelled} (no explicit order)"
+                ),
+            )
+
     def fixed_coords(self, tensor: str = "?") -> list[int]:
         fixed = [-1] * len(self.mesh.axes)
         for axis, index in self.submesh:
@@ -208,3 +254,46 @@ def shard_boxes(
         Box(None, tuple(r[0] for r in pick), tuple(r[1] for r in pick), None, tuple(r[2] for r in pick))
         for pick in itertools.product(*runs_per_dim)
     ]
+
+
+def _split_factors(order: tuple[int, ...], sizes: tuple[int, ...]) -> list[int]:
+    """DTensor's split factor of each axis of ``order``, in mesh order: the product of the
+    sizes of the axes that cut before it although they come after it in the mesh (FSDP2's rule)."""
+    factors = []
+    for axis in sorted(order):
+        before = order[: order.index(axis)]
+        factor = 1
+        for other in before:
+            if other > axis:
+                factor *= sizes[other]
+        factors.append(factor)
+    return factors
+
+
+@functools.cache
+def _strided_disagreement(
+    n: int, pad: int, order: tuple[int, ...], sizes: tuple[int, ...]
+) -> tuple[tuple[int, ...], list[tuple[int, int]], list[tuple[int, int]]] | None:
+    """The first mesh coordinates where the nesting in ``order`` and DTensor's strided form of
+    it hold different indices of a dim of ``n``, with both (as (start, length) runs in local
+    order); None where they agree on every rank. Cached: models repeat a few sizes."""
+    if list(order) == sorted(order):
+        return None
+    nested = (pad, tuple((axis, sizes[axis], 1) for axis in order))
+    strided = (pad, tuple((axis, sizes[axis], sf) for axis, sf in zip(sorted(order), _split_factors(order, sizes))))
+    coords = [0] * len(sizes)
+    for picked in itertools.product(*(range(sizes[axis]) for axis in sorted(order))):
+        for axis, c in zip(sorted(order), picked):
+            coords[axis] = c
+        a = [(r.global_start, r.length) for r in _core.dim_runs(n, nested, coords, list(sizes)).runs]
+        b = [(r.global_start, r.length) for r in _core.dim_runs(n, strided, coords, list(sizes)).runs]
+        if a != b:
+            return tuple(coords), a, b
+    return None
+
+
+def _indices_text(runs: list[tuple[int, int]]) -> str:
+    if not runs:
+        return "no index"
+    shown = ", ".join(f"{s}" if n == 1 else f"{s}:{s + n}" for s, n in runs)
+    return ("index " if runs == [(runs[0][0], 1)] else "indices ") + shown
