@@ -19,11 +19,15 @@ The oracle is written here from vLLM's code, not from layoutlang's model:
   tp_rank``), ``determine_expert_map`` (linear: contiguous, the first ``E % ep`` ranks one
   more; round_robin: ``e % ep``), ``create_weights`` (``w13_weight`` ``[local, 2 * I / tp,
   H]``, ``w2_weight`` ``[local, H, I / tp]``), ``_load_w13`` and ``_load_w2``.
+- ``vllm/model_executor/models/mixtral.py`` (preset:mixtral/...): as Qwen3-MoE without
+  q_norm / k_norm, the MoE block named ``block_sparse_moe`` and its experts ``w1`` (gate),
+  ``w3`` (up), ``w2`` (down) (``make_expert_params_mapping(ckpt_gate_proj_name="w1", ...)``).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -56,14 +60,58 @@ CONFIG = {
 }
 
 
-def write_program(tmp_path: Path, mesh: str, config: dict | None = None, ep: bool = False) -> Path:
+#: a tiny Mixtral config (no head_dim: hidden / heads), 2 layers of 8 experts
+MIXTRAL = {
+    "model_type": "mixtral",
+    "architectures": ["MixtralForCausalLM"],
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "intermediate_size": 12,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-5,
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the vLLM models: names of the MoE block, its experts, the norms."""
+
+    preset: str
+    moe: str  # the sparse block's module name
+    gate: str  # the checkpoint's expert tensors that vLLM loads as w1, w3 and w2
+    up: str
+    down: str
+    qk_norm: bool
+    intermediate: str  # the config key of an expert's intermediate size
+
+    def experts(self, cfg: dict) -> int:
+        return cfg.get("num_experts", cfg.get("num_local_experts"))
+
+    def head_dim(self, cfg: dict) -> int:
+        return cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+
+
+QWEN3_MOE = Family("qwen3_moe", "mlp", "gate_proj", "up_proj", "down_proj", True, "moe_intermediate_size")
+MIXTRAL_FAMILY = Family("mixtral", "block_sparse_moe", "w1", "w3", "w2", False, "intermediate_size")
+
+
+def write_program(
+    tmp_path: Path, mesh: str, config: dict | None = None, ep: bool = False, family: Family = QWEN3_MOE
+) -> Path:
     """A program with the tiny config and the preset(s), as a user writes it."""
     config = CONFIG if config is None else config
     (tmp_path / "config.json").write_text(json.dumps(config))
-    experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
-    lines = ['tensors from hf "config.json" as cfg dtype bf16', mesh, 'include "preset:qwen3_moe/vllm_fused"']
+    lines = ['tensors from hf "config.json" as cfg dtype bf16', mesh, f'include "preset:{family.preset}/vllm_fused"']
+    if ep and family is QWEN3_MOE:
+        experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
+        lines.append(f"let num_experts = cfg.{experts_key}")
     if ep:
-        lines += [f"let num_experts = cfg.{experts_key}", 'include "preset:qwen3_moe/vllm_fused_ep"']
+        lines.append(f'include "preset:{family.preset}/vllm_fused_ep"')
     path = tmp_path / "serve.layout"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -82,12 +130,14 @@ def expert_map(ep_rank: int, ep_size: int, experts: int, strategy: str) -> list[
     return list(range(start, start + count))
 
 
-def vllm_parameters(cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep: str | None) -> dict[str, tuple]:
-    """Name and shape of every parameter Qwen3MoeForCausalLM creates on one rank."""
-    hidden, heads, head_dim = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+def vllm_parameters(
+    cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep: str | None, family: Family = QWEN3_MOE
+) -> dict[str, tuple]:
+    """Name and shape of every parameter Qwen3MoeForCausalLM (MixtralForCausalLM) creates on one rank."""
+    hidden, heads, head_dim = cfg["hidden_size"], cfg["num_attention_heads"], family.head_dim(cfg)
     kv_heads = cfg["num_key_value_heads"]
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    inter = cfg["moe_intermediate_size"]
+    experts = family.experts(cfg)
+    inter = cfg[family.intermediate]
     padded = -(-cfg["vocab_size"] // 64) * 64
     # FusedMoEParallelConfig.make: EP over the flattened dp x tp ranks, or TP inside the experts
     if ep is None:
@@ -96,15 +146,17 @@ def vllm_parameters(cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep:
         moe_tp, local = 1, len(expert_map(dp_rank * tp + tp_rank, dp * tp, experts, ep))
     out = {"model.embed_tokens.weight": (padded // tp, hidden)}
     for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
+        p, moe = f"model.layers.{layer}", f"model.layers.{layer}.{family.moe}"
         out |= {
             f"{p}.self_attn.qkv_proj.weight": ((heads // tp + 2 * max(1, kv_heads // tp)) * head_dim, hidden),
             f"{p}.self_attn.o_proj.weight": (hidden, heads * head_dim // tp),
-            f"{p}.self_attn.q_norm.weight": (head_dim,),
-            f"{p}.self_attn.k_norm.weight": (head_dim,),
-            f"{p}.mlp.gate.weight": (experts, hidden),
-            f"{p}.mlp.experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
-            f"{p}.mlp.experts.w2_weight": (local, hidden, inter // moe_tp),
+        }
+        if family.qk_norm:
+            out |= {f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,)}
+        out |= {
+            f"{moe}.gate.weight": (experts, hidden),
+            f"{moe}.experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
+            f"{moe}.experts.w2_weight": (local, hidden, inter // moe_tp),
             f"{p}.input_layernorm.weight": (hidden,),
             f"{p}.post_attention_layernorm.weight": (hidden,),
         }
@@ -114,11 +166,13 @@ def vllm_parameters(cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep:
     return out
 
 
-def vllm_loaded(full: dict, cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep: str | None, layer: int):
+def vllm_loaded(
+    full: dict, cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: int, ep: str | None, layer: int, family: Family
+) -> dict:
     """What vLLM's weight loaders leave in one layer's qkv_proj, w13_weight and w2_weight."""
-    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    p = f"model.layers.{layer}"
+    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], family.head_dim(cfg)
+    experts = family.experts(cfg)
+    p, moe = f"model.layers.{layer}", f"model.layers.{layer}.{family.moe}"
     # QKVParallelLinear.weight_loader
     q_size, kv_size = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
     kv_rank = tp_rank // max(1, tp // kv_heads)
@@ -132,15 +186,15 @@ def vllm_loaded(full: dict, cfg: dict, dp: int, dp_rank: int, tp: int, tp_rank: 
         moe_tp, moe_rank, local = tp, tp_rank, list(range(experts))
     else:
         moe_tp, moe_rank, local = 1, 0, expert_map(dp_rank * tp + tp_rank, dp * tp, experts, ep)
-    shard = cfg["moe_intermediate_size"] // moe_tp
+    shard = cfg[family.intermediate] // moe_tp
     w13 = torch.empty(len(local), 2 * shard, cfg["hidden_size"])
     w2 = torch.empty(len(local), cfg["hidden_size"], shard)
     for i, e in enumerate(local):
-        x = f"{p}.mlp.experts.{e}"
-        w13[i, :shard] = full[f"{x}.gate_proj.weight"].narrow(0, moe_rank * shard, shard)
-        w13[i, shard:] = full[f"{x}.up_proj.weight"].narrow(0, moe_rank * shard, shard)
-        w2[i] = full[f"{x}.down_proj.weight"].narrow(1, moe_rank * shard, shard)
-    return {f"{p}.self_attn.qkv_proj.weight": qkv, f"{p}.mlp.experts.w13_weight": w13, f"{p}.mlp.experts.w2_weight": w2}
+        x = f"{moe}.experts.{e}"
+        w13[i, :shard] = full[f"{x}.{family.gate}.weight"].narrow(0, moe_rank * shard, shard)
+        w13[i, shard:] = full[f"{x}.{family.up}.weight"].narrow(0, moe_rank * shard, shard)
+        w2[i] = full[f"{x}.{family.down}.weight"].narrow(1, moe_rank * shard, shard)
+    return {f"{p}.self_attn.qkv_proj.weight": qkv, f"{moe}.experts.w13_weight": w13, f"{moe}.experts.w2_weight": w2}
 
 
 # ------------------------------------------------------------------ layoutlang's side
@@ -161,16 +215,18 @@ def placed(layout: layoutlang.Layout, rank: int, full: dict[str, torch.Tensor]) 
     return out
 
 
-def check_against_vllm(program, name: str, dp: int, tp: int, ep: str | None, cfg: dict) -> None:
+def check_against_vllm(
+    program, name: str, dp: int, tp: int, ep: str | None, cfg: dict, family: Family = QWEN3_MOE
+) -> None:
     layout = program.layout(name)
     layout.check()
     full = full_weights(program)
     for rank in layout.mesh.ranks:
         dp_rank, tp_rank = divmod(rank, tp)
-        assert layout.storages_on(rank) == vllm_parameters(cfg, dp, dp_rank, tp, tp_rank, ep), rank
+        assert layout.storages_on(rank) == vllm_parameters(cfg, dp, dp_rank, tp, tp_rank, ep, family), rank
         got = placed(layout, rank, full)
         for layer in range(cfg["num_hidden_layers"]):
-            for storage, want in vllm_loaded(full, cfg, dp, dp_rank, tp, tp_rank, ep, layer).items():
+            for storage, want in vllm_loaded(full, cfg, dp, dp_rank, tp, tp_rank, ep, layer, family).items():
                 assert torch.equal(got[storage], want), (rank, storage)
 
 
@@ -217,3 +273,24 @@ def test_vllm_fused_ep_needs_the_expert_count(tmp_path):
     with pytest.raises(layoutlang.LayoutError, match="num_experts") as err:
         layoutlang.load(path)
     assert "vllm_fused_ep.layout" in str(err.value) and "serve.layout:" in str(err.value)
+
+
+# ----------------------------------------------------------------------- Mixtral
+
+
+@pytest.mark.parametrize(
+    ("dp", "tp", "strategy"),
+    [
+        pytest.param(1, 1, None, id="single-rank"),
+        pytest.param(1, 4, None, id="tp-over-kv-heads"),
+        pytest.param(2, 2, "linear", id="ep-linear"),
+        pytest.param(3, 1, "linear", id="ep-uneven"),
+        pytest.param(2, 2, "round_robin", id="ep-round-robin"),
+    ],
+)
+def test_mixtral_presets_hold_vllms_parameters(tmp_path, dp, tp, strategy):
+    mesh = f"mesh infer [tp = {tp}]" if strategy is None else f"mesh infer [dp = {dp}, tp = {tp}]"
+    path = write_program(tmp_path, mesh, MIXTRAL, ep=strategy is not None, family=MIXTRAL_FAMILY)
+    assert main(["check", str(path)]) == 0
+    name = {None: "vllm_fused", "linear": "vllm_fused_ep", "round_robin": "vllm_fused_ep_round_robin"}[strategy]
+    check_against_vllm(layoutlang.load(path), name, dp, tp, strategy, MIXTRAL, MIXTRAL_FAMILY)
