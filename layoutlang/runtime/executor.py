@@ -130,7 +130,11 @@ class Executor:
         return per
 
     def _check(
-        self, sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor], cast: bool
+        self,
+        sources: Sequence[Mapping[str, torch.Tensor]],
+        destinations: Mapping[str, torch.Tensor],
+        cast: bool,
+        cast_sources: bool = False,
     ) -> None:
         """Every storage this rank moves is given, with its shape and dtype; destinations are contiguous."""
         plan = self.plan
@@ -141,7 +145,8 @@ class Executor:
         sides.append(("destination", self.destination_storages, destinations, plan.destination))
         for side, wanted, given, layout in sides:
             for name, shape in wanted.items():
-                self._check_storage(side, name, shape, given.get(name), layout, cast)
+                converts = cast if side == "destination" else cast_sources
+                self._check_storage(side, name, shape, given.get(name), layout, converts)
 
     def _check_storage(
         self, side: str, name: str, shape: tuple[int, ...], tensor: torch.Tensor | None, layout: Layout, cast: bool
@@ -159,8 +164,14 @@ class Executor:
                 rank=rank,
             )
         logical = torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype)
-        if tensor.dtype != logical and not (side == "destination" and cast):
-            advice = " (pass cast=True to convert on arrival)" if side == "destination" else ""
+        # A storage in another dtype is converted by the copies themselves (copy_ casts):
+        # a source while it is packed or copied, a destination as it is written.
+        if tensor.dtype != logical and not cast:
+            advice = (
+                " (pass cast=True to convert on arrival)"
+                if side == "destination"
+                else " (pass cast_sources=True to convert it while packing, as torch's .to() does)"
+            )
             raise ExecutionError(
                 f"rank {rank}: the {side} storage '{name}' is {tensor.dtype}, layout '{layout.name}' "
                 f"holds {logical}{advice}",
@@ -176,6 +187,7 @@ class Executor:
         destinations: Mapping[str, torch.Tensor],
         *,
         cast: bool = False,
+        cast_sources: bool = False,
         on_complete: OnComplete | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
@@ -185,8 +197,10 @@ class Executor:
         All ranks first check their storages and agree that every rank is ready, so a bad
         storage on one rank stops every rank before any byte moves. A recovery plan takes
         one mapping of source storages per source layout (``plan.sources``, in order).
+        ``cast`` accepts destinations, ``cast_sources`` sources, in another dtype than the
+        layout's; values are converted as ``tensor.to(dtype)`` converts them.
         """
-        per_source = self._check_and_agree(sources, destinations, cast, not_ready)
+        per_source = self._check_and_agree(sources, destinations, cast, not_ready, cast_sources)
         device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
         spaces = _Spaces(
             [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
@@ -223,6 +237,7 @@ class Executor:
         destinations: Mapping[str, torch.Tensor],
         cast: bool,
         not_ready: str | None,
+        cast_sources: bool = False,
     ) -> list[Mapping[str, torch.Tensor]]:
         """This rank's source storages per source layout, once every rank has said it is ready.
 
@@ -237,7 +252,7 @@ class Executor:
             problem = problem or err.message
         if problem is None:
             try:
-                self._check(per_source, destinations, cast)
+                self._check(per_source, destinations, cast, cast_sources)
             except ExecutionError as err:
                 problem = err.message
         agree(

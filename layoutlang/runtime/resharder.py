@@ -117,6 +117,7 @@ class Resharder:
         destinations: Mapping[str, torch.Tensor] | None = None,
         *,
         cast: bool = False,
+        cast_sources: bool = False,
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
@@ -125,7 +126,10 @@ class Resharder:
 
         ``on_complete(name, tensor)`` is called for each destination storage as soon as all its
         bytes have arrived; ``cast=True`` accepts destinations in another dtype (converted on
-        arrival, e.g. fp32 master weights into bf16 inference weights). ``not_ready`` reports a
+        arrival, e.g. fp32 master weights into bf16 inference weights); ``cast_sources=True``
+        accepts sources in another dtype, converted to the layout's while they are packed (fp32
+        master weights sent as a bf16 wire: half the bytes, the same values as
+        ``weight.to(torch.bfloat16)``). ``not_ready`` reports a
         problem this rank found before running (e.g. reading its weights): every rank stops
         with it and nothing moves.
         """
@@ -133,7 +137,13 @@ class Resharder:
             device = device_of(list(sources.values())) if sources else torch.device("cpu")
             destinations = self.allocate("destination", device=device)
         self.last_report = self.executor.run(
-            sources, destinations, cast=cast, on_complete=on_complete, progress=progress, not_ready=not_ready
+            sources,
+            destinations,
+            cast=cast,
+            cast_sources=cast_sources,
+            on_complete=on_complete,
+            progress=progress,
+            not_ready=not_ready,
         )
         return dict(destinations)
 
