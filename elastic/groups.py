@@ -243,8 +243,7 @@ class GlooTransport(Transport):
         """Use the gloo group ``group`` with ``rank_map`` (None: the same numbers) from now on."""
         self.pg = group
         self._map = dict(rank_map) if rank_map is not None else None
-        self._aborted = False
-        self._error = None
+        self._reset()
 
     def _waiter(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -262,12 +261,7 @@ class GlooTransport(Transport):
             ) from None
 
     def exchange(self, sends: Buffers, recvs: Buffers, tag: int) -> Pending:
-        if self._aborted:
-            raise ExecutionError(
-                f"rank {self.rank}: the transport was aborted; configure it with a new group first",
-                rank=self.rank,
-                peers=[peer for peer, _ in (*recvs, *sends)],
-            )
+        self._refuse_if_aborted(sends, recvs)
         works, labels, peers = [], [], []
         posts = [(peer, buf, self.pg.recv, "receiving", "from") for peer, buf in recvs]
         posts += [(peer, buf, self.pg.send, "sending", "to") for peer, buf in sends]
@@ -292,8 +286,7 @@ class GlooTransport(Transport):
     def abort(self) -> None:
         """Abort the group's pending work where torch can; later exchanges raise until
         :meth:`configure`."""
-        self._aborted = True
-        self._failed(ExecutionError(f"rank {self.rank}: the transport was aborted", rank=self.rank))
+        self._mark_aborted()
         abort = getattr(self.pg, "abort", None)  # absent on older torch
         if abort is not None:
             with contextlib.suppress(RuntimeError):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import ExecutionError, RuntimeFailure
 
 __all__ = ["Buffers", "Pending", "Transport"]
 
@@ -95,3 +95,25 @@ class Transport(abc.ABC):
         """Remember the first failure since the last ``configure``."""
         if self._error is None:
             self._error = error
+
+    # The bookkeeping every transport's abort and configure share.
+    _aborted: bool = False
+
+    def _reset(self) -> None:
+        """A new group: no abort and no failure any more (``configure`` calls it)."""
+        self._aborted = False
+        self._error = None
+
+    def _mark_aborted(self) -> None:
+        """Later exchanges raise until ``configure``; the abort is the transport's failure."""
+        self._aborted = True
+        self._failed(ExecutionError(f"rank {self.rank}: the transport was aborted", rank=self.rank))
+
+    def _refuse_if_aborted(self, sends: Buffers, recvs: Buffers) -> None:
+        """Raise instead of posting an exchange on a group this transport gave up on."""
+        if self._aborted:
+            raise ExecutionError(
+                f"rank {self.rank}: the transport was aborted; configure it with a new group first",
+                rank=self.rank,
+                peers=[peer for peer, _ in (*recvs, *sends)],
+            )

@@ -68,19 +68,13 @@ class TorchTransport(Transport):
             nccl = "nccl" in str(dist.get_backend(group))
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
-        self._aborted = False
-        self._error = None
+        self._reset()
 
     def _peer(self, rank: int) -> int:
         return self._map[rank] if self._map is not None else rank
 
     def exchange(self, sends: Buffers, recvs: Buffers, tag: int) -> Pending:
-        if self._aborted:
-            raise ExecutionError(
-                f"rank {self.rank}: the transport was aborted; configure it with a new group first",
-                rank=self.rank,
-                peers=[peer for peer, _ in (*recvs, *sends)],
-            )
+        self._refuse_if_aborted(sends, recvs)
         ops, labels, peers = [], [], []
         for peer, buf in recvs:
             ops.append(dist.P2POp(dist.irecv, buf, self._peer(peer), self.group, tag))
@@ -106,8 +100,7 @@ class TorchTransport(Transport):
     def abort(self) -> None:
         """Abort the process group's pending operations where the backend can (NCCL; gloo's
         waits end at their deadline); later exchanges raise until :meth:`configure`."""
-        self._aborted = True
-        self._failed(ExecutionError(f"rank {self.rank}: the transport was aborted", rank=self.rank))
+        self._mark_aborted()
         group = self.group if self.group is not None else dist.group.WORLD
         if group is not None:  # None: the default group is already destroyed
             group.abort()
