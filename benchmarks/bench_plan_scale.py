@@ -13,6 +13,13 @@ Cases (each runs in a fresh subprocess, so that its peak memory is its own):
     benchmarks/large_2_4t_refit.layout: a 2.43T-parameter DeepSeek-V3-like MoE, training
     PP16 x EP64 on 1024 ranks -> wide-EP inference (EP64 x TP8 attention x 16 replicas) on
     1024 other ranks. Target: at most 10 s.
+``deepseek_v3_stacked``
+    benchmarks/deepseek_v3_refit_stacked.layout: the same refit into vLLM's real parameters,
+    per MoE layer one stacked ``experts.w13_weight`` and ``experts.w2_weight`` instead of 256
+    per-expert storages each. Target: at most 2 s on one core, as for ``deepseek_v3``.
+``qwen3_235b_stacked``
+    benchmarks/qwen3_235b_refit_stacked.layout: the same refit into
+    ``preset:qwen3_moe/vllm_fused`` (vLLM's stacked w13/w2 FusedMoE parameters).
 ``dcp``
     The same layout change planned by torch.distributed.checkpoint's load planner, side by
     side with layoutlang: DCP ``Metadata`` holds one chunk per source replica group (what a
@@ -34,6 +41,11 @@ subprocess, and its growth over the RSS after imports). Run:
 
     python benchmarks/bench_plan_scale.py [--only NAME[,NAME]] [--skip-dcp] [--skip-broadcast]
     taskset -c 0 python benchmarks/bench_plan_scale.py     # one core
+
+A stacked case is the same refit as its ``base`` case with other destination storages, so
+it must move the same regions: when both run, the summary prints them side by side
+(``stacked vs unstacked``) and a stacked plan whose moves or bytes by kind differ from its
+base's is a failure.
 
 Exit status 1 when a plan is invalid, moves more than the lower bound, is not
 deterministic, or DCP and layoutlang disagree on a destination rank's bytes. A missed time
@@ -72,6 +84,18 @@ PLAN_CASES: dict[str, dict[str, Any]] = {
         "file": "large_2_4t_refit.layout",
         "title": "2.43T MoE: PP16 x EP64 (1024 ranks) -> EP64 x TP8 x DP16 (1024 ranks)",
         "target_s": 10.0,
+    },
+    "deepseek_v3_stacked": {
+        "file": "deepseek_v3_refit_stacked.layout",
+        "title": "DeepSeek-V3 671B into vLLM's stacked w13/w2: PP16 x EP16 (256) -> TP32 x DP8 (256)",
+        "target_s": 2.0,
+        "base": "deepseek_v3",
+    },
+    "qwen3_235b_stacked": {
+        "file": "qwen3_235b_refit_stacked.layout",
+        "title": "Qwen3-235B-A22B into preset:qwen3_moe/vllm_fused: TP4 x PP8 x EP16 (512) -> TP8 x DP16 (128)",
+        "target_s": None,
+        "base": "qwen3_235b",
     },
 }
 ALL_CASES = (*PLAN_CASES, "dcp")
@@ -165,6 +189,13 @@ def load_program(path: Path, report: Report, result: dict[str, Any]):
             f"{side} mesh",
             f"{layout.mesh.name} {dict(layout.mesh.axes)}: {len(ranks)} ranks ({ranks[0]}..{ranks[-1]})",
         )
+    first = destination.mesh.ranks[0]
+    shapes = destination.storages_on(first)
+    stacked = sum(1 for shape in shapes.values() if len(shape) == 3)
+    report.line(
+        f"storages on destination rank {first}",
+        f"{len(shapes):,} ({stacked:,} of them 3-D)",
+    )
     report.line("domain size", str(program.topology.domain_size))
     report.line("C++ core", core_build())
     report.line("load (parse, import, names)", f"{load_s:.3f} s")
@@ -182,6 +213,7 @@ def load_program(path: Path, report: Report, result: dict[str, Any]):
         load_s=load_s,
         resolve_s=resolve_s,
         load_resolve_s=total,
+        destination_storages=len(shapes),
     )
     return program, statement, source, destination
 
@@ -581,13 +613,36 @@ def worker(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def stacked_pairs(plans: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(base, stacked) results of every stacked case whose base case ran too."""
+    by_case = {r["case"]: r for r in plans}
+    return [
+        (by_case[PLAN_CASES[r["case"]]["base"]], r)
+        for r in plans
+        if PLAN_CASES[r["case"]].get("base") in by_case
+    ]
+
+
+def stacked_failures(plans: list[dict[str, Any]]) -> list[str]:
+    """A stacked case moves the same regions as its base (only the places in the destination
+    storages differ): the same moves and the same bytes of every kind."""
+    keys = ("moves", "regions", "bytes", "moved", "lower_bound", "messages")
+    return [
+        f"{after['case']}: {key} {after[key]} != {before[key]} of {before['case']}"
+        for before, after in stacked_pairs(plans)
+        for key in keys
+        if before[key] != after[key]
+    ]
+
+
 def summary(results: list[dict[str, Any]]) -> None:
     plans = [r for r in results if r["case"] in PLAN_CASES and "compile_s" in r]
     if results:
         print("\n== summary")
+    width = max([12, *(len(r["case"]) for r in plans)])
     if plans:
         header = (
-            f"  {'case':<12} {'tensors':>8} {'params':>8} {'ranks':>10} {'load+res':>9} {'compile':>8} "
+            f"  {'case':<{width}} {'tensors':>8} {'params':>8} {'ranks':>10} {'load+res':>9} {'compile':>8} "
             f"{'C++':>7} {'total':>7} {'moves':>11} {'moved':>10} {'ratio':>6} {'bcast x':>8} {'validate':>9} "
             f"{'max RSS':>9}"
         )
@@ -597,11 +652,33 @@ def summary(results: list[dict[str, Any]]) -> None:
             bcast = f"{r['broadcast_moved_ratio']:.1f}" if "broadcast_moved_ratio" in r else "-"
             validate = f"{r['validate_s']:.3f}" if r.get("validate_s") is not None else "FAILED"
             print(
-                f"  {r['case']:<12} {r['tensors']:>8,} {r['parameters'] / 1e9:>7.0f}B {ranks:>10} "
+                f"  {r['case']:<{width}} {r['tensors']:>8,} {r['parameters'] / 1e9:>7.0f}B {ranks:>10} "
                 f"{r['load_resolve_s']:>8.2f}s {r['compile_s']:>7.3f}s {r['core_s']:>6.3f}s "
                 f"{r['end_to_end_s']:>6.2f}s {r['moves']:>11,} "
                 f"{tib(r['moved']):>10} {r['ratio']:>6.3f} {bcast:>8} {validate:>8}s {r['rss_end_mib']:>6,.0f}MiB"
             )
+    for before, after in stacked_pairs(plans):
+        print(f"\n== stacked vs unstacked: {before['case']} -> {after['case']}")
+        rows = [
+            ("destination storages per rank", "destination_storages", "{:,}"),
+            ("load (parse, import, names)", "load_s", "{:.3f} s"),
+            ("load + resolve", "load_resolve_s", "{:.3f} s"),
+            ("compile_plan", "compile_s", "{:.3f} s"),
+            ("of which C++ build_plan", "core_s", "{:.3f} s"),
+            ("validate", "validate_s", "{:.3f} s"),
+            ("moves", "moves", "{:,}"),
+            ("regions", "regions", "{:,}"),
+            ("buckets", "buckets", "{:,}"),
+            ("moved (domain + network)", "moved", "{:,} B"),
+            ("max RSS", "rss_end_mib", "{:,.0f} MiB"),
+        ]
+        print(f"  {'':<32} {'unstacked':>24} {'stacked':>24} {'stacked / unstacked':>20}")
+        for label, key, fmt in rows:
+            a, b = before.get(key), after.get(key)
+            if a is None or b is None:
+                continue
+            ratio = f"{b / a:.3f}" if a else "-"
+            print(f"  {label:<32} {fmt.format(a):>24} {fmt.format(b):>24} {ratio:>20}")
     for r in results:
         if r["case"] == "dcp" and "dcp_mean_s" in r:
             print(
@@ -689,6 +766,10 @@ def main(argv: list[str] | None = None) -> int:
                 for failure in failures:
                     print(f"FAILED: {failure}")
     summary(results)
+    plans = [r for r in results if r["case"] in PLAN_CASES and "compile_s" in r]
+    for failure in stacked_failures(plans):
+        status = 1
+        print(f"FAILED: {failure}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return status
