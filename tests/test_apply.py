@@ -309,3 +309,41 @@ def test_apply_cast_refuses_an_unknown_dtype_naming_both_spellings(tmp_path):
     result = run("apply", str(EXAMPLES / "tp_to_dp.layout"), "--cast", "bf17")
     assert result.returncode == 2
     assert "argument --cast: unknown dtype 'bf17' (known: bf16 (bfloat16), fp16 (float16)," in result.stderr
+
+
+# ------------------------------------------------------- reshard policies
+
+POLICIES = """\
+mesh train [tp = 2] on ranks 0..1
+mesh infer [tp = 2] on ranks 2..3
+tensor "layers.0.mlp.down_proj.weight" [8, 8] fp32
+tensor "layers.1.mlp.down_proj.weight" [8, 8] fp32
+tensor "embed.weight" [8, 8] fp32
+layout a on train { default: tp = shard(0) }
+layout b on infer { default: tp = shard(1) }
+reshard refit: a -> b {
+    "layers.{l}.mlp.down_prj.weight": broadcast
+}
+"""
+
+
+def test_a_reshard_policy_whose_pattern_matches_no_tensor_is_an_error_with_did_you_mean(tmp_path):
+    path = tmp_path / "policies.layout"
+    path.write_text(POLICIES)
+    with pytest.raises(layoutlang.LayoutError) as caught:
+        layoutlang.load(path)
+    err = caught.value
+    assert type(err).__name__ == "LayoutNameError"
+    assert err.message == (
+        "pattern \"layers.{l}.mlp.down_prj.weight\" of reshard 'refit' matches no tensor of the program"
+    )
+    # the pattern's place in the file: line 9, column 5 (its opening quote)
+    assert (err.span.path, err.span.line, err.span.column) == (str(path), 9, 5)
+    assert err.hint == 'did you mean "layers.{l}.mlp.down_proj.weight"?'
+    # spelled right, the same statement loads, and the policy reaches the tensors it names
+    path.write_text(POLICIES.replace("down_prj", "down_proj"))
+    reshard = layoutlang.load(path).reshard("refit")
+    assert [reshard.policy_for(name) for name in ("layers.1.mlp.down_proj.weight", "embed.weight")] == [
+        "broadcast",
+        "reshard",
+    ]

@@ -75,13 +75,18 @@ def _check_matches(node: ast.LayoutDecl, rules: list[Rule], names: TensorNames) 
     checked, also when a layout of the program extends a preset's layout.
     """
     for decl, rule in zip(node.rules, rules):
-        if decl.pattern is None or is_preset(decl.pattern_span.path) or names.matches_some(decl.pattern):
-            continue
-        raise LayoutNameError(
-            f'pattern "{decl.pattern}" of layout \'{node.name}\' matches no tensor of the program',
-            decl.pattern_span,
-            names.closest(decl.pattern, list(rule.captures)),
-        )
+        if decl.pattern is not None:
+            _require_match(decl.pattern, decl.pattern_span, list(rule.captures), names, f"layout '{node.name}'")
+
+
+def _require_match(pattern: str, span: Span, captures: list[str], names: TensorNames, owner: str) -> None:
+    """A pattern of ``owner`` (a layout's rule, a reshard's policy) that matches no tensor is an
+    error with a did-you-mean, unless a packaged preset wrote it (presets are generic)."""
+    if is_preset(span.path) or names.matches_some(pattern):
+        return
+    raise LayoutNameError(
+        f'pattern "{pattern}" of {owner} matches no tensor of the program', span, names.closest(pattern, captures)
+    )
 
 
 def extended(layouts: Mapping[str, ast.LayoutDecl], name: str, chain: tuple[str, ...] = ()) -> ast.LayoutDecl:
@@ -279,8 +284,13 @@ def _storage(scope: Scope, decl: ast.StorageDecl) -> StorageRule:
     return StorageRule(decl.name, parts, dim, blocks, shape, name_fn, decl.span, stack, decl.transposed, view)
 
 
-def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout]) -> Reshard:
-    """The reshard a statement declares between two of ``layouts``."""
+def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout], names: TensorNames | None = None) -> Reshard:
+    """The reshard a statement declares between two of ``layouts`` (``names``: the program's
+    tensor names, grouped once; by default those of the source layout).
+
+    A policy's pattern that matches no tensor is an error, as a rule's is: a misspelled
+    pattern would otherwise leave its tensors on the statement's other policy without a word.
+    """
     for name, span in ((decl.source, decl.source_span), (decl.destination, decl.destination_span)):
         if name not in layouts:
             raise LayoutNameError(
@@ -288,14 +298,16 @@ def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout]) -> Reshard:
                 span,
                 did_you_mean(name, layouts),
             )
+    name = decl.name or f"{decl.source}->{decl.destination}"
+    tensor_names = names if names is not None else TensorNames(list(layouts[decl.source].tensors))
     seen: dict[str | None, Span] = {}
     policies = []
     for p in decl.policies:
         if p.pattern in seen:
             raise LayoutNameError("a pattern is given two policies", p.pattern_span)
         if p.pattern is not None:
-            pattern_captures(p.pattern, p.pattern_span)
+            captures = pattern_captures(p.pattern, p.pattern_span)
+            _require_match(p.pattern, p.pattern_span, captures, tensor_names, f"reshard '{name}'")
         seen[p.pattern] = p.pattern_span
         policies.append((p.pattern, p.policy))
-    name = decl.name or f"{decl.source}->{decl.destination}"
     return Reshard(name, decl.source, decl.destination, tuple(policies), decl.span)
