@@ -98,6 +98,99 @@ def test_unknown_tensor(tmp_path):
         viz.draw(program, "v", str(tmp_path / "x.png"))
 
 
+# ----------------------------------------------------- storages: stacked and transposed
+
+SNIPPETS = ROOT / "docs" / "snippets"
+
+
+def _places(places) -> dict[str, tuple[tuple[tuple[int, int], ...], bool]]:
+    """part -> (its place in the parts' shape as (start, stop) per dim, transposed)."""
+    return {
+        part: (tuple((s.start, s.stop) for s in box.storage_slices()), box.transposed)
+        for part, box in places.places
+    }
+
+
+def test_storage_places_follow_the_engines_loading_rules():
+    """The places viz draws, against the engines' own rules re-derived here: vLLM's
+    FusedMoE._load_w13 puts tp rank r's rows of w1 (gate) at w13_weight[e, 0:I/tp] and of
+    w3 (up) at [e, I/tp:2I/tp] (all experts local without EP, so e is the local id);
+    Megatron's legacy GroupedMLP uses weight1.view(local experts, H, -1)[j] as
+    [gate^T | up^T] for local expert j = e - ep_rank * local experts."""
+    program = layoutlang.load(SNIPPETS / "storage_refit.layout")
+    experts, hidden, inter, tp = 4, 6, 4, 2  # the snippet's sizes: gate/up [4, 6], 4 experts
+    local = experts // 2  # ep = 2 on the training side
+    for e in range(experts):
+        tensor = f"experts.{e}.gate_proj.weight"
+        # vLLM, destination ranks 2..3 (tp rank r = rank - 2)
+        for r in range(tp):
+            rows = inter // tp
+            places = viz.storage_places(program.layout("vllm"), tensor, 2 + r)
+            assert places is not None
+            assert (places.storage, places.parts_shape, places.index) == (
+                "experts.w13_weight", (experts, 2 * rows, hidden), (e,)
+            )
+            assert _places(places) == {
+                tensor: (((e, e + 1), (0, rows), (0, hidden)), False),
+                f"experts.{e}.up_proj.weight": (((e, e + 1), (rows, 2 * rows), (0, hidden)), False),
+            }
+        # Megatron, source ranks 0..1: expert e on ep rank e // local
+        owner, j = divmod(e, local)
+        assert viz.storage_places(program.layout("megatron"), tensor, 1 - owner) is None
+        places = viz.storage_places(program.layout("megatron"), tensor, owner)
+        assert places is not None
+        assert (places.storage, places.parts_shape, places.engine_shape, places.index) == (
+            "mlp.experts.weight1", (local, hidden, 2 * inter), (hidden, local * 2 * inter), (j,)
+        )
+        assert _places(places) == {
+            tensor: (((j, j + 1), (0, hidden), (0, inter)), True),
+            f"experts.{e}.up_proj.weight": (((j, j + 1), (0, hidden), (inter, 2 * inter)), True),
+        }
+
+
+def test_storage_places_of_a_stacked_bias():
+    """A stack of 1-D biases is a 2-D storage, drawn whole: vLLM's w13_bias [local experts,
+    2 * I / tp] with round-robin experts (expert e on ep rank e % 2, local id e // 2)."""
+    program = layoutlang.load(SNIPPETS / "storage_stack.layout")
+    layout = program.layout("vllm")  # mesh [ep = 2, tp = 2], rank = 2 * ep_rank + tp_rank
+    half = 8 // 2
+    for rank in range(4):
+        ep_rank, tp_rank = divmod(rank, 2)
+        mine = [e for e in range(4) if e % 2 == ep_rank]
+        places = viz.storage_places(layout, f"experts.{mine[0]}.up_proj.bias", rank)
+        assert places is not None
+        assert (places.storage, places.parts_shape, places.index) == ("experts.w13_bias", (2, 2 * half), ())
+        expected = {}
+        for e in mine:
+            j = e // 2
+            expected[f"experts.{e}.gate_proj.bias"] = (((j, j + 1), (0, half)), False)
+            expected[f"experts.{e}.up_proj.bias"] = (((j, j + 1), (half, 2 * half)), False)
+        assert _places(places) == expected
+        boxes = dict(places.places)
+        assert boxes[f"experts.{mine[0]}.up_proj.bias"].offsets == (tp_rank * half,)
+
+
+def test_draw_storage_panels(tmp_path):
+    program = layoutlang.load(SNIPPETS / "storage_refit.layout")
+    tensor = "experts.3.gate_proj.weight"
+    plain = read_png(Path(viz.draw(program, tensor, str(tmp_path / "plain.png"))))
+    # rank 1 holds expert 3 on the source side (transposed, stacked), rank 3 on the destination
+    both = read_png(Path(viz.draw(program, tensor, str(tmp_path / "both.png"), ranks=[1, 3])))
+    assert both.shape[0] > plain.shape[0]  # one more row of panels
+    with pytest.raises(LayoutValueError, match=r"rank 0 holds no element of tensor 'experts\.3\.gate_proj\.weight'"):
+        viz.draw(program, tensor, str(tmp_path / "x.png"), ranks=[0])
+    parser = argparse.ArgumentParser()
+    viz.add_arguments(parser)
+    out = tmp_path / "cli.png"
+    args = parser.parse_args(
+        [str(SNIPPETS / "storage_refit.layout"), "--tensor", tensor, "--out", str(out), "--rank", "1", "--rank", "3"]
+    )
+    assert args.rank == [1, 3]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert viz.run(args) == 0
+    assert read_png(out).shape == both.shape
+
+
 # ------------------------------------------------------------------ the guide's pictures
 
 #: the pictures the guide "Choosing an inference layout" shows: (image, file, tensor, policy)

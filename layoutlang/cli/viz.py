@@ -17,6 +17,16 @@ A program without a ``reshard`` statement gets one panel per layout and no matri
 of more than two dims are drawn by their first two dims (the title says so); a tensor of
 one dim as a strip.
 
+Those panels are in the tensor's coordinates, so they are the same whether a rank keeps
+the tensor alone, fused with others, stacked with other experts or transposed. With
+``--rank R`` (repeatable) each layout that holds the tensor on rank ``R`` also gets a
+panel of **the storage** there, in the coordinates of the shape its parts make
+(``Layout.parts_shape``): every part's box on that rank at its place, the drawn tensor's
+in the rank's colour, the other parts grey, a transposed place labelled ``.T`` (drawn
+where it sits, with its dims swapped). A storage of more than two dims (a stacked
+``w13_weight [local experts, 2 * I / tp, H]``) is drawn by its last two dims at the drawn
+tensor's index in the leading ones: its element of the stack.
+
 matplotlib is needed only here; the pictures are drawn with its Agg canvas, without pyplot, so
 drawing leaves an interactive session's matplotlib state alone.
 """
@@ -29,19 +39,20 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import numpy as np
 
 from .._text import human_bytes, rank_ranges
 from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..lang import load
-from ..model import Layout, Program
+from ..model import Box, Layout, Program
 from ..plan import POLICIES, Move, Plan, compile_plan
 
 if TYPE_CHECKING:  # matplotlib is imported when a picture is drawn (it is slow to import)
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "draw", "ownership", "run"]
+__all__ = ["DESCRIPTION", "HELP", "StoragePlaces", "add_arguments", "draw", "ownership", "run", "storage_places"]
 
 #: colours of the kinds of moves in the matrix
 KIND_COLORS = {
@@ -80,6 +91,101 @@ def ownership(layout: Layout, tensor: str) -> list[tuple[tuple[int, ...], tuple[
             if box.numel:
                 found.setdefault((box.offsets, box.sizes), []).append(rank)
     return [(o, s, tuple(r)) for (o, s), r in found.items()]
+
+
+@attrs.frozen
+class StoragePlaces:
+    """What a rank's storage of one tensor holds: the storage, the shape its parts make,
+    the shape the engine holds (``as [...]``, else the same), ``index`` (the drawn tensor's
+    start in every dim but the last two: the element of a stack), and every part's box
+    there as ``(part, box)``, the boxes' places being in the parts' shape."""
+
+    storage: str
+    parts_shape: tuple[int, ...]
+    engine_shape: tuple[int, ...]
+    index: tuple[int, ...]
+    places: tuple[tuple[str, Box], ...]
+
+
+def storage_places(layout: Layout, tensor: str, rank: int) -> StoragePlaces | None:
+    """The storage that holds ``tensor`` on ``rank`` in ``layout`` and its parts' places at
+    the drawn tensor's index (None when the rank holds no element of the tensor)."""
+    held = [box for box in layout.boxes(tensor, rank) if box.numel]
+    if not held:
+        return None
+    storage = layout.storage_of(tensor)
+    shape = layout.parts_shape(storage.name, rank)
+    engine = layout.storage_shape(storage.name, rank)
+    assert shape is not None and engine is not None  # the rank holds a box of it
+    index = tuple(s.start for s in held[0].storage_slices()[:-2])
+    places = []
+    for part in storage.parts:
+        for box in layout.boxes(part, rank):
+            lead = box.storage_slices()[:-2]
+            if box.numel and all(s.start <= i < s.stop for s, i in zip(lead, index)):
+                places.append((part, box))
+    return StoragePlaces(storage.name, tuple(shape), tuple(engine), index, tuple(places))
+
+
+def _part_label(part: str, parts: Sequence[str]) -> str:
+    """A part's name without the dotted prefix every part of the storage shares."""
+    if len(parts) < 2:
+        return part
+    common = part.split(".")
+    for other in parts:
+        names = other.split(".")
+        n = 0
+        while n < min(len(common), len(names) - 1) and common[n] == names[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(part.split(".")[len(common):])
+
+
+def _draw_storage(ax: Axes, patches: ModuleType, places: StoragePlaces, tensor: str, rank: int,
+                  colors: _Colors, title: str) -> None:
+    shape = places.parts_shape
+    drawn = shape[-2:]  # the last two dims (a stack's element); one dim as a strip
+    height = float(drawn[0]) if len(drawn) == 2 else 1.0
+    width = float(drawn[-1]) if drawn else 1.0
+    height, width = max(height, 1.0), max(width, 1.0)
+    ax.add_patch(patches.Rectangle((0, 0), width, height, facecolor="#f5f5f5", edgecolor="#616161", lw=1.0))
+    parts = [part for part, _ in places.places]
+    for part, box in places.places:
+        slices = box.storage_slices()[-2:]
+        offsets = tuple(s.start for s in slices)
+        sizes = tuple(s.stop - s.start for s in slices)
+        x, y, w, h = _box2d(drawn, offsets, sizes)
+        mine = part == tensor
+        ax.add_patch(
+            patches.Rectangle(
+                (x, y), w, h, facecolor=colors(rank) if mine else "#cfd8dc", edgecolor="black", lw=0.6,
+                alpha=0.85,
+            )
+        )
+        if w / width > 0.04 and h / height > 0.04:
+            region = ", ".join(f"{o}:{o + n}" for o, n in zip(box.offsets, box.sizes))
+            label = f"{_part_label(part, parts)}{'.T' if box.transposed else ''}\n[{region}]"
+            ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=6 if mine else 5,
+                    rotation=90 if h > 2 * w and w / width < 0.3 else 0,
+                    bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "alpha": 0.8, "lw": 0})
+    ax.set_xlim(0, width)
+    ax.set_ylim(height, 0)
+    ax.set_title(title, fontsize=9)
+    first = len(shape) - len(drawn)
+    if len(drawn) == 2:
+        ax.set_xlabel(f"storage dim {first + 1} ({drawn[1]:,})", fontsize=8)
+        ax.set_ylabel(f"storage dim {first} ({drawn[0]:,})", fontsize=8)
+    else:
+        ax.set_xlabel(f"storage dim {first} ({drawn[0]:,})" if drawn else "scalar", fontsize=8)
+        ax.set_yticks([])
+    ax.tick_params(labelsize=7)
+
+
+def _storage_title(title: str, places: StoragePlaces, rank: int) -> str:
+    shape = "x".join(map(str, places.parts_shape))
+    engine = "" if places.engine_shape == places.parts_shape else f", held as {'x'.join(map(str, places.engine_shape))}"
+    at = f", at [{', '.join(map(str, places.index))}, :, :]" if places.index else ""
+    return f"{title} storage on rank {rank}: {places.storage}\n{shape}{engine}{at}"
 
 
 def _ranks_label(ranks: Sequence[int]) -> str:
@@ -245,12 +351,15 @@ def draw(
     *,
     policy: str | None = None,
     plan: Plan | None = None,
+    ranks: Sequence[int] = (),
 ) -> str:
     """Draw ``tensor`` in the source and destination layouts of ``reshard`` (the only one
     when None) and the plan's moves of it, into the PNG file ``out``; returns ``out``.
 
     ``policy`` overrides the statement's policies (as ``compile_plan``); ``plan`` reuses a
     compiled plan. A program without a reshard statement gets one panel per layout.
+    ``ranks``: for each, a panel of the storage that holds the tensor on that rank in each
+    layout that has it there (a rank that holds the tensor in no layout is an error).
     """
     figure, patches = _matplotlib()
     if tensor not in program.tensors:
@@ -272,21 +381,35 @@ def draw(
         titles = ["layout"] * len(layouts)
         moves = []
     boxes = [ownership(layout, tensor) for layout in layouts]
-    ranks = {r for b in boxes for _, _, rs in b for r in rs} | {m.src for m in moves} | {m.dst for m in moves}
-    colors = _Colors(sorted(ranks) or [0])
+    storages: list[tuple[str, int, StoragePlaces]] = []
+    for rank in ranks:
+        found = [
+            (title, rank, places)
+            for layout, title in zip(layouts, titles)
+            if rank in layout.mesh.ranks and (places := storage_places(layout, tensor, rank)) is not None
+        ]
+        if not found:
+            names = ", ".join(f"'{layout.name}'" for layout in layouts)
+            raise LayoutValueError(f"rank {rank} holds no element of tensor '{tensor}' in layout {names}")
+        storages += found
+    coloured = {r for b in boxes for _, _, rs in b for r in rs} | {m.src for m in moves} | {m.dst for m in moves}
+    colors = _Colors(sorted(coloured) or [0])
 
     n = len(layouts)
-    columns = min(n, 3)
+    columns = min(max(n, len(storages)), 3)
     rows = math.ceil(n / columns)
+    storage_rows = math.ceil(len(storages) / columns)
     matrix = bool(moves)
     # the matrix gets about a quarter inch per sending rank, within 1.6 and 4.6 inches
     senders = len({m.src for m in moves})
     matrix_height = min(4.6, max(1.6, 0.25 * senders + 1.0))
-    figure_height = 3.6 * rows + (matrix_height if matrix else 0) + 0.8
+    figure_height = 3.6 * (rows + storage_rows) + (matrix_height if matrix else 0) + 0.8
     width = max(columns, 2) if matrix else columns
     fig = figure(figsize=(5.2 * width, figure_height), dpi=110)
     grid = fig.add_gridspec(
-        rows + (1 if matrix else 0), width, height_ratios=[3.6] * rows + ([matrix_height] if matrix else [])
+        rows + storage_rows + (1 if matrix else 0),
+        width,
+        height_ratios=[3.6] * (rows + storage_rows) + ([matrix_height] if matrix else []),
     )
     for i, (layout, held, title) in enumerate(zip(layouts, boxes, titles)):
         ax = fig.add_subplot(grid[i // columns, i % columns])
@@ -298,8 +421,11 @@ def draw(
         holders = len({r for _, _, rs in held for r in rs})
         detail = f"{len(held)} box{'es' if len(held) != 1 else ''} on {holders} rank{'s' if holders != 1 else ''}"
         _draw_tensor(ax, patches, shape, held, colors, f"{label}\n{detail}" + (f", {where}" if where else ""))
+    for i, (title, rank, places) in enumerate(storages):
+        ax = fig.add_subplot(grid[rows + i // columns, i % columns])
+        _draw_storage(ax, patches, places, tensor, rank, colors, _storage_title(title, places, rank))
     if plan is not None and matrix:  # moves come from a plan
-        ax = fig.add_subplot(grid[rows, :])
+        ax = fig.add_subplot(grid[rows + storage_rows, :])
         _draw_matrix(ax, moves, colors, plan.domain_size)
         handles = [
             patches.Patch(color=KIND_COLORS[k], label=KIND_LABELS[k])
@@ -343,11 +469,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE.png", required=True, help="the PNG file to write")
     parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
     parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
+    parser.add_argument(
+        "--rank",
+        metavar="R",
+        type=int,
+        action="append",
+        default=[],
+        help="also draw the storage that holds the tensor on rank R, in each layout that has it there, with every "
+        "part's place (stacked, fused, transposed); repeatable",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """``layoutlang viz``: 0 on success; a LayoutError propagates to the CLI."""
     program = load(args.file)
-    draw(program, args.tensor, args.out, args.reshard, policy=args.policy)
+    draw(program, args.tensor, args.out, args.reshard, policy=args.policy, ranks=args.rank)
     print(f"wrote {args.out}")
     return 0
