@@ -1,0 +1,324 @@
+"""Checkpoints that transformers writes, refit into vLLM's own parameters (preset:llama/vllm_fused,
+preset:qwen2/vllm_fused, preset:qwen3_moe/vllm_fused_ep).
+
+Each model is built here from a tiny config with random weights (nothing downloaded) and
+saved with ``save_pretrained``; the program imports it with ``tensors from hf``, and
+``layoutlang apply PROGRAM --from CKPT --to OUT`` (local gloo workers, a subprocess) writes
+every destination rank's storages. The oracle reads the checkpoint with the ``safetensors``
+library and applies vLLM's loading rules, written out here from vLLM's code, not from
+layoutlang's model:
+
+- ``vllm/model_executor/models/llama.py``, ``qwen2.py``, ``qwen3_moe.py``: the parameters
+  each ``*ForCausalLM`` holds (``named_parameters()``), with ``load_weights``'
+  ``stacked_params_mapping`` (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``; Qwen2's
+  q/k/v biases -> ``qkv_proj.bias``) and, with ``tie_word_embeddings``, no ``lm_head``.
+- ``vllm/model_executor/layers/linear.py``: ``QKVParallelLinear`` creates
+  ``(heads / tp + 2 * max(1, kv_heads / tp)) * head_dim`` rows; its ``weight_loader`` puts
+  q rows ``tp_rank * q_size`` and the k and v rows of kv head ``tp_rank // (tp / kv_heads)``
+  (each kv head replicated on ``tp / kv_heads`` ranks when tp exceeds them), for the
+  weight and the bias alike. ``MergedColumnParallelLinear`` loads each part's rows
+  ``tp_rank * shard`` at its offset; ``RowParallelLinear`` narrows the input dim.
+- ``vllm/model_executor/layers/vocab_parallel_embedding.py``: the vocabulary padded to a
+  multiple of 64 and split evenly; ``weight_loader`` copies the rank's real rows and fills
+  the padding with zeros.
+- ``vllm/model_executor/layers/fused_moe/``: with expert parallelism the experts' TP is 1
+  and EP spans dp x tp (EP rank ``dp_rank * tp + tp_rank``); ``determine_expert_map``
+  (linear: contiguous, the first ``E % ep`` ranks one more); ``w13_weight``
+  ``[local, 2 * I, H]`` (each expert ``[gate | up]``), ``w2_weight`` ``[local, H, I]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import layoutlang
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+safe_open = pytest.importorskip("safetensors").safe_open
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,  # padded to 128: 28 zero rows at the end
+}
+
+#: tiny configs in the arguments transformers' config classes take; Qwen2 ties its embeddings
+#: as the small Qwen2.5 models do, and Qwen3-MoE has 6 experts so that 4 EP ranks hold 2, 2, 1, 1
+MODELS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "tie_word_embeddings": False},
+    "qwen2": {**_COMMON, "tie_word_embeddings": True},
+    "qwen3_moe": {
+        **_COMMON,
+        "num_experts": 6,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "head_dim": 8,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One bf16 checkpoint per model, written by ``save_pretrained``."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for model_type, arguments in MODELS.items():
+        config = transformers.AutoConfig.for_model(model_type, **arguments)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        with torch.no_grad():  # Qwen2's biases start at zero: make them tell ranks apart
+            for name, parameter in model.named_parameters():
+                if name.endswith(".bias"):
+                    parameter.normal_()
+        model.save_pretrained(root / model_type)
+        out[model_type] = root / model_type
+    return out
+
+
+def read_all(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is no mapping)
+
+
+def config_of(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / "config.json").read_text())
+
+
+# ---------------------------------------------------------------- vLLM's parameters
+
+
+def expert_map(ep_rank: int, ep_size: int, experts: int) -> list[int]:
+    """vLLM's determine_expert_map, linear placement: the global experts of an EP rank."""
+    base, remainder = divmod(experts, ep_size)
+    count = base + (1 if ep_rank < remainder else 0)
+    start = ep_rank * base + min(ep_rank, remainder)
+    return list(range(start, start + count))
+
+
+def head_dim(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def vllm_shapes(cfg: dict[str, Any], tp: int, local_experts: int | None = None) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every parameter vLLM's model creates on one rank (create_weights)."""
+    hidden, heads, kv_heads, d = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        head_dim(cfg),
+    )
+    padded = -(-cfg["vocab_size"] // 64) * 64
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (padded // tp, hidden)}
+    qkv_rows = (heads // tp + 2 * max(1, kv_heads // tp)) * d
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        out[f"{p}.self_attn.qkv_proj.weight"] = (qkv_rows, hidden)
+        if cfg["model_type"] == "qwen2":
+            out[f"{p}.self_attn.qkv_proj.bias"] = (qkv_rows,)
+        out[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * d // tp)
+        if cfg["model_type"] == "qwen3_moe":
+            # expert parallelism: the experts have no TP, the rank holds its local experts whole
+            assert local_experts is not None
+            inter, experts = cfg["moe_intermediate_size"], cfg["num_local_experts"]
+            out |= {
+                f"{p}.self_attn.q_norm.weight": (d,),
+                f"{p}.self_attn.k_norm.weight": (d,),
+                f"{p}.mlp.gate.weight": (experts, hidden),
+                f"{p}.mlp.experts.w13_weight": (local_experts, 2 * inter, hidden),
+                f"{p}.mlp.experts.w2_weight": (local_experts, hidden, inter),
+            }
+        else:
+            inter = cfg["intermediate_size"]
+            out[f"{p}.mlp.gate_up_proj.weight"] = (2 * inter // tp, hidden)
+            out[f"{p}.mlp.down_proj.weight"] = (hidden, inter // tp)
+        out[f"{p}.input_layernorm.weight"] = (hidden,)
+        out[f"{p}.post_attention_layernorm.weight"] = (hidden,)
+    out["model.norm.weight"] = (hidden,)
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = (padded // tp, hidden)
+    return out
+
+
+def vocab_parallel(weight: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """VocabParallelEmbedding.weight_loader: the rank's real rows, then zeros up to its shard."""
+    per = -(-weight.shape[0] // 64) * 64 // tp
+    start, end = tp_rank * per, min(weight.shape[0], (tp_rank + 1) * per)
+    out = weight.new_zeros((per, *weight.shape[1:]))
+    if end > start:
+        out[: end - start] = weight[start:end]
+    return out
+
+
+def vllm_loaded(
+    full: dict[str, torch.Tensor], cfg: dict[str, Any], tp: int, tp_rank: int, ep: tuple[int, int] | None = None
+) -> dict[str, torch.Tensor]:
+    """What vLLM's weight loaders leave in every parameter of one rank; ep is (EP rank, EP size)."""
+    heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
+    q_size, kv_size = heads // tp * d, max(1, kv_heads // tp) * d
+    kv_rank = tp_rank // max(1, tp // kv_heads)
+    out = {"model.embed_tokens.weight": vocab_parallel(full["model.embed_tokens.weight"], tp, tp_rank)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        kinds = ("weight", "bias") if f"{p}.self_attn.q_proj.bias" in full else ("weight",)
+        for kind in kinds:  # QKVParallelLinear.weight_loader, the bias as the weight's rows
+            out[f"{p}.self_attn.qkv_proj.{kind}"] = torch.cat(
+                [
+                    full[f"{p}.self_attn.q_proj.{kind}"].narrow(0, tp_rank * q_size, q_size),
+                    full[f"{p}.self_attn.k_proj.{kind}"].narrow(0, kv_rank * kv_size, kv_size),
+                    full[f"{p}.self_attn.v_proj.{kind}"].narrow(0, kv_rank * kv_size, kv_size),
+                ]
+            )
+        o_proj = full[f"{p}.self_attn.o_proj.weight"]
+        out[f"{p}.self_attn.o_proj.weight"] = o_proj.narrow(1, tp_rank * (o_proj.shape[1] // tp), o_proj.shape[1] // tp)
+        if ep is not None:
+            local = expert_map(ep[0], ep[1], cfg["num_local_experts"])
+            x = f"{p}.mlp.experts"
+            out[f"{x}.w13_weight"] = torch.stack(
+                [torch.cat([full[f"{x}.{e}.gate_proj.weight"], full[f"{x}.{e}.up_proj.weight"]]) for e in local]
+            )
+            out[f"{x}.w2_weight"] = torch.stack([full[f"{x}.{e}.down_proj.weight"] for e in local])
+        else:  # MergedColumnParallelLinear and RowParallelLinear
+            shard = cfg["intermediate_size"] // tp
+            out[f"{p}.mlp.gate_up_proj.weight"] = torch.cat(
+                [
+                    full[f"{p}.mlp.gate_proj.weight"].narrow(0, tp_rank * shard, shard),
+                    full[f"{p}.mlp.up_proj.weight"].narrow(0, tp_rank * shard, shard),
+                ]
+            )
+            out[f"{p}.mlp.down_proj.weight"] = full[f"{p}.mlp.down_proj.weight"].narrow(1, tp_rank * shard, shard)
+    # everything else vLLM holds is replicated: the norms, q_norm, k_norm and the router
+    out |= {name: t for name, t in full.items() if "norm" in name or name.endswith(".mlp.gate.weight")}
+    if "lm_head.weight" in full:
+        out["lm_head.weight"] = vocab_parallel(full["lm_head.weight"], tp, tp_rank)
+    return out
+
+
+# ------------------------------------------------------------------ the programs
+
+#: the presets the tests use, with the lines a program writes before including them
+PRESETS = {
+    "llama": ['include "preset:llama/vllm_fused"'],
+    "qwen2": ['include "preset:qwen2/vllm_fused"'],
+    # transformers 5 writes the expert count as num_local_experts
+    "qwen3_moe": [
+        'include "preset:qwen3_moe/vllm_fused"',
+        "let num_experts = cfg.num_local_experts",
+        'include "preset:qwen3_moe/vllm_fused_ep"',
+    ],
+}
+
+
+def write_program(folder: Path, checkpoint: Path, model_type: str, lines: list[str], name: str) -> Path:
+    path = folder / f"{name}.layout"
+    path.write_text(
+        "\n".join(
+            [f'tensors from hf "{checkpoint / "config.json"}" as cfg', *lines[:1], *PRESETS[model_type], *lines[1:]]
+        )
+        + "\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_presets_hold_vllms_dense_parameters_on_every_rank(
+    checkpoints: dict[str, Path], tmp_path: Path, model_type: str, tp: int
+) -> None:
+    # tp = 4 exceeds the 2 kv heads: each kv head on 2 ranks
+    path = write_program(tmp_path, checkpoints[model_type], model_type, [f"mesh infer [dp = 2, tp = {tp}]"], "serve")
+    layout = layoutlang.load(path).layout("vllm_fused")
+    layout.check()
+    cfg = config_of(checkpoints[model_type])
+    for rank in layout.mesh.ranks:
+        assert layout.storages_on(rank) == vllm_shapes(cfg, tp), rank
+
+
+def apply(program: Path, checkpoint: Path, out: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "layoutlang.cli", "apply", str(program), "--from", str(checkpoint), "--to", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=os.environ.copy(),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("model_type", "source", "destination", "ep"),
+    [
+        # FSDP-style training (every tensor cut on dim 0) into TP 4, more ranks than kv heads
+        pytest.param(
+            "llama",
+            ["mesh train [dp = 2] on ranks 0..1", "layout train on train { default: dp = shard(0) }"],
+            "mesh infer [tp = 4] on ranks 2..5",
+            False,
+            id="llama-fsdp-to-tp4",
+        ),
+        # the checkpoint whole on one rank into two TP 2 instances; tied embeddings, q/k/v biases
+        pytest.param(
+            "qwen2",
+            ["mesh train [r = 1] on ranks 0..0", "layout train on train { default: replicate }"],
+            "mesh infer [dp = 2, tp = 2] on ranks 1..4",
+            False,
+            id="qwen2-replicated-to-dp2-tp2",
+        ),
+        # Megatron-style TP 2 into EP over dp x tp: 6 experts on 4 EP ranks (2, 2, 1, 1)
+        pytest.param(
+            "qwen3_moe",
+            [
+                "mesh train [tp = 2] on ranks 0..1",
+                (
+                    'layout train on train { "model.layers.{l}.mlp.experts.{e}.down_proj.weight": tp = shard(1) '
+                    '"model.layers.{l}.self_attn.o_proj.weight": tp = shard(1) default: tp = shard(0) }'
+                ),
+            ],
+            "mesh infer [dp = 2, tp = 2] on ranks 2..5",
+            True,
+            id="qwen3-moe-tp2-to-ep4",
+        ),
+    ],
+)
+def test_apply_refits_a_transformers_checkpoint_into_vllms_parameters(
+    checkpoints: dict[str, Path], tmp_path: Path, model_type: str, source: list[str], destination: str, ep: bool
+) -> None:
+    checkpoint = checkpoints[model_type]
+    name = "vllm_fused_ep" if ep else "vllm_fused"
+    program = write_program(
+        tmp_path, checkpoint, model_type, [destination, *source, f"reshard train -> {name}"], "refit"
+    )
+    out = tmp_path / "out"
+    apply(program, checkpoint, out)
+    full = read_all(checkpoint / "model.safetensors")
+    cfg = config_of(checkpoint)
+    mesh = layoutlang.load(program).layout(name).mesh
+    tp = mesh.shape[-1]
+    written = sorted(p.name for p in out.iterdir())
+    assert written == [f"rank{rank:05d}.safetensors" for rank in mesh.ranks]
+    for index, rank in enumerate(mesh.ranks):
+        dp_rank, tp_rank = divmod(index, tp)
+        ep_rank = (dp_rank * tp + tp_rank, len(mesh.ranks)) if ep else None
+        want = vllm_loaded(full, cfg, tp, tp_rank, ep_rank)
+        local = len(expert_map(*ep_rank, cfg["num_local_experts"])) if ep_rank else None
+        got = read_all(out / f"rank{rank:05d}.safetensors")
+        assert {n: tuple(t.shape) for n, t in got.items()} == vllm_shapes(cfg, tp, local), rank
+        assert got.keys() == want.keys(), rank
+        for parameter, tensor in want.items():
+            assert got[parameter].dtype == torch.bfloat16 and torch.equal(got[parameter], tensor), (rank, parameter)
