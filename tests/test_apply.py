@@ -347,3 +347,69 @@ def test_a_reshard_policy_whose_pattern_matches_no_tensor_is_an_error_with_did_y
         "broadcast",
         "reshard",
     ]
+
+
+# ------------------------------------------------------- --cast-sources
+
+BF16 = SMALL.replace("fp32", "bf16")
+
+
+def fp32_master_weights(tmp_path: Path) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    """The program (w and b declared bf16) and a checkpoint that stores w in fp32, as a trainer
+    keeps master weights, and b already in bf16."""
+    program = tmp_path / "bf16.layout"
+    program.write_text(BF16)
+    generator = torch.Generator().manual_seed(12)
+    weights = {
+        "w": torch.randn(64, 64, generator=generator, dtype=torch.float32),
+        "b": torch.randn(64, generator=generator, dtype=torch.float32).to(torch.bfloat16),
+    }
+    # the cast is not a no-op: most fp32 values are not bf16 values
+    assert (weights["w"].to(torch.bfloat16).float() != weights["w"]).float().mean() > 0.9
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    write_safetensors(checkpoint / "model.safetensors", weights)
+    return program, checkpoint, weights
+
+
+def test_apply_from_refuses_another_dtype_and_says_how_to_cast_it(tmp_path):
+    program, checkpoint, _ = fp32_master_weights(tmp_path)
+    result = run("apply", str(program), "--from", str(checkpoint), "--json")
+    assert result.returncode == 2, result.stdout + result.stderr
+    error = json.loads(result.stderr)
+    assert error["message"].splitlines()[1:] == ["  'w' is fp32 [64, 64], declared bf16 [64, 64]"]
+    assert error["hint"] == (
+        "pass --cast-sources to convert the 1 tensor stored in another dtype to the layout's while packing"
+        " them (as torch's .to() does)"
+    )
+
+
+def test_apply_cast_sources_converts_fp32_master_weights_as_torch_does(tmp_path):
+    program, checkpoint, weights = fp32_master_weights(tmp_path)
+    out = tmp_path / "out"
+    result = run("apply", str(program), "--from", str(checkpoint), "--cast-sources", "--to", str(out), "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["ok"]
+    # destination rank r holds columns 32 * (r - 2) of w (tp = shard(1)) and all of b, in bf16,
+    # bit for bit what torch's .to(torch.bfloat16) makes of the stored values
+    for rank in (2, 3):
+        written = SafetensorsCheckpoint(out / f"rank{rank:05d}.safetensors")
+        columns = slice(32 * (rank - 2), 32 * (rank - 1))
+        got = written.read_box("w", "bf16", (64, 32), (0, 0), (64, 32))
+        assert torch.equal(got.view(torch.int16), weights["w"][:, columns].to(torch.bfloat16).view(torch.int16))
+        assert torch.equal(written.read_box("b", "bf16", (64,), (0,), (64,)), weights["b"])
+
+
+def test_apply_cast_sources_shape_mismatches_are_still_refused(tmp_path):
+    program, checkpoint, weights = fp32_master_weights(tmp_path)
+    write_safetensors(checkpoint / "model.safetensors", {"w": weights["w"][:32], "b": weights["b"]})
+    result = run("apply", str(program), "--from", str(checkpoint), "--cast-sources")
+    assert_clean_failure(result, 2)
+    assert "  'w' is fp32 [32, 64], declared bf16 [64, 64]" in result.stderr
+    assert "--cast-sources to convert" not in result.stderr
+
+
+def test_apply_cast_sources_needs_a_checkpoint():
+    result = run("apply", str(EXAMPLES / "tp_to_dp.layout"), "--cast-sources")
+    assert_clean_failure(result, 2)
+    assert "--cast-sources converts the tensors of a --from checkpoint; give --from DIR" in result.stderr

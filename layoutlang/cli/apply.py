@@ -10,7 +10,7 @@ from typing import Any
 
 from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError, ModelDescriptionError
-from ..io.safetensors import checkpoint_file, checkpoint_mismatches
+from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
 from ..lang import load
 from ..model import Program
 from ..model.dtypes import DTYPES, canonical_dtype
@@ -54,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_torch_dtype_name,
         metavar="DTYPE",
         help="destination dtype, converted on arrival: the language's name (bf16) or torch's (bfloat16)",
+    )
+    parser.add_argument(
+        "--cast-sources",
+        action="store_true",
+        help="with --from: accept checkpoint tensors stored in another dtype than the source layout's "
+        "(fp32 master weights for a bf16 layout), converted to the layout's dtype while packed",
     )
     parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
     parser.add_argument(
@@ -112,13 +118,30 @@ def _torch_dtype_name(text: str) -> str:
     return DTYPES[short][1]
 
 
-def check_checkpoint(program: Program, reshard: str | None, from_dir: str) -> None:
+def check_checkpoint(program: Program, reshard: str | None, from_dir: str, cast_sources: bool = False) -> None:
     """Refuse a ``--from`` checkpoint that lacks a tensor of the source layout, or stores one with
-    another dtype or shape: every such tensor at once, from the headers, before a worker starts."""
+    another dtype or shape: every such tensor at once, from the headers, before a worker starts.
+
+    With ``cast_sources`` another dtype is accepted (the workers convert it while packing);
+    without it, the error says how to ask for that when only dtypes differ."""
     statement = program.reshard(reshard)
     source = program.layout(statement.source)
     expected = [(name, source.tensors[name].shape, source.tensors[name].dtype) for name in source.resolved.names]
+    stored = {name: (tuple(shape), dtype) for name, shape, dtype in tensors_from_safetensors(from_dir)}
+    # only the dtype differs: what --cast-sources converts
+    recast = [
+        name for name, shape, dtype in expected
+        if name in stored and stored[name][0] == tuple(shape) and stored[name][1] != dtype
+    ]
+    if cast_sources:
+        expected = [(name, shape, stored[name][1] if name in recast else dtype) for name, shape, dtype in expected]
     problems, hint = checkpoint_mismatches(from_dir, expected)
+    if problems and recast and not cast_sources:
+        advice = (
+            f"pass --cast-sources to convert the {len(recast)} tensor{'s' if len(recast) != 1 else ''} stored in"
+            " another dtype to the layout's while packing them (as torch's .to() does)"
+        )
+        hint = f"{hint}; {advice}" if hint else advice
     if problems:
         listed = "\n".join(f"  {line}" for line in problems)
         raise ModelDescriptionError(
@@ -140,11 +163,13 @@ def run(args: argparse.Namespace) -> int:
         return _apply_elastic(args)
     if args.kill or args.stop or args.replace:
         raise LayoutValueError("--kill, --stop and --replace need --elastic")
+    if args.cast_sources and not args.from_dir:
+        raise LayoutValueError("--cast-sources converts the tensors of a --from checkpoint; give --from DIR")
     if args.from_dir:
         # before torch is imported and any worker starts: a wrong checkpoint fails in well under a second
         program = load(args.file)
         program.check()
-        check_checkpoint(program, args.reshard, args.from_dir)
+        check_checkpoint(program, args.reshard, args.from_dir, args.cast_sources)
 
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
@@ -160,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         from_dir=args.from_dir,
         to_dir=args.to_dir,
         cast=args.cast,
+        cast_sources=args.cast_sources,
         repeat=args.repeat,
         transport=args.transport,
     )
@@ -200,6 +226,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         flag
         for flag, given in (
             ("--compare", args.compare), ("--from", args.from_dir), ("--to", args.to_dir), ("--cast", args.cast),
+            ("--cast-sources", args.cast_sources),
             ("--policy", args.policy), ("--repeat", args.repeat != 1), ("--transport nccl", args.transport == "nccl"),
         )
         if given

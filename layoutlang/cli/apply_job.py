@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import resource
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,8 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..errors import AgreementError, LayoutError
+from ..io.safetensors import tensors_from_safetensors
+from ..io.torch_dtypes import torch_dtype
 from ..io.weights import SafetensorsCheckpoint, fill_synthetic, verify, write_safetensors
 from ..lang import load
 from ..model import Box, Layout, Program
@@ -52,6 +54,7 @@ class ApplyOptions:
     from_dir: str | None = None
     to_dir: str | None = None
     cast: str | None = None
+    cast_sources: bool = False
     repeat: int = 1
     transport: str = "torch"
 
@@ -78,7 +81,9 @@ def apply_on_rank(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
     program = load(options.path)
-    checkpoint = SafetensorsCheckpoint(options.from_dir) if options.from_dir else None
+    checkpoint = None
+    if options.from_dir:
+        checkpoint = _AsStored(options.from_dir) if options.cast_sources else SafetensorsCheckpoint(options.from_dir)
     policies = [options.policy or "reshard"]
     if options.compare and policies[0] != "broadcast":
         policies.append("broadcast")
@@ -112,7 +117,10 @@ def _run_policy(
 ) -> dict[str, Any]:
     """Fill the sources, run the plan ``options.repeat`` times, verify (and write) the destinations."""
     plan, rank = resharder.plan, resharder.rank
-    sources = resharder.allocate("source", device=device)
+    if isinstance(checkpoint, _AsStored):
+        sources = _allocate_as_stored(resharder, checkpoint.stored, device)
+    else:
+        sources = resharder.allocate("source", device=device)
     problem = None
     if rank in plan.source.mesh:
         try:
@@ -122,7 +130,7 @@ def _run_policy(
     dtype = getattr(torch, options.cast) if options.cast else None
     destinations = resharder.allocate("destination", dtype=dtype, device=device)
     reports = [
-        _run_once(resharder, sources, destinations, dtype is not None, progress, problem)
+        _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem)
         for _ in range(max(1, options.repeat))
     ]
     run = reports[-1]
@@ -156,13 +164,16 @@ def _run_once(
     sources: dict[str, torch.Tensor],
     destinations: dict[str, torch.Tensor],
     cast: bool,
+    cast_sources: bool,
     progress: Callable[[int, int], None] | None,
     problem: LayoutError | None,
 ) -> RunReport:
     """One run of the plan; a rank whose sources could not be filled stops every rank."""
     not_ready = problem.message if problem is not None else None
     try:
-        resharder.run(sources, destinations, cast=cast, progress=progress, not_ready=not_ready)
+        resharder.run(
+            sources, destinations, cast=cast, cast_sources=cast_sources, progress=progress, not_ready=not_ready
+        )
     except AgreementError as stopped:
         if problem is None:
             raise
@@ -181,9 +192,37 @@ def _truth(layout: Layout, checkpoint: SafetensorsCheckpoint | None) -> Truth | 
 
     def truth(name: str, _index: int, box: Box) -> torch.Tensor:
         tensor = layout.tensors[name]
-        return checkpoint.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
+        # a tensor stored in another dtype (--cast-sources) travels in the layout's: torch's .to()
+        values = checkpoint.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
+        return values.to(torch_dtype(tensor.dtype))
 
     return truth
+
+
+class _AsStored(SafetensorsCheckpoint):
+    """A checkpoint read in the dtypes it stores, not the layout's (``--cast-sources``): the
+    source storages hold them as a trainer does (fp32 master weights), and the executor
+    converts while it packs."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.stored = {name: dtype for name, _, dtype in tensors_from_safetensors(path)}
+
+    def read_box(self, name: str, dtype: str, shape: tuple[int, ...], offsets, sizes) -> torch.Tensor:
+        return super().read_box(name, self.stored.get(name, dtype), shape, offsets, sizes)
+
+
+def _allocate_as_stored(resharder: Resharder, stored: Mapping[str, str], device: str) -> dict[str, torch.Tensor]:
+    """Zeroed source storages, each in the dtype the checkpoint stores its parts in; a storage
+    whose parts are stored in several dtypes keeps the layout's (filling it converts them)."""
+    layout, rank = resharder.plan.source, resharder.rank
+    out = {}
+    for name, shape in resharder.source_storages.items():
+        parts = layout.storage(name, rank).parts
+        dtypes = {stored.get(part, layout.tensors[part].dtype) for part in parts}
+        dtype = dtypes.pop() if len(dtypes) == 1 else layout.tensors[parts[0]].dtype
+        out[name] = torch.zeros(shape, dtype=torch_dtype(dtype), device=device)
+    return out
 
 
 def _transport(options: ApplyOptions, program: Program, rank: int) -> NcclTransport:
