@@ -20,6 +20,11 @@ Cases (each runs in a fresh subprocess, so that its peak memory is its own):
 ``qwen3_235b_stacked``
     benchmarks/qwen3_235b_refit_stacked.layout: the same refit into
     ``preset:qwen3_moe/vllm_fused`` (vLLM's stacked w13/w2 FusedMoE parameters).
+``qwen3_235b_torchtitan``
+    benchmarks/qwen3_235b_refit_torchtitan.layout: stacked on both sides, from torchtitan's
+    parameters (``preset:qwen3_moe/torchtitan``: FSDP2 dp 128 x TP4, EP16, stacked
+    ``moe.experts.w1/w2/w3``) on 512 ranks into ``preset:qwen3_moe/vllm_fused`` TP8 x DP16
+    on 128 other ranks.
 ``dcp``
     The same layout change planned by torch.distributed.checkpoint's load planner, side by
     side with layoutlang: DCP ``Metadata`` holds one chunk per source replica group (what a
@@ -96,6 +101,11 @@ PLAN_CASES: dict[str, dict[str, Any]] = {
         "title": "Qwen3-235B-A22B into preset:qwen3_moe/vllm_fused: TP4 x PP8 x EP16 (512) -> TP8 x DP16 (128)",
         "target_s": None,
         "base": "qwen3_235b",
+    },
+    "qwen3_235b_torchtitan": {
+        "file": "qwen3_235b_refit_torchtitan.layout",
+        "title": "Qwen3-235B-A22B, torchtitan FSDP2 x TP4 x EP16 (512) -> vLLM stacked TP8 x DP16 (128)",
+        "target_s": None,
     },
 }
 ALL_CASES = (*PLAN_CASES, "dcp")
