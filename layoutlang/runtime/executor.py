@@ -85,6 +85,9 @@ class Executor:
             _parts_shapes(layout, rank, held) for layout, held in zip(plan.sources, self.sources_storages)
         ]
         self._destination_parts_shapes = _parts_shapes(plan.destination, rank, self.destination_storages)
+        # The padding of padded storages (``shard(d, pad = m)``) holds no logical element, so no
+        # move writes it: it is zeroed in every run, since an engine's buffer may hold anything.
+        self._padding = _padding_regions(plan.destination, rank, self.destination_storages)
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
 
@@ -209,6 +212,10 @@ class Executor:
             device,
         )
         tally = _Tally()
+        in_parts = _as_parts(destinations, self._destination_parts_shapes) if self._padding else destinations
+        for name, regions in self._padding.items():
+            for region in regions:
+                in_parts[name][region].zero_()
         self._announce(-1, destinations, on_complete)
         start = time.perf_counter()
         packed_next: dict[int, torch.Tensor] | None = None
@@ -393,6 +400,54 @@ def _parts_shapes(layout: Layout, rank: int, held: Mapping[str, tuple[int, ...]]
         parts = layout.parts_shape(name, rank)
         if parts is not None and parts != shape:
             out[name] = parts
+    return out
+
+
+def _padding_regions(
+    layout: Layout, rank: int, held: Mapping[str, tuple[int, ...]]
+) -> dict[str, list[tuple[slice, ...]]]:
+    """Per padded storage ``rank`` holds, the regions (in its parts' shape) that no box covers:
+    its padding, as a few boxes, so that zeroing it writes nothing else."""
+    resolved = layout.resolved
+    padded = {
+        resolved.storage_of[i]
+        for i in range(len(resolved.names))
+        if any(pad != 1 for pad, _ in resolved.specs[resolved.spec_of[i]])
+    }
+    out = {}
+    for sid in sorted(padded):
+        storage = resolved.storages[sid]
+        # names may repeat on disjoint ranks: only the storage this rank holds under that name
+        if storage.name not in held or layout.storage(storage.name, rank) is not storage:
+            continue
+        shape = layout.parts_shape(storage.name, rank) or held[storage.name]
+        regions = [tuple((0, n) for n in shape)]
+        for part in storage.parts:
+            for box in layout.boxes(part, rank):
+                cut = tuple((s.start, s.stop) for s in box.storage_slices())
+                regions = [rest for region in regions for rest in _subtract(region, cut)]
+        regions = [r for r in regions if all(stop > start for start, stop in r)]
+        if regions:
+            out[storage.name] = [tuple(slice(start, stop) for start, stop in r) for r in regions]
+    return out
+
+
+_Extent = tuple[tuple[int, int], ...]  # one (start, stop) per dim
+
+
+def _subtract(region: _Extent, cut: _Extent) -> list[_Extent]:
+    """``region`` less ``cut`` (both one ``(start, stop)`` per dim), as disjoint boxes: per dim,
+    the slabs before and after the cut, within the cut's extent along the dims before."""
+    if any(stop <= c_start or c_stop <= start for (start, stop), (c_start, c_stop) in zip(region, cut)):
+        return [region]
+    out = []
+    current = list(region)
+    for d, ((start, stop), (c_start, c_stop)) in enumerate(zip(region, cut)):
+        if start < c_start:
+            out.append((*current[:d], (start, c_start), *current[d + 1 :]))
+        if c_stop < stop:
+            out.append((*current[:d], (c_stop, stop), *current[d + 1 :]))
+        current[d] = (max(start, c_start), min(stop, c_stop))
     return out
 
 
