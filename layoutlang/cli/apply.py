@@ -15,6 +15,7 @@ from ..lang import load
 from ..model import Program
 from ..model.dtypes import DTYPES, canonical_dtype
 from ..plan import POLICIES
+from . import arguments
 
 HELP = "run a refit for real and verify every destination byte"
 DESCRIPTION = (
@@ -27,8 +28,8 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang apply``, plain and elastic."""
-    parser.add_argument("file", metavar="FILE", help="a .layout file")
-    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    arguments.add_file(parser)
+    arguments.add_reshard(parser)
     parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
     parser.add_argument(
         "--compare", action="store_true", help="also run the gather-and-broadcast plan and compare"

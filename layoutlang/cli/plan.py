@@ -6,10 +6,10 @@ import argparse
 import itertools
 import json
 
-from .._text import parse_size
 from ..errors import ExitCode
 from ..lang import load
-from ..plan import DEFAULT_BUCKET_BYTES, POLICIES, Move, Plan, compile_plan
+from ..plan import POLICIES, Move, Plan, compile_plan
+from . import arguments
 from .report import plan_report
 
 HELP = "compile the plan of a reshard statement and print its statistics"
@@ -22,8 +22,8 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang plan``."""
-    parser.add_argument("file", metavar="FILE", help="a .layout file")
-    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    arguments.add_file(parser)
+    arguments.add_reshard(parser)
     parser.add_argument(
         "--explain",
         metavar="PATTERN",
@@ -32,13 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='print the moves of the tensors matching PATTERN (default "*": all), one line each',
     )
     parser.add_argument("--limit", type=int, default=100, metavar="N", help="print at most N moves (default 100)")
-    parser.add_argument(
-        "--bucket-size",
-        metavar="SIZE",
-        type=parse_size,
-        default=DEFAULT_BUCKET_BYTES,
-        help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
-    )
+    arguments.add_bucket_size(parser)
     parser.add_argument(
         "--policy",
         choices=POLICIES,

@@ -10,6 +10,7 @@ from .._text import rank_span, region, table
 from ..errors import ExitCode, LayoutNameError, did_you_mean
 from ..lang import load
 from ..model import Box, Layout, Program, compile_pattern
+from . import arguments
 
 HELP = "print which boxes each rank holds"
 DESCRIPTION = (
@@ -20,7 +21,7 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang show``."""
-    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    arguments.add_file(parser)
     parser.add_argument("--layout", metavar="L", help="only this layout (default: all)")
     parser.add_argument(
         "--tensor", metavar="T", help='only tensors matching this name or pattern ("*" and "{x}" allowed)'

@@ -6,11 +6,11 @@ import argparse
 import json
 import math
 
-from .._text import human_bytes, human_time, parse_size, rate, table
+from .._text import human_bytes, human_time, rate, table
 from ..lang import load
 from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS
-from ..plan import DEFAULT_BUCKET_BYTES
 from ..plan.simulate import Simulation, simulate
+from . import arguments
 
 __all__ = ["add_arguments", "run", "simulation_report"]
 
@@ -89,21 +89,14 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang simulate``."""
-
-    parser.add_argument("file", metavar="FILE", help="a .layout file")
-    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    arguments.add_file(parser)
+    arguments.add_reshard(parser)
     parser.add_argument(
         "--topology",
         metavar="NAME",
         help=f"a topology preset replacing the program's ({', '.join(TOPOLOGY_PRESETS)})",
     )
-    parser.add_argument(
-        "--bucket-size",
-        metavar="SIZE",
-        type=parse_size,
-        default=DEFAULT_BUCKET_BYTES,
-        help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
-    )
+    arguments.add_bucket_size(parser)
     parser.add_argument(
         "--sequential",
         action="store_true",

@@ -47,6 +47,7 @@ from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..lang import load
 from ..model import Box, Layout, Program
 from ..plan import POLICIES, Move, Plan, compile_plan
+from . import arguments
 
 if TYPE_CHECKING:  # matplotlib is imported when a picture is drawn (it is slow to import)
     from matplotlib.axes import Axes
@@ -464,10 +465,10 @@ DESCRIPTION = (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang viz``."""
-    parser.add_argument("file", metavar="FILE", help="a .layout file")
+    arguments.add_file(parser)
     parser.add_argument("--tensor", metavar="NAME", required=True, help="the logical tensor to draw")
     parser.add_argument("--out", metavar="FILE.png", required=True, help="the PNG file to write")
-    parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+    arguments.add_reshard(parser)
     parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
     parser.add_argument(
         "--rank",
