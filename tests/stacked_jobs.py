@@ -27,15 +27,23 @@ def titan_full(experts: int, hidden: int, ffn: int) -> dict[str, torch.Tensor]:
     }
 
 
-def refit_stacked(text: str, participants: list[int], train_ranks: list[int], shape: tuple[int, int, int]):
-    """Refit from torchtitan's stacked EP shards; return this rank's destination storages
-    and the names ``on_complete`` announced (None on a worker beyond the participants)."""
+def _resharder(text: str, participants: list[int]) -> tuple[int, Resharder] | None:
+    """This worker's program rank and its Resharder for ``text`` (None beyond the participants)."""
     index = dist.get_rank()
     if index >= len(participants):
         return None
     rank = participants[index]
     program = layoutlang.loads(text, path="refit.layout")
-    resharder = Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+    return rank, Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+
+
+def refit_stacked(text: str, participants: list[int], train_ranks: list[int], shape: tuple[int, int, int]):
+    """Refit from torchtitan's stacked EP shards; return this rank's destination storages
+    and the names ``on_complete`` announced (None on a worker beyond the participants)."""
+    built = _resharder(text, participants)
+    if built is None:
+        return None
+    rank, resharder = built
     sources = {}
     if rank in train_ranks:
         experts = shape[0]
@@ -52,12 +60,10 @@ def refit_stacked(text: str, participants: list[int], train_ranks: list[int], sh
 def refit_given(text: str, participants: list[int], sources_by_rank: dict[int, dict[str, torch.Tensor]]):
     """Refit from the source storages the test computed for each rank (the engine's own
     parameters, in their own shapes); return this rank's destination storages."""
-    index = dist.get_rank()
-    if index >= len(participants):
+    built = _resharder(text, participants)
+    if built is None:
         return None
-    rank = participants[index]
-    program = layoutlang.loads(text, path="refit.layout")
-    resharder = Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+    rank, resharder = built
     completed: list[str] = []
     destinations = resharder.run(
         sources_by_rank.get(rank, {}), on_complete=lambda name, tensor: completed.append(name)
@@ -68,12 +74,10 @@ def refit_given(text: str, participants: list[int], sources_by_rank: dict[int, d
 def refit_into_flattened(text: str, participants: list[int], sources_by_rank, flattened: str, on_rank: int):
     """Refit with one destination rank passing ``flattened`` as a 2-D ``view(-1, H)`` instead
     of the engine's own 3-D parameter; return the error every rank stops with."""
-    index = dist.get_rank()
-    if index >= len(participants):
+    built = _resharder(text, participants)
+    if built is None:
         return None
-    rank = participants[index]
-    program = layoutlang.loads(text, path="refit.layout")
-    resharder = Resharder(program, rank=rank, rank_map={p: i for i, p in enumerate(participants)}, timeout=30.0)
+    rank, resharder = built
     destinations = resharder.allocate("destination")
     if rank == on_rank:
         destinations[flattened] = destinations[flattened].view(-1, destinations[flattened].shape[-1])

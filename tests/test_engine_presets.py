@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_rules import expert_map
 
 import layoutlang
 from layoutlang.cli.main import main
@@ -118,16 +119,6 @@ def write_program(
 
 
 # ---------------------------------------------------------------- vLLM's parameters
-
-
-def expert_map(ep_rank: int, ep_size: int, experts: int, strategy: str) -> list[int]:
-    """vLLM's determine_expert_map: the global experts of an EP rank, in local order."""
-    if strategy == "round_robin":
-        return list(range(ep_rank, experts, ep_size))
-    base, remainder = divmod(experts, ep_size)
-    count = base + (1 if ep_rank < remainder else 0)
-    start = ep_rank * base + min(ep_rank, remainder)
-    return list(range(start, start + count))
 
 
 def vllm_parameters(

@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import stacked_jobs
 import torch
+from vllm_rules import expert_map
 
 import layoutlang
 from layoutlang.cli.main import main
@@ -81,19 +82,9 @@ def placed_by_layoutlang(layout: layoutlang.Layout, rank: int, full: dict[str, t
 # ------------------------------------------------------------------- vLLM's rules
 
 
-def vllm_local_experts(ep_rank: int, ep: int, placement: str) -> list[int]:
-    """Global expert ids of an EP rank, in local order (vLLM's determine_expert_map)."""
-    if placement == "round_robin":
-        return list(range(ep_rank, E, ep))
-    base, remainder = divmod(E, ep)
-    count = base + (1 if ep_rank < remainder else 0)
-    start = ep_rank * base + min(ep_rank, remainder)
-    return list(range(start, start + count))
-
-
 def vllm_storages(full, ep_rank: int, ep: int, tp_rank: int, tp: int, placement: str, bias: bool) -> dict:
     """What vLLM's FusedMoE weight_loader leaves in the rank's parameters."""
-    experts = vllm_local_experts(ep_rank, ep, placement)
+    experts = expert_map(ep_rank, ep, E, placement)
     shard = F // tp
     w13 = torch.empty(len(experts), 2 * shard, H)
     w2 = torch.empty(len(experts), H, shard)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from vllm_rules import expert_map
 
 import layoutlang
 
@@ -101,14 +102,6 @@ def config_of(folder: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- vLLM's parameters
-
-
-def expert_map(ep_rank: int, ep_size: int, experts: int) -> list[int]:
-    """vLLM's determine_expert_map, linear placement: the global experts of an EP rank."""
-    base, remainder = divmod(experts, ep_size)
-    count = base + (1 if ep_rank < remainder else 0)
-    start = ep_rank * base + min(ep_rank, remainder)
-    return list(range(start, start + count))
 
 
 def head_dim(cfg: dict[str, Any]) -> int:

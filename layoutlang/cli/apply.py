@@ -12,7 +12,7 @@ from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError, ModelDescriptionError
 from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
 from ..lang import load
-from ..model import Program
+from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype
 from ..plan import POLICIES
 from . import arguments
@@ -269,10 +269,15 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
 
 
-def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
+def _reshard_of(args: argparse.Namespace) -> tuple[Reshard, Layout, Layout]:
+    """The reshard statement a report describes, and its source and destination layouts."""
     program = load(args.file)
     statement = program.reshard(args.reshard)
-    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    return statement, program.layout(statement.source), program.layout(statement.destination)
+
+
+def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
+    statement, source, destination = _reshard_of(args)
     head = (
         f"elastic refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
         f"({destination.mesh.size} ranks), {args.steps} steps, "
@@ -337,9 +342,7 @@ def _recovery_lines(rec: dict[str, Any], joined: dict[str, Any]) -> list[str]:
 
 
 def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
-    program = load(args.file)
-    statement = program.reshard(args.reshard)
-    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    statement, source, destination = _reshard_of(args)
     head = (
         f"refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
         f"({destination.mesh.size} ranks), {summary['ranks']} processes ({launcher})"
