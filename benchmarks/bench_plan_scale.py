@@ -14,9 +14,10 @@ Cases (each runs in a fresh subprocess, so that its peak memory is its own):
     PP16 x EP64 on 1024 ranks -> wide-EP inference (EP64 x TP8 attention x 16 replicas) on
     1024 other ranks. Target: at most 10 s.
 ``deepseek_v3_stacked``
-    benchmarks/deepseek_v3_refit_stacked.layout: the same refit into vLLM's real parameters,
-    per MoE layer one stacked ``experts.w13_weight`` and ``experts.w2_weight`` instead of 256
-    per-expert storages each. Target: at most 2 s on one core, as for ``deepseek_v3``.
+    benchmarks/deepseek_v3_refit_stacked.layout: the same refit into
+    ``preset:deepseek/vllm_fused`` (vLLM's real parameters: per MoE layer one stacked
+    ``experts.w13_weight`` and ``experts.w2_weight`` instead of 256 per-expert storages each,
+    ``fused_qkv_a_proj``). Target: at most 2 s on one core, as for ``deepseek_v3``.
 ``qwen3_235b_stacked``
     benchmarks/qwen3_235b_refit_stacked.layout: the same refit into
     ``preset:qwen3_moe/vllm_fused`` (vLLM's stacked w13/w2 FusedMoE parameters).
@@ -92,7 +93,7 @@ PLAN_CASES: dict[str, dict[str, Any]] = {
     },
     "deepseek_v3_stacked": {
         "file": "deepseek_v3_refit_stacked.layout",
-        "title": "DeepSeek-V3 671B into vLLM's stacked w13/w2: PP16 x EP16 (256) -> TP32 x DP8 (256)",
+        "title": "DeepSeek-V3 671B into preset:deepseek/vllm_fused: PP16 x EP16 (256) -> TP32 x DP8 (256)",
         "target_s": 2.0,
         "base": "deepseek_v3",
     },
@@ -188,9 +189,7 @@ def load_program(path: Path, report: Report, result: dict[str, Any]):
     destination = program.layout(statement.destination)
     params = sum(t.numel for t in program.tensors.values())
     nbytes = sum(t.nbytes for t in program.tensors.values())
-    report.line(
-        "program", f"{path.name}: reshard {statement.name}: {source.name} -> {destination.name}"
-    )
+    report.line("program", f"{path.name}: reshard {statement.name}: {source.name} -> {destination.name}")
     report.line("logical tensors", f"{len(program.tensors):,}")
     report.line("parameters", f"{params:,} ({params / 1e9:,.1f}B, {nbytes / 1e12:.2f} TB)")
     for side, layout in (("source", source), ("destination", destination)):
@@ -262,9 +261,7 @@ def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -
     domain = program.topology.domain_size
     _, core_times = best_of(
         args.repeat,
-        lambda: _core.build_plan(
-            source.core, destination.core, policies, domain, DEFAULT_BUCKET_BYTES
-        ),
+        lambda: _core.build_plan(source.core, destination.core, policies, domain, DEFAULT_BUCKET_BYTES),
     )
     report.line("  of which C++ build_plan", times_str(core_times))
     end_to_end = result["load_resolve_s"] + compile_s
@@ -281,9 +278,7 @@ def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -
     stats, stats_s = timed(lambda: plan.stats)
     fingerprint, fingerprint_s = timed(lambda: plan.fingerprint)
     regions = len(plan.arrays.region_tensor)
-    report.line(
-        "moves", f"{plan.num_moves:,} ({', '.join(f'{k} {v:,}' for k, v in stats.moves.items())})"
-    )
+    report.line("moves", f"{plan.num_moves:,} ({', '.join(f'{k} {v:,}' for k, v in stats.moves.items())})")
     report.line("regions", f"{regions:,}")
     report.line(
         "buckets",
@@ -368,17 +363,13 @@ def run_plan_case(name: str, args: argparse.Namespace, result: dict[str, Any]) -
     rss_end = max_rss_mib()
 
     report.line("max RSS after imports", f"{rss_start:,.0f} MiB")
-    report.line(
-        "max RSS after load + resolve", f"{rss_loaded:,.0f} MiB (+{rss_loaded - rss_start:,.0f})"
-    )
+    report.line("max RSS after load + resolve", f"{rss_loaded:,.0f} MiB (+{rss_loaded - rss_start:,.0f})")
     report.line(
         "max RSS after reshard plan + validate",
         f"{rss_plan:,.0f} MiB (+{rss_plan - rss_start:,.0f})",
     )
     if not args.skip_broadcast:
-        report.line(
-            "max RSS after broadcast plan", f"{rss_end:,.0f} MiB (+{rss_end - rss_start:,.0f})"
-        )
+        report.line("max RSS after broadcast plan", f"{rss_end:,.0f} MiB (+{rss_end - rss_start:,.0f})")
     result.update(
         rss_start_mib=rss_start,
         rss_loaded_mib=rss_loaded,
@@ -424,9 +415,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     failures: list[str] = []
     rss_start = max_rss_mib()
     case = PLAN_CASES[args.dcp_case]
-    report = Report(
-        f"dcp: torch.distributed.checkpoint's load planner vs layoutlang on {args.dcp_case}"
-    )
+    report = Report(f"dcp: torch.distributed.checkpoint's load planner vs layoutlang on {args.dcp_case}")
     report.line("cores available to this process", str(len(os.sched_getaffinity(0))))
     program, _, source, destination = load_program(HERE / case["file"], report, result)
     names = source.resolved.names
@@ -513,9 +502,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
         local_plan, seconds = timed(planner.create_local_plan)
         plan_times.append(seconds)
         read_items += len(local_plan.items)
-        dcp_bytes = sum(
-            math.prod(item.lengths) * itemsize[item.dest_index.fqn] for item in local_plan.items
-        )
+        dcp_bytes = sum(math.prod(item.lengths) * itemsize[item.dest_index.fqn] for item in local_plan.items)
         received = stats.per_rank[rank]["received"]
         ll_bytes = sum(received.values())
         dcp_total += dcp_bytes
@@ -537,8 +524,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     report.line("state dicts of those ranks (setup)", f"{build_s:.3f} s")
     report.line(
         "DCP create_local_plan, per rank",
-        f"min {dcp_min:.3f} s, median {dcp_median:.3f} s, mean {dcp_mean:.3f} s, "
-        f"max {max(plan_times):.3f} s",
+        f"min {dcp_min:.3f} s, median {dcp_median:.3f} s, mean {dcp_mean:.3f} s, max {max(plan_times):.3f} s",
     )
     report.line(
         f"DCP create_local_plan, {len(ranks)} ranks",
@@ -582,9 +568,7 @@ def run_dcp(args: argparse.Namespace, result: dict[str, Any]) -> list[str]:
     else:
         report.line("per-rank agreement", f"ok: equal on all {len(ranks)} ranks")
     rss_end = max_rss_mib()
-    report.line(
-        "max RSS", f"{rss_end:,.0f} MiB (+{rss_end - rss_start:,.0f} over imports, torch included)"
-    )
+    report.line("max RSS", f"{rss_end:,.0f} MiB (+{rss_end - rss_start:,.0f} over imports, torch included)")
     result.update(
         dcp_case=args.dcp_case,
         dcp_ranks=len(ranks),
@@ -626,11 +610,7 @@ def worker(args: argparse.Namespace) -> int:
 def stacked_pairs(plans: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(base, stacked) results of every stacked case whose base case ran too."""
     by_case = {r["case"]: r for r in plans}
-    return [
-        (by_case[PLAN_CASES[r["case"]]["base"]], r)
-        for r in plans
-        if PLAN_CASES[r["case"]].get("base") in by_case
-    ]
+    return [(by_case[PLAN_CASES[r["case"]]["base"]], r) for r in plans if PLAN_CASES[r["case"]].get("base") in by_case]
 
 
 def stacked_failures(plans: list[dict[str, Any]]) -> list[str]:
@@ -708,9 +688,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="do not compile the gather-and-broadcast plans",
     )
-    parser.add_argument(
-        "--repeat", type=int, default=3, help="compile each plan this many times, report the best"
-    )
+    parser.add_argument("--repeat", type=int, default=3, help="compile each plan this many times, report the best")
     parser.add_argument(
         "--dcp-case",
         default="deepseek_v3",
@@ -768,11 +746,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(json.loads(result_file.read_text()))
             if code:
                 status = 1
-                failures = (
-                    results[-1]["failures"]
-                    if result_file.exists()
-                    else [f"{case}: exit status {code}"]
-                )
+                failures = results[-1]["failures"] if result_file.exists() else [f"{case}: exit status {code}"]
                 for failure in failures:
                     print(f"FAILED: {failure}")
     summary(results)
