@@ -55,6 +55,24 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "n_group": 2,
         "topk_group": 1,
     },
+    # DeepSeek-V2-Lite's shape: no query low-rank projection, a softmax router without bias
+    "deepseek_v2": {
+        **_COMMON,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "topk_method": "group_limited_greedy",
+        "n_group": 2,
+        "topk_group": 1,
+    },
 }
 
 #: safetensors' dtype spellings, written out here rather than taken from layoutlang
@@ -114,8 +132,30 @@ def test_config_alone_differs_only_where_transformers_keeps_fp32(
         # config alone describes, keeps it in bf16 (its e_score_correction_bias is fp32 in both)
         assert differ == {"model.layers.1.mlp.gate.weight": ("bf16", "fp32")}
         assert truth["model.layers.1.mlp.gate.e_score_correction_bias"] == ((4,), "fp32")
+    elif model_type == "deepseek_v2":
+        # the same fp32 router weight; V2's group_limited_greedy router has no correction bias
+        assert differ == {"model.layers.1.mlp.gate.weight": ("bf16", "fp32")}
+        assert not [name for name in truth if "e_score_correction_bias" in name]
     else:
         assert differ == {}
+
+
+@pytest.mark.parametrize(
+    ("topk_method", "biased"), [(None, False), ("greedy", False), ("group_limited_greedy", False), ("noaux_tc", True)]
+)
+def test_deepseek_v2_router_has_a_correction_bias_only_for_noaux_tc(
+    checkpoints: dict[str, Path], tmp_path: Path, topk_method: str | None, biased: bool
+) -> None:
+    # vLLM's DeepseekV2MoE creates gate.e_score_correction_bias iff topk_method == "noaux_tc";
+    # transformers' DeepseekV2Config defaults topk_method to "greedy"
+    config = json.loads((checkpoints["deepseek_v2"] / "config.json").read_text())
+    config.pop("topk_method")
+    if topk_method is not None:
+        config["topk_method"] = topk_method
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    names = imported('tensors from hf "config.json"\n', tmp_path)
+    bias = {name: value for name, value in names.items() if name.endswith("e_score_correction_bias")}
+    assert bias == ({"model.layers.1.mlp.gate.e_score_correction_bias": ((4,), "fp32")} if biased else {})
 
 
 def test_qwen3_moe_config_of_transformers_5_says_num_local_experts(checkpoints: dict[str, Path]) -> None:

@@ -18,10 +18,11 @@ Limits:
   each quantized projection weight is stored as fp8 with an fp32 ``weight_scale_inv`` of
   one element per block. Passing ``dtype=`` describes the unquantized checkpoint instead.
 * From the config alone, every tensor shares the model's dtype, except the FP8 case above and
-  DeepSeek-V3's router ``e_score_correction_bias``, which its published checkpoint keeps in
-  fp32. A checkpoint written by transformers' ``save_pretrained`` keeps more in fp32 (the
-  DeepSeek-V3 router ``gate.weight`` too): pass ``checkpoint=`` and each tensor takes the dtype
-  its safetensors header records, the header also confirming every name and shape.
+  DeepSeek's router ``e_score_correction_bias`` (V3, and V2 configs with ``topk_method:
+  noaux_tc``), which the published checkpoints keep in fp32. A checkpoint written by
+  transformers' ``save_pretrained`` keeps more in fp32 (DeepSeek's router ``gate.weight``
+  too): pass ``checkpoint=`` and each tensor takes the dtype its safetensors header records,
+  the header also confirming every name and shape.
 
 Config keys are read as the transformers versions in use write them: transformers 5 writes
 ``dtype`` (4.x ``torch_dtype``) and a Qwen3-MoE config's expert count as
@@ -426,8 +427,32 @@ def _qwen3_moe(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> No
     _grouped_query_model(reader, out, qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False, moe_layer=moe_layer)
 
 
+def _deepseek_v2(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
+    """DeepSeek-V2 (and V2-Lite, V2.5): the V3 architecture with a softmax router. Its
+    ``topk_method`` is ``greedy`` or ``group_limited_greedy``, and only ``noaux_tc`` (V3's)
+    adds the router's ``e_score_correction_bias``, as in vLLM's deepseek_v2.py (transformers'
+    DeepseekV2TopkRouter never has one); V2 has no multi-token-prediction layers."""
+    _deepseek(reader, out, include_mtp=False, correction_bias=_topk_method(reader) == "noaux_tc")
+
+
 def _deepseek_v3(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> None:
-    """DeepSeek-V3: MLA attention, dense first layers, then routed + shared experts."""
+    """DeepSeek-V3: every router has its ``e_score_correction_bias`` (transformers'
+    DeepseekV3TopkRouter always makes the buffer; every published V3 config says noaux_tc)."""
+    _deepseek(reader, out, include_mtp=include_mtp, correction_bias=True)
+
+
+def _topk_method(reader: _ConfigReader) -> str:
+    """``topk_method``; transformers' DeepseekV2Config defaults it to ``greedy``."""
+    value = reader.config.get("topk_method")
+    if value is None:
+        return "greedy"
+    if not isinstance(value, str):
+        raise reader.error(f"'topk_method' must be a string, not {value!r}")
+    return value
+
+
+def _deepseek(reader: _ConfigReader, out: _TensorList, *, include_mtp: bool, correction_bias: bool) -> None:
+    """DeepSeek-V2/V3: MLA attention, dense first layers, then routed + shared experts."""
     hidden = reader.size("hidden_size")
     vocab = reader.size("vocab_size")
     layers = reader.size("num_hidden_layers")
@@ -438,7 +463,7 @@ def _deepseek_v3(reader: _ConfigReader, out: _TensorList, include_mtp: bool) -> 
     def decoder_layer(prefix: str, layer: int) -> None:
         _mla_attention(reader, out, f"{prefix}.self_attn", hidden)
         if layer >= first_dense and layer % moe_every == 0:
-            _deepseek_moe(reader, out, f"{prefix}.mlp", hidden)
+            _deepseek_moe(reader, out, f"{prefix}.mlp", hidden, correction_bias=correction_bias)
         else:
             out.gated_mlp(f"{prefix}.mlp", hidden, reader.size("intermediate_size"))
         out.add(f"{prefix}.input_layernorm.weight", hidden)
@@ -487,15 +512,16 @@ def _mla_attention(reader: _ConfigReader, out: _TensorList, attn: str, hidden: i
     out.linear(f"{attn}.o_proj", hidden, heads * v_dim, bias=bias)
 
 
-def _deepseek_moe(reader: _ConfigReader, out: _TensorList, mlp: str, hidden: int) -> None:
-    """Routed experts, the sigmoid router with its load-balancing bias, and shared experts."""
+def _deepseek_moe(reader: _ConfigReader, out: _TensorList, mlp: str, hidden: int, *, correction_bias: bool) -> None:
+    """Routed experts, the router (V3's sigmoid router with its load-balancing bias), and shared experts."""
     experts = reader.size("n_routed_experts")
     expert_intermediate = reader.size("moe_intermediate_size")
     shared = reader.optional_size("n_shared_experts", default=0)
     for expert in range(experts):
         out.gated_mlp(f"{mlp}.experts.{expert}", hidden, expert_intermediate)
     out.add(f"{mlp}.gate.weight", experts, hidden)
-    out.add_fp32_buffer(f"{mlp}.gate.e_score_correction_bias", experts)
+    if correction_bias:
+        out.add_fp32_buffer(f"{mlp}.gate.e_score_correction_bias", experts)
     if shared:
         # the shared experts are stored fused as one MLP, shared times as wide
         out.gated_mlp(f"{mlp}.shared_experts", hidden, expert_intermediate * shared)
@@ -508,6 +534,7 @@ _BUILDERS: dict[str, Callable[[_ConfigReader, _TensorList, bool], None]] = {
     "qwen2": _qwen2,
     "qwen3": _qwen3,
     "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _deepseek_v3,
 }
 
