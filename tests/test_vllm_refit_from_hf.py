@@ -1,5 +1,6 @@
 """Checkpoints that transformers writes, refit into vLLM's own parameters (preset:llama/vllm_fused,
-preset:qwen2/vllm_fused, preset:qwen3_moe/vllm_fused_ep).
+preset:qwen2/vllm_fused, preset:qwen3_moe/vllm_fused_ep, preset:mixtral/vllm_fused and
+vllm_fused_ep, preset:deepseek/vllm_fused and vllm_fused_ep).
 
 Each model is built here from a tiny config with random weights (nothing downloaded) and
 saved with ``save_pretrained``; the program imports it with ``tensors from hf``, and
@@ -8,10 +9,15 @@ every destination rank's storages. The oracle reads the checkpoint with the ``sa
 library and applies vLLM's loading rules, written out here from vLLM's code, not from
 layoutlang's model:
 
-- ``vllm/model_executor/models/llama.py``, ``qwen2.py``, ``qwen3_moe.py``: the parameters
-  each ``*ForCausalLM`` holds (``named_parameters()``), with ``load_weights``'
+- ``vllm/model_executor/models/llama.py``, ``qwen2.py``, ``qwen3_moe.py``, ``mixtral.py``: the
+  parameters each ``*ForCausalLM`` holds (``named_parameters()``), with ``load_weights``'
   ``stacked_params_mapping`` (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``; Qwen2's
   q/k/v biases -> ``qkv_proj.bias``) and, with ``tie_word_embeddings``, no ``lm_head``.
+  Mixtral has no q/k norms and no dense MLP: its MoE block is ``block_sparse_moe`` (router
+  ``gate``), its experts ``w1`` (gate), ``w3`` (up), ``w2`` (down) loaded into the FusedMoE.
+- ``vllm/model_executor/models/deepseek_v2.py`` (DeepSeek-V3): written out once in
+  tests/vllm_rules.py (``deepseek_parameters``, ``deepseek_loaded``), shared with
+  tests/test_deepseek_preset.py.
 - ``vllm/model_executor/layers/linear.py``: ``QKVParallelLinear`` creates
   ``(heads / tp + 2 * max(1, kv_heads / tp)) * head_dim`` rows; its ``weight_loader`` puts
   q rows ``tp_rank * q_size`` and the k and v rows of kv head ``tp_rank // (tp / kv_heads)``
@@ -24,7 +30,11 @@ layoutlang's model:
 - ``vllm/model_executor/layers/fused_moe/``: with expert parallelism the experts' TP is 1
   and EP spans dp x tp (EP rank ``dp_rank * tp + tp_rank``); ``determine_expert_map``
   (linear: contiguous, the first ``E % ep`` ranks one more); ``w13_weight``
-  ``[local, 2 * I, H]`` (each expert ``[gate | up]``), ``w2_weight`` ``[local, H, I]``.
+  ``[local, 2 * I, H]`` (each expert ``[gate | up]``), ``w2_weight`` ``[local, H, I]``;
+  without expert parallelism every expert, each cut by TP (``_load_w13``, ``_load_w2``).
+
+Every written storage has the dtype the checkpoint stores its tensors in (transformers keeps
+DeepSeek's router in fp32 in a bf16 checkpoint).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_rules import expert_map
+from vllm_rules import deepseek_loaded, deepseek_parameters, expert_map, fused_moe, vocab_parallel
 
 import layoutlang
 
@@ -59,7 +69,9 @@ _COMMON: dict[str, Any] = {
 }
 
 #: tiny configs in the arguments transformers' config classes take; Qwen2 ties its embeddings
-#: as the small Qwen2.5 models do, and Qwen3-MoE has 6 experts so that 4 EP ranks hold 2, 2, 1, 1
+#: as the small Qwen2.5 models do, and the MoE models have 6 experts so that 4 EP ranks hold
+#: 2, 2, 1, 1; DeepSeek-V3 is tests/test_hf_checkpoints.py's, with 6 experts and vLLM's
+#: topk_method (which transformers' config class does not keep unless given)
 MODELS: dict[str, dict[str, Any]] = {
     "llama": {**_COMMON, "tie_word_embeddings": False},
     "qwen2": {**_COMMON, "tie_word_embeddings": True},
@@ -71,6 +83,32 @@ MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 8,
         "tie_word_embeddings": False,
     },
+    "mixtral": {**_COMMON, "num_local_experts": 6, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    "deepseek_v3": {
+        **_COMMON,
+        "num_key_value_heads": 4,
+        "moe_intermediate_size": 16,
+        "n_routed_experts": 6,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "kv_lora_rank": 16,
+        "q_lora_rank": 24,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_group": 2,
+        "topk_group": 1,
+        "topk_method": "noaux_tc",
+        "tie_word_embeddings": False,
+    },
+}
+
+#: where each MoE family keeps its experts: the block, the expert count's key, the gate, up
+#: and down projections' names, the expert intermediate size's key
+MOE = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size"),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "intermediate_size"),
 }
 
 
@@ -109,7 +147,10 @@ def head_dim(cfg: dict[str, Any]) -> int:
 
 
 def vllm_shapes(cfg: dict[str, Any], tp: int, local_experts: int | None = None) -> dict[str, tuple[int, ...]]:
-    """The name and shape of every parameter vLLM's model creates on one rank (create_weights)."""
+    """The name and shape of every parameter vLLM's model creates on one rank (create_weights);
+    ``local_experts``: the EP rank's expert count under expert parallelism."""
+    if cfg["model_type"] == "deepseek_v3":
+        return deepseek_parameters(cfg, tp, local_experts)
     hidden, heads, kv_heads, d = (
         cfg["hidden_size"],
         cfg["num_attention_heads"],
@@ -126,15 +167,16 @@ def vllm_shapes(cfg: dict[str, Any], tp: int, local_experts: int | None = None) 
             out[f"{p}.self_attn.qkv_proj.bias"] = (qkv_rows,)
         out[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * d // tp)
         if cfg["model_type"] == "qwen3_moe":
-            # expert parallelism: the experts have no TP, the rank holds its local experts whole
-            assert local_experts is not None
-            inter, experts = cfg["moe_intermediate_size"], cfg["num_local_experts"]
+            out |= {f"{p}.self_attn.q_norm.weight": (d,), f"{p}.self_attn.k_norm.weight": (d,)}
+        if cfg["model_type"] in MOE:
+            # with expert parallelism the experts have no TP, the rank holds its local experts whole
+            block, _, inter_key = MOE[cfg["model_type"]]
+            inter, experts = cfg[inter_key], cfg["num_local_experts"]
+            local, moe_tp = (experts, tp) if local_experts is None else (local_experts, 1)
             out |= {
-                f"{p}.self_attn.q_norm.weight": (d,),
-                f"{p}.self_attn.k_norm.weight": (d,),
-                f"{p}.mlp.gate.weight": (experts, hidden),
-                f"{p}.mlp.experts.w13_weight": (local_experts, 2 * inter, hidden),
-                f"{p}.mlp.experts.w2_weight": (local_experts, hidden, inter),
+                f"{p}.{block}.gate.weight": (experts, hidden),
+                f"{p}.{block}.experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
+                f"{p}.{block}.experts.w2_weight": (local, hidden, inter // moe_tp),
             }
         else:
             inter = cfg["intermediate_size"]
@@ -148,20 +190,13 @@ def vllm_shapes(cfg: dict[str, Any], tp: int, local_experts: int | None = None) 
     return out
 
 
-def vocab_parallel(weight: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    """VocabParallelEmbedding.weight_loader: the rank's real rows, then zeros up to its shard."""
-    per = -(-weight.shape[0] // 64) * 64 // tp
-    start, end = tp_rank * per, min(weight.shape[0], (tp_rank + 1) * per)
-    out = weight.new_zeros((per, *weight.shape[1:]))
-    if end > start:
-        out[: end - start] = weight[start:end]
-    return out
-
-
 def vllm_loaded(
     full: dict[str, torch.Tensor], cfg: dict[str, Any], tp: int, tp_rank: int, ep: tuple[int, int] | None = None
 ) -> dict[str, torch.Tensor]:
     """What vLLM's weight loaders leave in every parameter of one rank; ep is (EP rank, EP size)."""
+    experts = expert_map(ep[0], ep[1], num_experts(cfg)) if ep is not None else None
+    if cfg["model_type"] == "deepseek_v3":
+        return deepseek_loaded(full, cfg, tp, tp_rank, experts)
     heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], head_dim(cfg)
     q_size, kv_size = heads // tp * d, max(1, kv_heads // tp) * d
     kv_rank = tp_rank // max(1, tp // kv_heads)
@@ -179,13 +214,15 @@ def vllm_loaded(
             )
         o_proj = full[f"{p}.self_attn.o_proj.weight"]
         out[f"{p}.self_attn.o_proj.weight"] = o_proj.narrow(1, tp_rank * (o_proj.shape[1] // tp), o_proj.shape[1] // tp)
-        if ep is not None:
-            local = expert_map(ep[0], ep[1], cfg["num_local_experts"])
-            x = f"{p}.mlp.experts"
-            out[f"{x}.w13_weight"] = torch.stack(
-                [torch.cat([full[f"{x}.{e}.gate_proj.weight"], full[f"{x}.{e}.up_proj.weight"]]) for e in local]
+        if cfg["model_type"] in MOE:
+            # FusedMoE: whole experts with expert parallelism, else every expert cut by TP
+            block, projections, _ = MOE[cfg["model_type"]]
+            x = f"{p}.{block}.experts"
+            local, moe_tp, moe_rank = (experts, 1, 0) if experts is not None else (range(num_experts(cfg)), tp, tp_rank)
+            names = [tuple(f"{x}.{e}.{w}.weight" for w in projections) for e in local]
+            out[f"{x}.w13_weight"], out[f"{x}.w2_weight"] = fused_moe(
+                full, names, moe_tp, moe_rank, full[f"{x}.0.{projections[0]}.weight"]
             )
-            out[f"{x}.w2_weight"] = torch.stack([full[f"{x}.{e}.down_proj.weight"] for e in local])
         else:  # MergedColumnParallelLinear and RowParallelLinear
             shard = cfg["intermediate_size"] // tp
             out[f"{p}.mlp.gate_up_proj.weight"] = torch.cat(
@@ -196,34 +233,41 @@ def vllm_loaded(
             )
             out[f"{p}.mlp.down_proj.weight"] = full[f"{p}.mlp.down_proj.weight"].narrow(1, tp_rank * shard, shard)
     # everything else vLLM holds is replicated: the norms, q_norm, k_norm and the router
-    out |= {name: t for name, t in full.items() if "norm" in name or name.endswith(".mlp.gate.weight")}
+    out |= {name: t for name, t in full.items() if "norm" in name or name.endswith(".gate.weight")}
     if "lm_head.weight" in full:
         out["lm_head.weight"] = vocab_parallel(full["lm_head.weight"], tp, tp_rank)
     return out
 
 
+def num_experts(cfg: dict[str, Any]) -> int:
+    return cfg["n_routed_experts"] if cfg["model_type"] == "deepseek_v3" else cfg["num_local_experts"]
+
+
 # ------------------------------------------------------------------ the programs
 
-#: the presets the tests use, with the lines a program writes before including them
+#: the presets the tests use: the lines that include vllm_fused, then those that add vllm_fused_ep
 PRESETS = {
-    "llama": ['include "preset:llama/vllm_fused"'],
-    "qwen2": ['include "preset:qwen2/vllm_fused"'],
+    "llama": (['include "preset:llama/vllm_fused"'], []),
+    "qwen2": (['include "preset:qwen2/vllm_fused"'], []),
     # transformers 5 writes the expert count as num_local_experts
-    "qwen3_moe": [
-        'include "preset:qwen3_moe/vllm_fused"',
-        "let num_experts = cfg.num_local_experts",
-        'include "preset:qwen3_moe/vllm_fused_ep"',
-    ],
+    "qwen3_moe": (
+        ['include "preset:qwen3_moe/vllm_fused"'],
+        ["let num_experts = cfg.num_local_experts", 'include "preset:qwen3_moe/vllm_fused_ep"'],
+    ),
+    "mixtral": (['include "preset:mixtral/vllm_fused"'], ['include "preset:mixtral/vllm_fused_ep"']),
+    "deepseek_v3": (['include "preset:deepseek/vllm_fused"'], ['include "preset:deepseek/vllm_fused_ep"']),
 }
 
 
-def write_program(folder: Path, checkpoint: Path, model_type: str, lines: list[str], name: str) -> Path:
+def write_program(
+    folder: Path, checkpoint: Path, model_type: str, lines: list[str], name: str, ep: bool = False
+) -> Path:
+    """The import, the first of ``lines`` (the destination mesh), the presets, the other lines."""
+    fused, expert_parallel = PRESETS[model_type]
+    presets = [*fused, *expert_parallel] if ep else fused
     path = folder / f"{name}.layout"
     path.write_text(
-        "\n".join(
-            [f'tensors from hf "{checkpoint / "config.json"}" as cfg', *lines[:1], *PRESETS[model_type], *lines[1:]]
-        )
-        + "\n"
+        "\n".join([f'tensors from hf "{checkpoint / "config.json"}" as cfg', *lines[:1], *presets, *lines[1:]]) + "\n"
     )
     return path
 
@@ -287,6 +331,45 @@ def apply(program: Path, checkpoint: Path, out: Path) -> None:
             True,
             id="qwen3-moe-tp2-to-ep4",
         ),
+        # Mixtral, FSDP-style into TP 2: every expert in w13_weight / w2_weight, cut by TP
+        pytest.param(
+            "mixtral",
+            ["mesh train [dp = 2] on ranks 0..1", "layout train on train { default: dp = shard(0) }"],
+            "mesh infer [tp = 2] on ranks 2..3",
+            False,
+            id="mixtral-fsdp-to-tp2",
+        ),
+        # Mixtral whole on one rank into EP over dp x tp: w1 | w3 and w2 of 2, 2, 1, 1 experts
+        pytest.param(
+            "mixtral",
+            ["mesh train [r = 1] on ranks 0..0", "layout train on train { default: replicate }"],
+            "mesh infer [dp = 2, tp = 2] on ranks 1..4",
+            True,
+            id="mixtral-replicated-to-ep4",
+        ),
+        # DeepSeek-V3 (fp32 router and bias in a bf16 checkpoint), FSDP-style into TP 2: the
+        # fused_qkv_a_proj, the dense first layer, shared and routed experts cut by TP
+        pytest.param(
+            "deepseek_v3",
+            ["mesh train [dp = 2] on ranks 0..1", "layout train on train { default: dp = shard(0) }"],
+            "mesh infer [tp = 2] on ranks 2..3",
+            False,
+            id="deepseek-v3-fsdp-to-tp2",
+        ),
+        # DeepSeek-V3 cut on dim 1 over two ranks into EP 4 (dp 2 x tp 2): whole experts
+        pytest.param(
+            "deepseek_v3",
+            [
+                "mesh train [tp = 2] on ranks 0..1",
+                (
+                    'layout train on train { "model.layers.{l}.mlp.experts.{e}.*": tp = shard(1) '
+                    "default: tp = shard(0) }"
+                ),
+            ],
+            "mesh infer [dp = 2, tp = 2] on ranks 2..5",
+            True,
+            id="deepseek-v3-tp2-to-ep4",
+        ),
     ],
 )
 def test_apply_refits_a_transformers_checkpoint_into_vllms_parameters(
@@ -295,7 +378,7 @@ def test_apply_refits_a_transformers_checkpoint_into_vllms_parameters(
     checkpoint = checkpoints[model_type]
     name = "vllm_fused_ep" if ep else "vllm_fused"
     program = write_program(
-        tmp_path, checkpoint, model_type, [destination, *source, f"reshard train -> {name}"], "refit"
+        tmp_path, checkpoint, model_type, [destination, *source, f"reshard train -> {name}"], "refit", ep=ep
     )
     out = tmp_path / "out"
     apply(program, checkpoint, out)
@@ -309,9 +392,10 @@ def test_apply_refits_a_transformers_checkpoint_into_vllms_parameters(
         dp_rank, tp_rank = divmod(index, tp)
         ep_rank = (dp_rank * tp + tp_rank, len(mesh.ranks)) if ep else None
         want = vllm_loaded(full, cfg, tp, tp_rank, ep_rank)
-        local = len(expert_map(*ep_rank, cfg["num_local_experts"])) if ep_rank else None
+        local = len(expert_map(*ep_rank, num_experts(cfg))) if ep_rank else None
         got = read_all(out / f"rank{rank:05d}.safetensors")
         assert {n: tuple(t.shape) for n, t in got.items()} == vllm_shapes(cfg, tp, local), rank
         assert got.keys() == want.keys(), rank
         for parameter, tensor in want.items():
-            assert got[parameter].dtype == torch.bfloat16 and torch.equal(got[parameter], tensor), (rank, parameter)
+            # the dtype the checkpoint stores (bf16, DeepSeek's router fp32), and its values
+            assert got[parameter].dtype == tensor.dtype and torch.equal(got[parameter], tensor), (rank, parameter)
