@@ -19,6 +19,7 @@
 
 #include "layout_core.hpp"
 #include "planner.hpp"
+#include "recovery.hpp"
 #include "shard_math.hpp"
 
 namespace nb = nanobind;
@@ -477,6 +478,52 @@ NB_MODULE(_core, m) {
       },
       "plan"_a, "source"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "max_problems"_a = 20,
       "Problems with the plan (empty when it is valid).");
+
+  // ---------------------------------------------------------------- recovery decisions
+  nb::class_<Regions>(m, "Regions",
+                      "Disjoint boxes of logical tensors: region i is tensor[i] at offsets/sizes "
+                      "[dims_start[i], dims_start[i] + ndim).")
+      .def_ro("tensor", &Regions::tensor)
+      .def_ro("dims_start", &Regions::dims_start)
+      .def_ro("offsets", &Regions::offsets)
+      .def_ro("sizes", &Regions::sizes)
+      .def("__len__", [](const Regions& r) { return r.tensor.size(); });
+
+  m.def(
+      "lost_regions",
+      [](const std::vector<const LayoutCore*>& layouts, const std::vector<std::vector<int32_t>>& tensor_ids,
+         const std::vector<Shape>& shapes, const std::vector<int64_t>& lost) {
+        nb::gil_scoped_release release;
+        return lost_regions(layouts, tensor_ids, shapes, lost);
+      },
+      "layouts"_a, "tensor_ids"_a, "shapes"_a, "lost"_a,
+      "The regions of the tensors (numbered 0..len(shapes)-1; tensor_ids[k][t]: the number of tensor t of "
+      "layouts[k]) that no rank outside `lost` holds in any layout, for the tensors a lost rank holds.");
+
+  m.def(
+      "same_holdings",
+      [](const LayoutCore& before, const std::vector<int64_t>& before_names,
+         const std::vector<std::optional<Shape>>& before_views, const LayoutCore& after,
+         const std::vector<int64_t>& after_names, const std::vector<std::optional<Shape>>& after_views,
+         const std::vector<int64_t>& ranks) {
+        auto side = [](const LayoutCore& core, const std::vector<int64_t>& names,
+                       const std::vector<std::optional<Shape>>& views) {
+          NamedLayout out{&core, names, {}, {}};
+          for (const auto& view : views) {
+            out.has_view.push_back(view.has_value() ? 1 : 0);
+            out.views.push_back(view.value_or(Shape{}));
+          }
+          return out;
+        };
+        const NamedLayout b = side(before, before_names, before_views);
+        const NamedLayout a = side(after, after_names, after_views);
+        nb::gil_scoped_release release;
+        const std::vector<uint8_t> same = same_holdings(b, a, ranks);
+        return std::vector<bool>(same.begin(), same.end());
+      },
+      "before"_a, "before_names"_a, "before_views"_a, "after"_a, "after_names"_a, "after_views"_a, "ranks"_a,
+      "For each rank: whether it holds the same storages (names: a number per storage, equal for equal names; "
+      "views: the shape a storage is viewed as, or None) and the same boxes at the same places in both layouts.");
 
   register_nccl_bindings(m);
 }

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "layout_core.hpp"
+#include "replica_groups.hpp"
 
 namespace layoutlang {
 
@@ -61,12 +62,6 @@ struct PlanData {
   int64_t lower_bound_bytes = 0;
   // Gathered plus broadcast bytes, each tensor counted once per phase (the "logical payload").
   int64_t broadcast_payload_bytes = 0;
-};
-
-// One replica group of a tensor: ranks holding exactly the same runs.
-struct HoldingGroup {
-  std::vector<std::vector<Run>> runs;  // per dim, in local order
-  std::vector<int64_t> ranks;          // ascending
 };
 
 PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,

@@ -88,9 +88,12 @@ def data_parallel_axes(layout: Layout) -> list[str]:
     submesh_axes = {a for rule in layout.rules for a in dict(rule.submesh)}
     names = layout.mesh.axis_names
     candidates = [a for a in names if a not in submesh_axes]
-    for tensor in layout.tensors:
-        placements = layout.placement(tensor).placements
-        candidates = [a for a in candidates if isinstance(placements[names.index(a)], Replicate)]
+    # A tensor's placements are its rule's: look at each rule that places some tensor once
+    # (a few dozen rules, not 45k tensors).
+    used = {id(rule): rule for rule in layout.resolved.rule_of}
+    for rule in used.values():
+        placed = dict(rule.placements)
+        candidates = [a for a in candidates if isinstance(placed.get(a, Replicate()), Replicate)]
         if not candidates:
             break
     return candidates

@@ -9,15 +9,15 @@ inference layout *and* the training layout), is lost. Recovery plans
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
-import numpy as np
-
 from .._text import tensor_region
-from ..errors import DataLossError, LayoutValueError
+from ..core import _core
+from ..errors import DataLossError, LayoutValueError, core_errors
 from ..model import Layout
 
-__all__ = ["check_recoverable", "lost_regions", "rank_set"]
+__all__ = ["check_recoverable", "lost_regions", "rank_set", "same_holdings"]
 
 
 def rank_set(lost: Iterable[int]) -> set[int]:
@@ -25,9 +25,7 @@ def rank_set(lost: Iterable[int]) -> set[int]:
     try:
         return {int(r) for r in lost}
     except TypeError:
-        raise LayoutValueError(
-            f"lost ranks must be an iterable of integers, not {lost!r}"
-        ) from None
+        raise LayoutValueError(f"lost ranks must be an iterable of integers, not {lost!r}") from None
 
 
 def _as_layouts(layouts: Layout | Iterable[Layout]) -> list[Layout]:
@@ -40,45 +38,34 @@ def _as_layouts(layouts: Layout | Iterable[Layout]) -> list[Layout]:
     return out
 
 
-def _merge_cells(
-    free: np.ndarray, bounds: list[np.ndarray]
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Disjoint boxes exactly covering the True cells of a compressed grid (greedy, row-major)."""
-    free = free.copy()
-    out = []
-    ndim = free.ndim
-    for start in zip(*np.nonzero(free)):
-        if not free[start]:
-            continue
-        end = list(start)
-        for d in reversed(range(ndim)):  # grow the last dim first, then earlier dims
-            while end[d] + 1 < free.shape[d]:
-                probe = tuple(
-                    slice(start[k], end[k] + 1) if k != d else slice(end[d] + 1, end[d] + 2)
-                    for k in range(ndim)
-                )
-                if free[probe].all():
-                    end[d] += 1
-                else:
-                    break
-        free[tuple(slice(s, e + 1) for s, e in zip(start, end))] = False
-        offsets = tuple(int(bounds[d][start[d]]) for d in range(ndim))
-        sizes = tuple(int(bounds[d][end[d] + 1] - bounds[d][start[d]]) for d in range(ndim))
-        out.append((offsets, sizes))
-    return out
-
-
 def lost_regions(
     layouts: Layout | Iterable[Layout], lost: Iterable[int]
 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """Every region of every logical tensor that no surviving rank of any of ``layouts`` holds.
 
     Returns ``(tensor, offsets, sizes)`` triples: disjoint boxes, exact for uneven, padded and
-    strided layouts (the tensor is cut at every box boundary and each cell is checked), in
-    the order the tensors are first declared.
+    strided layouts, in the order the tensors are first declared. Only tensors that a lost
+    rank holds are looked at (anything never held at all is not a *loss*).
+
+    The C++ core decides it replica group by replica group (``_core.lost_regions``): a
+    tensor one of whose layouts still has a surviving member in every replica group is
+    whole, which settles nearly every tensor without looking at a box. Only the others are
+    cut at every boundary of the boxes surviving ranks hold; the cells nobody holds are
+    merged greedily in row-major order (the last dim grown first, then earlier dims).
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh train [dp = 2, tp = 2]
+    ... tensor "w" [8, 4] fp32
+    ... layout fsdp on train { "w": tp = shard(0) }
+    ... ''')
+    >>> lost_regions(p.layouts["fsdp"], {1})  # rank 3 still holds rows 4:8
+    []
+    >>> lost_regions(p.layouts["fsdp"], {1, 3})
+    [('w', (4, 0), (4, 4))]
     """
     layouts = _as_layouts(layouts)
-    lost_ranks = rank_set(lost)
+    lost_ranks = sorted(rank_set(lost))
     names: dict[str, tuple[int, ...]] = {}
     for layout in layouts:
         for tensor, logical in layout.tensors.items():
@@ -88,50 +75,79 @@ def lost_regions(
                     f"tensor '{tensor}' has shape {list(names[tensor])} in one layout and {list(shape)} in "
                     f"layout '{layout.name}'"
                 )
-    out: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
-    for tensor, shape in names.items():
-        if 0 in shape:
-            continue
-        survivors: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-        any_lost = False
-        for layout in layouts:
-            if tensor not in layout.tensors:
-                continue
-            for rank in layout.holders(tensor):
-                if rank in lost_ranks:
-                    any_lost = True
-                    continue
-                survivors.extend(
-                    (b.offsets, b.sizes) for b in layout.boxes(tensor, rank) if b.numel
-                )
-        if not any_lost:
-            # Nobody holding the tensor is lost; anything never held at all is not a *loss*.
-            continue
-        ndim = len(shape)
-        cuts = [{0, n} for n in shape]
-        for offsets, sizes in survivors:
-            for d in range(ndim):
-                cuts[d].add(offsets[d])
-                cuts[d].add(offsets[d] + sizes[d])
-        bounds = [np.array(sorted(c), dtype=np.int64) for c in cuts]
-        free = np.ones(tuple(len(b) - 1 for b in bounds), dtype=bool)
-        for offsets, sizes in survivors:
-            index = tuple(
-                slice(
-                    int(np.searchsorted(bounds[d], offsets[d])),
-                    int(np.searchsorted(bounds[d], offsets[d] + sizes[d])),
-                )
-                for d in range(ndim)
-            )
-            free[index] = False
-        if free.any():
-            out.extend((tensor, o, s) for o, s in _merge_cells(free, bounds))
+    number = {name: i for i, name in enumerate(names)}
+    ordered = list(names)
+    with core_errors(ordered):
+        found = _core.lost_regions(
+            [layout.core for layout in layouts],
+            [[number[name] for name in layout.resolved.names] for layout in layouts],
+            [list(shape) for shape in names.values()],
+            lost_ranks,
+        )
+    tensors, starts = found.tensor, found.dims_start
+    offsets, sizes = found.offsets, found.sizes
+    out = []
+    for i, t in enumerate(tensors):
+        name = ordered[t]
+        ndim = len(names[name])
+        begin = starts[i]
+        out.append((name, tuple(offsets[begin : begin + ndim]), tuple(sizes[begin : begin + ndim])))
     return out
 
 
-def check_recoverable(
-    layouts: Layout | Iterable[Layout], lost: Iterable[int], *, limit: int = 10
-) -> None:
+def same_holdings(before: Layout, after: Layout, ranks: Iterable[int]) -> list[bool]:
+    """For each of ``ranks``: whether it holds the same storages (names and shapes) and the
+    same boxes of every tensor, at the same places in them, in ``before`` and ``after``
+    (a rank outside either mesh does not). The layouts must place the same tensors.
+
+    This is what decides, after a membership change, which ranks keep their storages and
+    which a recovery plan must fill. The C++ core (``_core.same_holdings``) compares replica
+    groups: one comparison per distinct pair of placements and rank, not per tensor and rank.
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh infer [dp = 3, tp = 2]
+    ... mesh shrunk [dp = 2, tp = 2] on ranks [0, 1, 4, 5]
+    ... mesh swapped [dp = 3, tp = 2] on ranks [0, 1, 2, 3, 5, 4]
+    ... tensor "w" [8, 4] fp32
+    ... layout serve on infer { "w": tp = shard(0) }
+    ... layout small on shrunk { "w": tp = shard(0) }
+    ... layout swap on swapped { "w": tp = shard(0) }
+    ... ''')
+    >>> serve = p.layouts["serve"]
+    >>> same_holdings(serve, p.layouts["small"], [0, 1, 4, 5])  # a replica dropped: the rest stay
+    [True, True, True, True]
+    >>> same_holdings(serve, p.layouts["swap"], [3, 4, 5])  # ranks 4 and 5 trade their rows
+    [True, False, False]
+    """
+    ranks = [int(r) for r in ranks]
+    if list(before.tensors) != list(after.tensors):
+        if set(before.tensors) != set(after.tensors):
+            raise LayoutValueError(f"layouts '{before.name}' and '{after.name}' place different logical tensors")
+        after = Layout(
+            after.name,
+            after.mesh,
+            {n: after.tensors[n] for n in before.tensors},
+            after.rules,
+            after.storages,
+            after.span,
+        )
+    ids: dict[str, int] = {}
+    sides = []
+    for layout in (before, after):
+        storages = layout.resolved.storages
+        sides.append(
+            (
+                layout.core,
+                [ids.setdefault(s.name, len(ids)) for s in storages],
+                [list(s.view) if s.view is not None else None for s in storages],
+            )
+        )
+    with core_errors(before.resolved.names):
+        return list(_core.same_holdings(*sides[0], *sides[1], ranks))
+
+
+def check_recoverable(layouts: Layout | Iterable[Layout], lost: Iterable[int], *, limit: int = 10) -> None:
     """Raises :class:`DataLossError` naming the lost tensors and regions (at most ``limit``
     regions shown, then how many more) when some data is held only by lost ranks."""
     layouts = _as_layouts(layouts)
@@ -140,7 +156,7 @@ def check_recoverable(
     if not regions:
         return
     tensors = list(dict.fromkeys(t for t, _, _ in regions))
-    elements = sum(int(np.prod(s)) for _, _, s in regions)
+    elements = sum(math.prod(s) for _, _, s in regions)
     shown = ", ".join(tensor_region(*r) for r in regions[:limit])
     more = len(regions) - limit
     rs = "rank" if len(lost_ranks) == 1 else "ranks"
@@ -148,8 +164,7 @@ def check_recoverable(
         f"data lost: {rs} {', '.join(map(str, lost_ranks))} held the only copies of {len(regions)} "
         f"region{'s' if len(regions) != 1 else ''} of {len(tensors)} tensor{'s' if len(tensors) != 1 else ''} "
         f"({elements} elements) in layout{'s' if len(layouts) != 1 else ''} "
-        f"{', '.join(repr(layout.name) for layout in layouts)}: {shown}"
-        + (f" and {more} more" if more > 0 else "")
+        f"{', '.join(repr(layout.name) for layout in layouts)}: {shown}" + (f" and {more} more" if more > 0 else "")
     )
     raise DataLossError(
         message,

@@ -1,0 +1,228 @@
+"""Recovery decisions in the C++ core: lost regions and which ranks' holdings changed.
+
+``lost_regions`` and ``same_holdings`` (layoutlang.plan.loss) decide in the core, replica
+group by replica group. Their oracles here are written from the definitions, rank by rank
+and element by element, with nothing from the core but each rank's boxes:
+
+- a region is lost when a lost rank held some of its tensor and no surviving rank of any
+  layout holds it; the regions are the cells of the tensor cut at every surviving box
+  boundary that nobody holds, merged greedily in row-major order (from each free cell, the
+  last dim grown first while the cells are free, then earlier dims), which is the answer
+  the Python analysis gave before it moved into the core;
+- a rank holds the same in two layouts when its storages (names, shapes as held) and its
+  boxes of every tensor (offsets, sizes, storage, place, transposition) are equal.
+
+Checked on random programs (hypothesis: uneven, padded, strided, interleaved and fused
+layouts, sub-meshes, pipeline stages), on every program of examples/, and on the small
+programs of tests/test_recovery_plan.py and tests/test_elastic_remesh.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_elastic_remesh import PROGRAM as REMESH_PROGRAM
+from test_plan_properties import load_or_reject, programs
+from test_recovery_plan import TEXT as RECOVERY_PROGRAM
+
+import layoutlang
+from elastic import remesh
+from layoutlang.errors import LayoutError, LayoutValueError
+from layoutlang.plan.loss import lost_regions, same_holdings
+
+pytestmark = pytest.mark.timeout(300)
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.layout"))
+
+
+# ---------------------------------------------------------------------------- oracles
+
+
+def oracle_lost_regions(layouts, lost):
+    """The lost regions from the definition (see the module doc), rank by rank."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        for name, tensor in layout.tensors.items():
+            shapes.setdefault(name, tuple(tensor.shape))
+    out = []
+    for name, shape in shapes.items():
+        if 0 in shape:
+            continue
+        held, hit = [], False
+        for layout in layouts:
+            if name not in layout.tensors:
+                continue
+            for rank in layout.holders(name):
+                if rank in lost:
+                    hit = True
+                else:
+                    held += [(b.offsets, b.sizes) for b in layout.boxes(name, rank) if b.numel]
+        if not hit:
+            continue
+        cuts = [sorted({0, n, *(o[d] for o, _ in held), *(o[d] + s[d] for o, s in held)}) for d, n in enumerate(shape)]
+        grid = tuple(len(c) - 1 for c in cuts)
+        free = np.ones(grid, bool)
+        for offsets, sizes in held:
+            free[tuple(slice(c.index(o), c.index(o + s)) for c, o, s in zip(cuts, offsets, sizes))] = False
+        for start in itertools.product(*(range(g) for g in grid)):
+            if not free[start]:
+                continue
+            end = list(start)
+            for d in reversed(range(len(grid))):
+                while end[d] + 1 < grid[d]:
+                    probe = tuple(
+                        slice(end[k] + 1, end[k] + 2) if k == d else slice(start[k], end[k] + 1)
+                        for k in range(len(grid))
+                    )
+                    if not free[probe].all():
+                        break
+                    end[d] += 1
+            free[tuple(slice(s, e + 1) for s, e in zip(start, end))] = False
+            out.append(
+                (
+                    name,
+                    tuple(cuts[d][start[d]] for d in range(len(grid))),
+                    tuple(cuts[d][end[d] + 1] - cuts[d][start[d]] for d in range(len(grid))),
+                )
+            )
+    return out
+
+
+def oracle_same(before, after, rank) -> bool:
+    """Whether ``rank`` holds the same storages and boxes in both layouts, from the boxes."""
+    if rank not in before.mesh or rank not in after.mesh:
+        return False
+    if before.storages_on(rank) != after.storages_on(rank):
+        return False
+    return all(before.boxes(t, rank) == after.boxes(t, rank) for t in before.tensors)
+
+
+def element_check(layouts, lost, regions) -> None:
+    """The regions are disjoint and are exactly the elements no survivor holds (of tensors
+    a lost rank held)."""
+    for name in dict.fromkeys(n for layout in layouts for n in layout.tensors):
+        shape = next(layout.tensors[name].shape for layout in layouts if name in layout.tensors)
+        survivors = np.zeros(shape, bool)
+        hit = False
+        for layout in layouts:
+            if name not in layout.tensors:
+                continue
+            for rank in layout.holders(name):
+                if rank in lost:
+                    hit = True
+                    continue
+                for box in layout.boxes(name, rank):
+                    survivors[box.slices()] = True
+        counted = np.zeros(shape, np.int64)
+        for tensor, offsets, sizes in regions:
+            if tensor == name:
+                counted[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))] += 1
+        assert counted.max(initial=0) <= 1, f"{name}: regions overlap"
+        expected = ~survivors if hit else np.zeros(shape, bool)
+        assert np.array_equal(counted == 1, expected), f"{name}: regions are not the elements nobody holds"
+
+
+def check_lost(layouts, lost) -> list:
+    regions = lost_regions(layouts, lost)
+    assert regions == oracle_lost_regions(layouts, lost)
+    element_check(layouts, lost, regions)
+    return regions
+
+
+def check_holdings(before, after) -> list[bool]:
+    ranks = sorted(set(before.mesh.ranks) | set(after.mesh.ranks) | {max(before.mesh.ranks) + 100})
+    same = same_holdings(before, after, ranks)
+    assert same == [oracle_same(before, after, r) for r in ranks], (before.name, after.name)
+    return same
+
+
+def successors(layout, lost):
+    """The layouts a session could move to after ``lost``: each policy that applies."""
+    spares = [max(layout.mesh.ranks) + 1 + i for i in range(len(lost))]
+    out = []
+    for policy in ("drop-replica", "fill-spares"):
+        with contextlib.suppress(LayoutError):  # no data-parallel axis, or no spare
+            out.append(remesh(layout, lost, policy, spares=spares))
+    return out
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+@SETTINGS
+@given(programs(), st.data())
+def test_random_programs_match_the_oracles(case, data):
+    program = load_or_reject(case[0])
+    source, destination = program.layouts["S"], program.layouts["D"]
+    ranks = sorted(set(source.mesh.ranks) | set(destination.mesh.ranks))
+    lost = set(data.draw(st.lists(st.sampled_from(ranks), min_size=1, max_size=3)))
+    for layouts in ([source], [destination], [destination, source]):
+        check_lost(layouts, lost)
+    for layout in (source, destination):
+        for after in successors(layout, lost & set(layout.mesh.ranks) or {layout.mesh.ranks[0]}):
+            check_holdings(layout, after)
+    if set(source.mesh.ranks) & set(destination.mesh.ranks):
+        check_holdings(source, destination)  # two unrelated layouts on shared ranks: the exact path
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_match_the_oracles_for_every_lost_rank(path):
+    program = layoutlang.load(path)
+    layouts = list(program.layouts.values())
+    ranks = sorted(set().union(*(layout.mesh.ranks for layout in layouts)))
+    for rank in ranks:
+        check_lost(layouts, {rank})
+        for layout in layouts:
+            check_lost([layout], {rank})
+            if rank in layout.mesh:
+                for after in successors(layout, {rank}):
+                    check_holdings(layout, after)
+    for pair in itertools.combinations(ranks, 2):
+        for layout in layouts:
+            check_lost([layout], set(pair))
+    for before, after in itertools.permutations(layouts, 2):
+        if set(before.tensors) == set(after.tensors):
+            check_holdings(before, after)
+
+
+@pytest.mark.parametrize("text", [REMESH_PROGRAM, RECOVERY_PROGRAM], ids=["remesh", "recovery"])
+def test_the_recovery_tests_programs_match_the_oracles(text):
+    program = layoutlang.loads(text)
+    layouts = list(program.layouts.values())
+    ranks = sorted(set().union(*(layout.mesh.ranks for layout in layouts)))
+    for k in (1, 2, 3):
+        for lost in itertools.combinations(ranks, k):
+            for chosen in ([layout] for layout in layouts):
+                check_lost(chosen, set(lost))
+            check_lost(layouts, set(lost))
+    for layout in layouts:
+        for rank in layout.mesh.ranks:
+            for after in successors(layout, {rank}):
+                check_holdings(layout, after)
+
+
+def test_drop_replica_keeps_every_survivor_and_fill_spares_changes_only_the_spare():
+    program = layoutlang.loads(RECOVERY_PROGRAM)
+    serve = program.layouts["serve"]
+    dropped = remesh(serve, {5}, "drop-replica")  # dp replica 1 (ranks 6, 7) stays whole
+    assert same_holdings(serve, dropped, [4, 5, 6, 7]) == [False, False, True, True]
+    filled = remesh(serve, {5}, "fill-spares", spares=[9])
+    assert same_holdings(serve, filled, [4, 5, 6, 7, 9]) == [True, False, True, True, False]
+
+
+def test_errors_name_what_is_wrong():
+    program = layoutlang.loads(RECOVERY_PROGRAM)
+    other = layoutlang.loads('mesh m [tp = 2]\ntensor "w" [4, 6] fp32\nlayout x on m { "w": tp = shard(0) }')
+    with pytest.raises(LayoutValueError, match="tensor 'w' has shape"):
+        lost_regions([program.layouts["fsdp"], other.layouts["x"]], {0})
+    with pytest.raises(LayoutValueError, match="place different logical tensors"):
+        same_holdings(program.layouts["fsdp"], other.layouts["x"], [0])
+    with pytest.raises(LayoutValueError, match="lost ranks must be an iterable of integers"):
+        lost_regions(program.layouts["fsdp"], 3)
