@@ -24,6 +24,19 @@ oracle of tests/test_deepseek_preset.py, although most rules are the same):
 - ``python/sglang/srt/layers/vocab_parallel_embedding.py``: ``pad_vocab_size`` rounds the
   vocabulary up to a multiple of ``DEFAULT_VOCAB_PADDING_SIZE = 64``, and each tp rank holds
   an equal slice of the padded rows, the real ones first.
+
+preset:qwen3_moe/sglang_fused_ep holds SGLang's Qwen3-MoE with ``--tp T --ep-size P``:
+
+- ``python/sglang/srt/distributed/parallel_state.py``: ``moe_tp_size = T // P``; a MoE-TP
+  group is ``T / P`` consecutive tp ranks, a MoE-EP group every ``(T / P)``-th one, so
+  ``ep_rank = tp_rank // (T / P)`` and ``moe_tp_rank = tp_rank % (T / P)``.
+- ``FusedMoE`` (layer.py above): ``num_local_experts = E // P``, ``expert_map_cpu`` maps experts
+  ``ep_rank * E / P ..`` to local ids ``0 ..``, and ``_weight_loader_impl`` narrows at
+  ``tp_rank = self.moe_tp_rank`` (``w1`` / ``w3`` along dim 0, ``w2`` along dim 1).
+- ``python/sglang/srt/models/qwen3_moe.py``: ``qkv_proj`` (``QKVParallelLinear`` over the T
+  ranks: ``num_kv_heads = max(1, kv_heads // T)``, rank r holding kv head ``r // (T /
+  kv_heads)`` when T exceeds them), ``o_proj`` (row-parallel), ``q_norm``, ``k_norm``, the
+  router ``mlp.gate`` (``ReplicatedLinear``) and the norms whole.
 """
 
 from __future__ import annotations
@@ -243,3 +256,154 @@ def test_a_refit_from_vllm_into_sglang_moves_nothing_but_local_copies(tmp_path):
     plan.validate()
     assert plan.stats.bytes["network"] == plan.stats.bytes["domain"] == 0
     assert plan.stats.bytes["local"] > 0
+
+
+# ------------------------------------------------------- Qwen3-MoE with --ep-size
+
+#: a tiny Qwen3-MoE: 2 layers of 8 experts, 4 query heads and 2 kv heads of dim 8
+QWEN3_MOE = {
+    "model_type": "qwen3_moe",
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 100,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 12,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+}
+
+
+def write_qwen3_program(tmp_path: Path, mesh: str, *includes: str) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    path = tmp_path / "serve.layout"
+    lines = ['tensors from hf "config.json" as cfg dtype bf16', mesh, "let num_experts = cfg.num_experts"]
+    path.write_text("\n".join([*lines, *(f'include "preset:{name}"' for name in includes)]) + "\n")
+    return path
+
+
+def sglang_ep_parameters(cfg: dict, tp: int, ep: int) -> dict[str, tuple]:
+    """Name and shape of every parameter SGLang's Qwen3MoeForCausalLM has on one tp rank."""
+    hidden, heads, kv_heads, d = (
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+    )
+    experts, inter, moe_tp = cfg["num_experts"], cfg["moe_intermediate_size"], tp // ep
+    padded = -(-cfg["vocab_size"] // 64) * 64
+    qkv_rows = (heads // tp + 2 * max(1, kv_heads // tp)) * d
+    out = {"model.embed_tokens.weight": (padded // tp, hidden)}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}"
+        out |= {
+            f"{p}.self_attn.qkv_proj.weight": (qkv_rows, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, heads * d // tp),
+            f"{p}.self_attn.q_norm.weight": (d,),
+            f"{p}.self_attn.k_norm.weight": (d,),
+            f"{p}.mlp.gate.weight": (experts, hidden),
+            f"{p}.mlp.experts.w13_weight": (experts // ep, 2 * inter // moe_tp, hidden),
+            f"{p}.mlp.experts.w2_weight": (experts // ep, hidden, inter // moe_tp),
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+        }
+    out["model.norm.weight"] = (hidden,)
+    out["lm_head.weight"] = (padded // tp, hidden)
+    return out
+
+
+def sglang_ep_loaded(full: dict, cfg: dict, tp: int, ep: int, tp_rank: int, layer: int) -> dict[str, torch.Tensor]:
+    """What SGLang's loaders leave in one layer's qkv_proj, o_proj, w13_weight and w2_weight."""
+    p = f"model.layers.{layer}"
+    kv_heads, d = cfg["num_key_value_heads"], cfg["head_dim"]
+    # QKVParallelLinear: q by tp rank; k and v by kv shard, tp_rank // replicas past the kv heads
+    kv_shard = tp_rank // max(1, tp // kv_heads)
+    kv_rows = max(1, kv_heads // tp) * d
+    q = column(full[f"{p}.self_attn.q_proj.weight"], tp, tp_rank)
+    k, v = (full[f"{p}.self_attn.{x}_proj.weight"].narrow(0, kv_shard * kv_rows, kv_rows) for x in "kv")
+    out = {
+        f"{p}.self_attn.qkv_proj.weight": torch.cat([q, k, v]),
+        f"{p}.self_attn.o_proj.weight": column(full[f"{p}.self_attn.o_proj.weight"].T, tp, tp_rank).T,
+    }
+    moe_tp = tp // ep
+    ep_rank, moe_tp_rank = tp_rank // moe_tp, tp_rank % moe_tp  # parallel_state's groups
+    local = cfg["num_experts"] // ep
+    hidden, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    w13 = torch.full((local, 2 * inter // moe_tp, hidden), float("nan"))
+    w2 = torch.full((local, hidden, inter // moe_tp), float("nan"))
+    for e in range(cfg["num_experts"]):
+        if not ep_rank * local <= e < (ep_rank + 1) * local:
+            continue  # expert_map_cpu[e] == -1: not loaded here
+        j, x = e - ep_rank * local, f"{p}.mlp.experts.{e}"
+        shard_size = w13[j].shape[0] // 2
+        for start, name in ((0, "gate_proj"), (shard_size, "up_proj")):
+            w13[j].narrow(0, start, shard_size).copy_(
+                full[f"{x}.{name}.weight"].narrow(0, shard_size * moe_tp_rank, shard_size)
+            )
+        shard_size = w2[j].shape[1]
+        w2[j].copy_(full[f"{x}.down_proj.weight"].narrow(1, shard_size * moe_tp_rank, shard_size))
+    out[f"{p}.mlp.experts.w13_weight"] = w13
+    out[f"{p}.mlp.experts.w2_weight"] = w2
+    return out
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (4, 1), (2, 2), (4, 2), (4, 4)])
+def test_sglang_fused_ep_holds_sglangs_qwen3_moe_parameters_on_every_rank(tmp_path, tp, ep):
+    """EP groups of tp / ep expert-tensor-parallel ranks; kv heads cut (tp 2) and replicated
+    (tp 4, over ep 1, 2 and 4 groups)."""
+    path = write_qwen3_program(tmp_path, f"mesh infer [ep = {ep}, moe_tp = {tp // ep}]", "qwen3_moe/sglang_fused_ep")
+    assert main(["check", str(path)]) == 0
+    program = layoutlang.load(path)
+    layout = program.layout("sglang_fused_ep")
+    layout.check()
+    gen = torch.Generator().manual_seed(1)
+    full = {name: torch.randn(t.shape, generator=gen) for name, t in program.tensors.items()}
+    want_shapes = sglang_ep_parameters(QWEN3_MOE, tp, ep)
+    for tp_rank in layout.mesh.ranks:  # the mesh is row-major [ep, moe_tp]: rank == tp_rank
+        assert layout.storages_on(tp_rank) == want_shapes, tp_rank
+        got = placed(layout, tp_rank, full)
+        for layer in range(QWEN3_MOE["num_hidden_layers"]):
+            for storage, want in sglang_ep_loaded(full, QWEN3_MOE, tp, ep, tp_rank, layer).items():
+                assert torch.equal(got[storage], want), (tp_rank, storage)
+        start, end = vocab_rows(QWEN3_MOE["vocab_size"], tp, tp_rank)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            assert torch.equal(got[name][: end - start], full[name][start:end]), (tp_rank, name)
+
+
+def test_sglang_fused_ep_with_ep_equal_to_tp_is_vllms_linear_expert_parallelism(tmp_path):
+    """--ep-size T (experts whole, contiguous, dividing evenly) holds what vLLM holds with
+    --enable-expert-parallel on one data-parallel rank: the same storages, every box at the
+    same place."""
+    program = layoutlang.load(
+        write_qwen3_program(tmp_path, "mesh infer [ep = 4, moe_tp = 1]", "qwen3_moe/sglang_fused_ep")
+    )
+    (tmp_path / "vllm").mkdir()
+    vllm_path = write_qwen3_program(
+        tmp_path / "vllm", "mesh infer [dp = 1, tp = 4]", "qwen3_moe/vllm_fused", "qwen3_moe/vllm_fused_ep"
+    )
+    sglang, vllm = program.layout("sglang_fused_ep"), layoutlang.load(vllm_path).layout("vllm_fused_ep")
+    for rank in range(4):
+        assert sglang.storages_on(rank) == vllm.storages_on(rank)
+        for name in sglang.tensors:
+            places = [
+                [(b.offsets, b.sizes, b.storage, b.storage_offsets) for b in layout.boxes(name, rank)]
+                for layout in (sglang, vllm)
+            ]
+            assert places[0] == places[1], (rank, name)
+
+
+def test_sglang_fused_ep_needs_experts_that_divide_the_ep_ranks(tmp_path, monkeypatch):
+    """FusedMoE asserts num_experts % moe_ep_size == 0; 6 experts over 4 EP ranks are refused
+    here too: the last experts fall past the last EP rank."""
+    monkeypatch.setitem(QWEN3_MOE, "num_experts", 6)
+    path = write_qwen3_program(tmp_path, "mesh infer [ep = 4, moe_tp = 1]", "qwen3_moe/sglang_fused_ep")
+    with pytest.raises(layoutlang.LayoutError, match="sub-mesh index 4 is out of range for axis 'ep'") as err:
+        layoutlang.load(path).layout("sglang_fused_ep").check()
+    assert "experts.4.gate_proj" in str(err.value) and "serve.layout:4" in str(err.value)
