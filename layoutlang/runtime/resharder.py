@@ -35,6 +35,10 @@ class Resharder:
 
     ``memory_budget`` bounds this rank's staging memory: plans are cut into buckets of half
     of it, since the executor keeps at most two buckets' messages in flight.
+
+    ``problem`` reports what this rank found wrong before the plan is agreed (an engine whose
+    parameters do not match the destination layout): the agreement fails on every rank with
+    it, naming this rank, and nothing moves.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class Resharder:
         memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
         policy: str | None = None,
         timeout: float = 300.0,
+        problem: str | None = None,
     ):
         if rank is None:
             process_rank = dist.get_rank()
@@ -65,6 +70,9 @@ class Resharder:
         except LayoutError as err:
             # Still take part in the agreement, so every rank learns why instead of waiting.
             error = str(err)
+        failure = "could not compile the plan"
+        if problem is not None:  # what the caller found is more specific than what follows from it
+            error, failure = problem, "is not ready"
         self.program = loaded
         if plan is not None:
             participants = sorted(set(plan.source.mesh.ranks) | set(plan.destination.mesh.ranks))
@@ -82,7 +90,7 @@ class Resharder:
                 rank=rank,
             )
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
-        agree(self.transport, rank, participants, plan.fingerprint if plan else None, error, timeout)
+        agree(self.transport, rank, participants, plan.fingerprint if plan else None, error, timeout, failure)
         assert plan is not None  # a rank without a plan reported its error: agree() raised it everywhere
         self.plan: Plan = plan
         self.executor = Executor(plan, rank, self.transport, timeout=timeout)

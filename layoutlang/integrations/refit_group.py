@@ -1,0 +1,69 @@
+"""The refit group: one gloo group over trainer ranks and inference workers of other jobs.
+
+A trainer and an inference engine are separate torch.distributed worlds (the trainer's
+FSDP/TP group, vLLM's own TP group), so their ranks share no process group. The refit
+group is built beside both: trainer rank 0 hosts a ``TCPStore``; every trainer rank and
+every inference worker builds a ``ProcessGroupGloo`` over it directly (unregistered with
+torch.distributed, so neither world's default group is touched) and moves bytes through
+its ``send``/``recv``. Group ranks are program ranks: the program's meshes must cover
+ranks ``0 .. world_size - 1``.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from elastic.groups import GlooTransport
+
+from ..errors import ExecutionError
+
+__all__ = ["RefitGroup"]
+
+
+class RefitGroup:
+    """This process's membership of the refit group: its store, gloo group and transport.
+
+    ``host_store`` is true on the one process that serves the store (trainer rank 0); it
+    binds ``address:port``. Every member calls this at once: building the group waits for
+    all ``world_size`` members, at most ``timeout`` seconds.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        host_store: bool,
+        name: str = "layoutlang-refit",
+        timeout: float = 300.0,
+    ):
+        import torch.distributed as dist
+
+        if not 0 <= rank < world_size:
+            raise ExecutionError(f"rank {rank} is outside the refit group of {world_size} ranks", rank=rank)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        wait = timedelta(seconds=timeout)
+        try:
+            self.store: Any = dist.TCPStore(
+                address, port, world_size, is_master=host_store, timeout=wait, wait_for_workers=False
+            )
+            self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, world_size, wait)
+        except (RuntimeError, ValueError) as err:
+            role = "serving" if host_store else "reaching"
+            raise ExecutionError(
+                f"rank {rank}: {role} the refit group's store at {address}:{port} failed "
+                f"({world_size} ranks, {timeout:g} s): {str(err).splitlines()[0]}",
+                rank=rank,
+            ) from None
+        self.transport = GlooTransport(self.pg, rank, {r: r for r in range(world_size)})
+
+    def close(self) -> None:
+        """Leave the group: pending work is aborted, the store released."""
+        self.transport.abort()
+        self.pg = None
+        self.store = None

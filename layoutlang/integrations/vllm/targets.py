@@ -1,0 +1,162 @@
+"""Where each destination storage lands in a live vLLM model, and how it is applied.
+
+For every storage the destination layout gives this worker, the model must hold a
+parameter of that name whose shape, as vLLM created it, is the storage's (vLLM records
+each parameter's created shape before post-processing; the CPU backend, for one, repacks
+linear weights after loading, and ``named_parameters()`` then shows ``[0]``). Two ways in:
+
+* **direct**: the parameter's module transforms nothing after loading (no quantization
+  method, or one whose ``process_weights_after_loading`` is the base class's no-op, and no
+  post-processing of its own): the received storage is copied into the parameter as is.
+* **loaded**: anything else. The received boxes are handed to the model's own
+  ``load_weights`` under vLLM's layerwise-reload lifecycle
+  (``initialize_layerwise_reload`` on the modules concerned, ``finalize_layerwise_reload``
+  after), which re-runs the post-processing. ``load_weights`` takes checkpoint-named whole
+  tensors and narrows them itself, so each logical tensor is passed as a tensor of its whole
+  shape holding this worker's boxes (its other elements are never read by the loader; the
+  layout is what says which elements vLLM's loaders read: see the presets). Only the
+  boxes cross the network; the whole-shape tensor is a local temporary, one at a time.
+
+The choice is fail-closed: a module not known to keep its weights as loaded goes through
+``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, cast
+
+import torch
+
+from ...errors import did_you_mean
+from ...io.torch_dtypes import torch_dtype
+from ...model import Box, Layout
+
+__all__ = ["EngineTargets"]
+
+
+def _created_shape(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype vLLM created the parameter with (before any post-processing)."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    info = LAYERWISE_INFO.get(module)
+    if info is not None:
+        meta = info.restore_metadata[0].get(leaf)
+        if meta is not None:
+            return tuple(meta.shape), meta.dtype
+    return tuple(param.shape), param.dtype
+
+
+def _keeps_weights_as_loaded(module: torch.nn.Module) -> bool:
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if "process_weights_after_loading" in type(module).__dict__:
+        return False
+    method = getattr(module, "quant_method", None)
+    if method is None:
+        return True
+    own = type(method).process_weights_after_loading
+    return own is QuantizeMethodBase.process_weights_after_loading
+
+
+class EngineTargets:
+    """This worker's destination storages, resolved against the live model.
+
+    :attr:`problems` lists every mismatch (a storage the engine lacks, a shape or dtype that
+    differs, a parameter the layout does not deliver); nothing is applied while it is not
+    empty. :meth:`staging` gives the buffers a refit receives into, :meth:`apply` puts them
+    into the model once every byte has arrived.
+    """
+
+    def __init__(self, model: torch.nn.Module, layout: Layout, rank: int, *, engine: str = "the engine"):
+        self.model = model
+        self.layout = layout
+        self.rank = rank
+        self.problems: list[str] = []
+        self.direct: dict[str, torch.Tensor] = {}  # storage -> live parameter
+        self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
+        self.shapes = layout.storages_on(rank)
+        modules = dict(model.named_modules())
+        parameters = dict(model.named_parameters())
+        for storage, shape in self.shapes.items():
+            param = parameters.get(storage)
+            if param is None:
+                hint = did_you_mean(storage, parameters)
+                self.problems.append(
+                    f"{engine} has no parameter '{storage}' (rank {rank}'s storage in layout '{layout.name}')"
+                    + (f"; {hint}" if hint else "")
+                )
+                continue
+            owner, _, leaf = storage.rpartition(".")
+            module = modules[owner]
+            created, dtype = _created_shape(module, leaf, param)
+            want_dtype = torch_dtype(layout.tensors[layout.storage(storage, rank).parts[0]].dtype)
+            if created != tuple(shape):
+                self.problems.append(
+                    f"parameter '{storage}' on rank {rank}: {engine} holds {list(created)}, "
+                    f"layout '{layout.name}' delivers {list(shape)}"
+                )
+            elif dtype != want_dtype:
+                self.problems.append(
+                    f"parameter '{storage}' on rank {rank}: {engine} holds {dtype}, the program declares "
+                    f"{want_dtype} (declare the engine's dtype in the program)"
+                )
+            elif _keeps_weights_as_loaded(module) and tuple(param.shape) == created and param.is_contiguous():
+                self.direct[storage] = param
+            else:
+                self.loaded[storage] = module
+        missing = sorted(set(parameters) - set(self.shapes))
+        for name in missing:
+            self.problems.append(
+                f"parameter '{name}' of {engine} on rank {rank} is not delivered by layout '{layout.name}' "
+                "(it would keep its old values)"
+            )
+        # storage -> the boxes of each logical tensor it holds, for load_weights
+        self._boxes: dict[str, dict[str, list[Box]]] = defaultdict(dict)
+        for storage in self.loaded:
+            for tensor in layout.storage(storage, rank).parts:
+                boxes = [b for b in layout.boxes(tensor, rank) if b.storage == storage]
+                if boxes:
+                    self._boxes[storage][tensor] = boxes
+
+    def summary(self) -> str:
+        return f"{len(self.direct)} parameters written directly, {len(self.loaded)} through load_weights"
+
+    def staging(self) -> dict[str, torch.Tensor]:
+        """One receive buffer per storage, in the program's dtype (allocated once, reused)."""
+        out = {}
+        for storage, shape in self.shapes.items():
+            dtype = torch_dtype(self.layout.tensors[self.layout.storage(storage, self.rank).parts[0]].dtype)
+            out[storage] = torch.empty(shape, dtype=dtype)
+        return out
+
+    def _whole_tensors(self, storage: str, received: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each logical tensor of ``storage`` at its whole shape, holding this rank's boxes."""
+        shape = self.layout.parts_shape(storage, self.rank)
+        assert shape is not None  # a storage this rank holds
+        parts = received.view(shape)
+        for tensor, boxes in self._boxes[storage].items():
+            logical = self.layout.tensors[tensor]
+            whole = torch.empty(tuple(logical.shape), dtype=received.dtype)
+            for box in boxes:
+                region = parts[box.storage_index()]
+                whole[box.slices()] = region.transpose(-1, -2) if box.transposed else region
+            yield tensor, whole
+
+    def apply(self, received: dict[str, torch.Tensor], model_config: Any) -> None:
+        """Put a completed refit into the model: direct copies, then ``load_weights``."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        with torch.no_grad():
+            for storage, param in self.direct.items():
+                param.data.copy_(received[storage])
+            if not self.loaded:
+                return
+            for module in {id(m): m for m in self.loaded.values()}.values():
+                initialize_layerwise_reload(module)
+            load_weights = cast(Callable[[Iterable[tuple[str, torch.Tensor]]], object], self.model.load_weights)
+            for storage in self.loaded:
+                for name, whole in self._whole_tensors(storage, received[storage]):
+                    load_weights([(name, whole)])
+            finalize_layerwise_reload(self.model, model_config)
