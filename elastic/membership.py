@@ -242,7 +242,8 @@ class FailureDetector:
         self.members = sorted(int(m) for m in members)
         self.deadline = float(deadline)
         self._seen: dict[int, tuple[int | None, float]] = {}
-        self.failures: dict[int, str] = {}  # rank -> reason, once failed always failed
+        # rank -> reason: an exit, or silence until reconsider() forgives it
+        self.failures: dict[int, str] = {}
 
     def _counter(self, rank: int) -> int | None:
         # add(0) is one request; a counter that was never advanced reads 0 (a beat makes it 1)
@@ -298,6 +299,17 @@ class FailureDetector:
         for rank in ranks:
             self.failures.pop(rank, None)
             self._seen[rank] = (self._counter(rank), now)
+
+    def reconsider(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Look again at ``ranks``, suspected for silence: each is watched afresh for one
+        more deadline (:meth:`check`). A rank whose heartbeat advances meanwhile is
+        forgiven, here, in this detector: it is no failure any more and its silence counts
+        from now, so the next :meth:`poll` does not report it again (a slow rank is
+        suspected once per stall, not at every poll after it). Returns the ranks that
+        stayed silent; their failures are final ("heartbeat did not advance")."""
+        ranks = sorted({int(r) for r in ranks})
+        self.forgive(ranks)
+        return self.check(ranks)
 
     def wait_for_failure(self, timeout: float, period: float = 0.05) -> dict[int, str]:
         """Poll until some member fails or ``timeout`` passes; returns the failures (maybe none)."""

@@ -155,6 +155,7 @@ class Watch:
         self._previous: int | None = None  # the detector's options (see restart)
         self._startup: float | None = None
         self._confirmed: set[int] = set()  # ranks whose silence a second look confirmed
+        self.rechecks = 0  # ranks suspected for silence and looked at again (see confirm)
         self._last = 0.0
 
     @property
@@ -183,8 +184,7 @@ class Watch:
         rank, g = self.membership.rank, self.membership.current()
         failures = self.detector.poll()
         if failures:
-            confirmed = self.confirm(set(failures), failures)
-            self.detector.forgive(set(failures) - confirmed)
+            confirmed = self.confirm(set(failures), failures)  # the others are forgiven
             if confirmed:
                 raise MemberFailure(rank, g, {r: failures[r] for r in confirmed})
         if self.membership.members_of(g + 1) is not None:
@@ -196,7 +196,9 @@ class Watch:
         """The suspects that really failed. An exit is final; silence is not: on a machine
         stalled for a moment (an overloaded host) every heartbeat pauses at once, so a rank
         suspected for silence is watched afresh for one more deadline, and stays a member
-        if its heartbeat advances (its reason is dropped from ``reasons``)."""
+        if its heartbeat advances: the detector forgives it (it is watched from now, and
+        suspected again only after a new silence) and its reason is dropped from
+        ``reasons``. ``rechecks`` counts the ranks looked at again."""
         final = {
             r for r in suspects
             if r in self._confirmed
@@ -205,7 +207,8 @@ class Watch:
         silent = sorted(r for r in suspects - final if r in self.membership.members)
         if not silent:
             return final
-        still = self._fresh().check(silent)
+        self.rechecks += len(silent)
+        still = self.detector.reconsider(silent)
         for rank in set(silent) - set(still):
             reasons.pop(rank, None)
         self._confirmed |= set(still)

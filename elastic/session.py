@@ -225,6 +225,18 @@ class ElasticSession:
         return self._recoverer.recoveries
 
     @property
+    def rechecks(self) -> int:
+        """How many times a member suspected for silence was watched for one more deadline
+        before it counted as failed. A slow member that catches up is forgiven and looked at
+        again only after a new silence: one stall costs one recheck per member stalled."""
+        return self._recoverer.watch.rechecks
+
+    @property
+    def suspected(self) -> dict[int, str]:
+        """The members this rank's failure detector holds failed now (rank -> reason)."""
+        return dict(self._recoverer.watch.detector.failures)
+
+    @property
     def group(self) -> Any:
         """The current generation's group (an :class:`~elastic.ElasticGroup` or :class:`~elastic.NcclGroup`)."""
         return self._recoverer.group

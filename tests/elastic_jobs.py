@@ -169,3 +169,47 @@ def sigkill_detect_and_rebuild(namespace, victim, deadline=1.0):
         return out
     finally:
         hb.stop()
+
+
+def stall_job(text, steps, *, namespace, stalled, stall_step, deadline=1.0, timeout=40.0):
+    """Refit ``steps`` steps of an elastic session; rank ``stalled`` SIGSTOPs itself halfway
+    through the transfer of step ``stall_step`` (the parent continues it: an overloaded host),
+    after writing ``time.time()`` under ``stalled`` in the test-control keys. Returns each
+    step's time, whether every destination byte of every step verified, and what the
+    failure detector holds at the end."""
+    import os
+    import signal
+
+    import layoutlang
+    from elastic import ElasticSession
+    from layoutlang.cli.elastic_job import synthetic_sources
+    from layoutlang.io.weights import verify
+
+    rank, _, port, store = _context()
+    ctl = _ctl(store, namespace)
+
+    def progress(step, done, total):
+        if rank == stalled and step == stall_step and done == max(1, total // 2):
+            ctl.set("stalled", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    program = layoutlang.loads(text)
+    seconds, verified = [], []
+    with ElasticSession(
+        program, rank=rank, store=store, port=port, namespace=namespace, deadline=deadline, timeout=timeout
+    ) as session:
+        for step in range(steps):
+            start = time.perf_counter()
+            session.refit(step, synthetic_sources, progress=progress)
+            seconds.append(time.perf_counter() - start)
+            if rank in session.destination.mesh:
+                verified.append(verify(session.destination, rank, session.destinations, version=step).ok)
+        return {
+            "rank": rank,
+            "seconds": seconds,
+            "verified": verified,
+            "generation": session.generation,
+            "members": session.members,
+            "rechecks": session.rechecks,
+            "suspected": {str(r): why for r, why in session.suspected.items()},
+        }
