@@ -94,7 +94,7 @@ def check_against_vllm(
     for rank in layout.mesh.ranks:
         tp_rank = rank % tp
         experts = expert_map(rank, tp * replicas, cfg["n_routed_experts"], strategy) if strategy else None
-        assert layout.storages_on(rank) == deepseek_parameters(cfg, tp, experts and len(experts)), rank
+        assert layout.storages_on(rank) == deepseek_parameters(cfg, tp, None if experts is None else len(experts)), rank
         got = placed(layout, rank, full)
         want = deepseek_loaded(full, cfg, tp, tp_rank, experts)
         assert got.keys() == want.keys(), rank
@@ -146,6 +146,9 @@ def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq(tmp_path):
         pytest.param(3, 1, 7, "linear", id="ep3-uneven"),
         pytest.param(1, 4, 7, "round_robin", id="ep4-tp4-round-robin-uneven"),
         pytest.param(2, 2, 8, "round_robin", id="ep4-round-robin"),
+        # more EP ranks than experts: EP rank 3 holds none, vLLM's [0, 2 * I, H] and [0, H, I]
+        pytest.param(2, 2, 3, "linear", id="ep4-three-experts"),
+        pytest.param(2, 2, 3, "round_robin", id="ep4-three-experts-round-robin"),
     ],
 )
 def test_vllm_fused_ep_places_whole_experts_as_determine_expert_map(tmp_path, dp, tp, experts, strategy):

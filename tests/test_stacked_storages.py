@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import stacked_jobs
 import torch
-from vllm_rules import expert_map
+from vllm_rules import expert_map, fused_moe
 
 import layoutlang
 from layoutlang.cli.main import main
@@ -132,9 +132,12 @@ def test_vllm_fused_moe_storages_hold_what_its_weight_loader_writes(ep, tp, plac
 
 
 def test_a_stacked_storage_is_one_storage_per_layer():
-    text = vllm_program(2, 1).replace('"mlp.experts.{e}', '"layers.{l}.mlp.experts.{e}').replace(
-        f"for e in 0..{E - 1}", f"for l in 0..1, e in 0..{E - 1}"
-    ).replace('storage "mlp.experts', 'storage "layers.{l}.mlp.experts')
+    text = (
+        vllm_program(2, 1)
+        .replace('"mlp.experts.{e}', '"layers.{l}.mlp.experts.{e}')
+        .replace(f"for e in 0..{E - 1}", f"for l in 0..1, e in 0..{E - 1}")
+        .replace('storage "mlp.experts', 'storage "layers.{l}.mlp.experts')
+    )
     layout = layoutlang.loads(text, path="layers.layout").layout("vllm")
     assert layout.storages_on(0) == {
         "layers.0.mlp.experts.w13_weight": (4, 2 * F, H),
@@ -271,7 +274,9 @@ def refit_program(ep: int, tp: int, placement: str) -> str:
     vllm = vllm_program(ep, tp, placement).replace(
         f"mesh infer [ep = {ep}, tp = {tp}]", f"mesh infer [ep = {ep}, tp = {tp}] on ranks 2..{1 + ep * tp}"
     )
-    return vllm + f"""
+    return (
+        vllm
+        + f"""
 mesh train [ep = 2] on ranks 0..1
 layout titan on train {{
   "mlp.experts.{{e}}.*": ep[e // {E // 2}]
@@ -281,6 +286,7 @@ layout titan on train {{
 }}
 reshard titan -> vllm
 """
+    )
 
 
 @pytest.mark.timeout(120)
@@ -388,3 +394,119 @@ def test_a_flattened_engine_parameter_is_refused_on_every_rank(pool):
     wanted = f"'mlp.experts.w13_weight' has shape [{4 * F}, {H}], layout 'vllm' needs [4, {F}, {H}]"
     assert wanted in messages[3]
     assert all("rank 3" in m for m in messages)
+
+
+# ------------------------------------------------------------ empty stacks
+
+FEW = 3  # experts, fewer than the EP ranks below
+
+
+def few_experts_program(mesh: str, where: str, layers: int = 1, declared: str = "") -> str:
+    """vLLM's FusedMoE with more EP ranks than experts (``where`` places expert e of layer l)."""
+    return f"""
+mesh infer [{mesh}]
+tensor "layers.{{l}}.experts.{{e}}.gate_proj.weight" [{F}, {H}] fp32 for l in 0..{layers - 1}, e in 0..{FEW - 1}
+tensor "layers.{{l}}.experts.{{e}}.up_proj.weight" [{F}, {H}] fp32 for l in 0..{layers - 1}, e in 0..{FEW - 1}
+tensor "layers.{{l}}.experts.{{e}}.down_proj.weight" [{H}, {F}] fp32 for l in 0..{layers - 1}, e in 0..{FEW - 1}
+layout vllm on infer {{
+  "layers.{{l}}.experts.{{e}}.*": {where}
+  storage "layers.{{l}}.experts.w13_weight"{declared} =
+      stack e of "layers.{{l}}.experts.{{e}}.gate_proj.weight" | "layers.{{l}}.experts.{{e}}.up_proj.weight"
+  storage "layers.{{l}}.experts.w2_weight" = stack e of "layers.{{l}}.experts.{{e}}.down_proj.weight"
+}}
+"""
+
+
+def few_experts_in_vllm(full: dict, experts: list[int], layer: int = 0) -> dict[str, torch.Tensor]:
+    """An EP rank's w13_weight and w2_weight after FusedMoE's loaders (whole experts)."""
+    p = f"layers.{layer}.experts"
+    names = [tuple(f"{p}.{e}.{w}_proj.weight" for w in ("gate", "up", "down")) for e in experts]
+    w13, w2 = fused_moe(full, names, 1, 0, full[f"{p}.0.gate_proj.weight"])
+    return {f"{p}.w13_weight": w13, f"{p}.w2_weight": w2}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mesh", "where", "strategy"),
+    [
+        # determine_expert_map with 3 experts on 4 EP ranks: base 0, remainder 3, so expert e on
+        # EP rank e under both strategies, and EP rank 3 has none
+        pytest.param("ep = 4", "ep[max(e // 1, (e - 3) // 1)]", "linear", id="ep4-linear"),
+        pytest.param("ep = 4", "ep[e % 4]", "round_robin", id="ep4-round-robin"),
+        # EP over dp x tp (EP rank dp_rank * tp + tp_rank): dp rank 1 holds only expert 2
+        pytest.param("dp = 2, tp = 2", "dp[e // 2], tp[e % 2]", "linear", id="dp2-x-tp2"),
+    ],
+)
+def test_a_rank_with_no_expert_holds_vllms_empty_stack(mesh, where, strategy):
+    layout = layoutlang.loads(few_experts_program(mesh, where), path="few.layout").layout("vllm")
+    layout.check()
+    full = full_weights(layout)
+    for rank in layout.mesh.ranks:
+        want = few_experts_in_vllm(full, expert_map(rank, 4, FEW, strategy))
+        assert layout.storages_on(rank) == {n: tuple(t.shape) for n, t in want.items()}, rank
+        got = placed_by_layoutlang(layout, rank, full)
+        assert all(torch.equal(got[n], t) for n, t in want.items()), rank
+    assert layout.storage_shape("layers.0.experts.w13_weight", 3) == (0, 2 * F, H)
+    assert layout.parts_shape("layers.0.experts.w2_weight", 3) == (0, H, F)
+
+
+@pytest.mark.timeout(60)
+def test_an_axis_whose_coordinate_does_not_read_the_stack_capture_keeps_the_storage_off_its_other_ranks():
+    # two experts, both on dp rank 0: dp still spreads the stack (its coordinate reads e), so dp
+    # rank 1 holds it empty; pp (read from l only) keeps layer 0's storage on stage 0
+    text = few_experts_program("pp = 2, dp = 2, tp = 2", "pp[l], dp[e // 2], tp[e % 2]", layers=2)
+    text = text.replace(f"e in 0..{FEW - 1}", "e in 0..1")
+    layout = layoutlang.loads(text, path="few.layout").layout("vllm")
+    layout.check()
+    mesh = layout.mesh
+    for rank in mesh.ranks:
+        coords = mesh.coords(rank)
+        held = {n: s[0] for n, s in layout.storages_on(rank).items()}
+        experts = 1 if coords["dp"] == 0 else 0
+        layer = coords["pp"]
+        assert held == {f"layers.{layer}.experts.w13_weight": experts, f"layers.{layer}.experts.w2_weight": experts}
+
+
+@pytest.mark.timeout(60)
+def test_an_empty_stack_that_contradicts_its_declared_shape_names_the_storage_and_rank():
+    text = few_experts_program("ep = 4", "ep[e]", declared=f" [1, {2 * F}, {H}]")
+    with pytest.raises(LayoutError) as err:
+        layoutlang.loads(text, path="few.layout").layout("vllm").check()
+    message = str(err.value)
+    assert f"storage 'layers.0.experts.w13_weight' of layout 'vllm' on rank 3 is [0, {2 * F}, {H}]" in message
+    assert "holds no element of the stack" in message and f"declared [1, {2 * F}, {H}]" in message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.workers(5)
+def test_a_refit_into_more_ep_ranks_than_experts_writes_and_announces_the_empty_stacks(pool):
+    # torchtitan's stacked experts whole on rank 0, into vLLM over 4 EP ranks (1..4) of 3 experts
+    vllm = few_experts_program("ep = 4", "ep[e]").replace("[ep = 4]", "[ep = 4] on ranks 1..4")
+    text = (
+        vllm
+        + """
+mesh train [ep = 1] on ranks 0..0
+layout titan on train {
+  "layers.{l}.experts.{e}.*": ep[0]
+  storage "moe.experts.w1" = stack e of "layers.{l}.experts.{e}.gate_proj.weight"
+  storage "moe.experts.w3" = stack e of "layers.{l}.experts.{e}.up_proj.weight"
+  storage "moe.experts.w2" = stack e of "layers.{l}.experts.{e}.down_proj.weight"
+}
+reshard titan -> vllm
+"""
+    )
+    results = [r for r in pool.run(stacked_jobs.refit_stacked, text, list(range(5)), [0], (FEW, H, F)) if r]
+    titan = stacked_jobs.titan_full(FEW, H, F)
+    full = {}
+    for e in range(FEW):  # torchtitan's stacked tensors, read as the per-expert logical tensors
+        full[f"layers.0.experts.{e}.gate_proj.weight"] = titan["moe.experts.w1"][e]
+        full[f"layers.0.experts.{e}.up_proj.weight"] = titan["moe.experts.w3"][e]
+        full[f"layers.0.experts.{e}.down_proj.weight"] = titan["moe.experts.w2"][e]
+    assert sorted(r["rank"] for r in results) == list(range(5))
+    for result in results[1:]:
+        want = few_experts_in_vllm(full, expert_map(result["rank"] - 1, 4, FEW))
+        got = result["destinations"]
+        assert got.keys() == want.keys(), result["rank"]
+        for name, tensor in want.items():
+            assert got[name].shape == tensor.shape and torch.equal(got[name], tensor), (result["rank"], name)
+        assert result["completed"] == sorted(want)

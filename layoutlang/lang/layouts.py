@@ -16,9 +16,10 @@ import attrs
 
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
 from ..model import Layout, LogicalTensor, Mesh, Replicate, Reshard, Rule, Shard, StorageRule
+from ..model.layout import CaptureExpression
 from ..model.rules import CaptureFn, compile_pattern
 from . import ast
-from .expressions import compile_expression, evaluate
+from .expressions import compile_expression, evaluate, names_in
 from .includes import is_preset
 from .limits import INT32_MAX, INT64_MAX
 from .patterns import name_template, pattern_captures
@@ -179,7 +180,9 @@ def _rule(scope: Scope, decl: ast.RuleDecl, mesh: Mesh, layout: str) -> Rule:
     for entry in decl.entries:
         if isinstance(entry, ast.SelectEntry):
             axes.claim(entry.axis, entry.axis_span or entry.span)
-            submesh[entry.axis] = compile_expression(entry.index, scope.constants, captures)
+            # the captures it reads tell a stacked storage which axes its elements spread over
+            reads = frozenset(n.name for n in names_in(entry.index) if n.name in captures)
+            submesh[entry.axis] = CaptureExpression(compile_expression(entry.index, scope.constants, captures), reads)
             continue
         for i, axis in enumerate(entry.axes):
             axes.claim(axis, entry.axis_spans[i] if i < len(entry.axis_spans) else entry.span)

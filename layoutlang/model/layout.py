@@ -12,8 +12,32 @@ from ..core import _core
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, core_errors, did_you_mean
 from .dtypes import itemsize
 from .mesh import Mesh, Placement, Replicate
-from .rules import Rule, Storage, StorageRule, _substitute, compile_pattern
+from .rules import CaptureFn, Rule, Storage, StorageRule, _substitute, compile_pattern
 from .tensor import Box, LogicalTensor, TensorPlacement
+
+
+@attrs.frozen(eq=False)
+class CaptureExpression:
+    """A sub-mesh coordinate computed from a pattern's captures (``ep[e // 4]``), knowing the
+    captures it reads (``reads``).
+
+    What it reads decides which axes a stacked storage spreads its elements over: an axis whose
+    coordinate reads the stack's capture. A rank of those axes that none of the elements lands
+    on still holds the storage, with no element (vLLM's ``w13_weight`` of ``[0, 2 * I, H]`` on an
+    EP rank past the experts). A plain function of the captures reads nothing knowable, so its
+    axis never spreads a stack.
+
+    >>> index = CaptureExpression(lambda c: c["e"] // 4, frozenset({"e"}))
+    >>> index({"e": 9}), sorted(index.reads)
+    (2, ['e'])
+    """
+
+    function: CaptureFn
+    reads: frozenset[str]
+
+    def __call__(self, captures: Mapping[str, int]) -> int:
+        return self.function(captures)
+
 
 # ------------------------------------------------------------------------ layout
 
@@ -58,6 +82,9 @@ class _Resolved:
         self.storage_of: list[int] = []
         self.storage_index: dict[str, list[int]] = {}
         self._sid_of: dict[str, int] = {}
+        # stacked storage id -> the storage rule that made it (where its stack capture is)
+        self._stack_rule_of: dict[int, StorageRule] = {}
+        self._empty_stacks: dict[int, dict[int, tuple[int, ...]]] | None = None
         self._axis_sizes = dict(layout.mesh.axes)
         self._resolve_rules()
         self._resolve_storages()
@@ -235,6 +262,7 @@ class _Resolved:
                 )
                 for part in parts:
                     assigned[part] = storage
+                self._stack_rule_of[len(self.storages)] = rule
                 self._add_storage(storage)
             if not matched:
                 raise LayoutNameError(
@@ -256,6 +284,72 @@ class _Resolved:
         self.storages.append(storage)
         for part in storage.parts:
             self._sid_of[part] = sid
+
+    # -- empty stacks
+    def empty_stacks(self) -> dict[int, dict[int, tuple[int, ...]]]:
+        """Stacked storage id -> {rank: shape} of the ranks that hold it with no element."""
+        if self._empty_stacks is None:
+            self._empty_stacks = {}
+            for sid, rule in self._stack_rule_of.items():
+                empty = self._empty_stack(sid, rule)
+                if empty:
+                    self._empty_stacks[sid] = empty
+        return self._empty_stacks
+
+    def _empty_stack(self, sid: int, rule: StorageRule) -> dict[int, tuple[int, ...]]:
+        """The ranks of the axes a stack spreads over (those whose sub-mesh coordinate reads the
+        stack capture) that none of its elements lands on, with the storage's shape there: no
+        element, each element's trailing shape (the parts' local shapes do not depend on those
+        axes, which select and so cannot also shard)."""
+        storage = self.storages[sid]
+        assert rule.stack is not None and storage.elements is not None
+        first_element = [p for p, e in zip(storage.parts, storage.elements) if e == 0]
+        spread: set[str] = set()
+        for template, part in zip(rule.parts, first_element):
+            found = compile_pattern(template).fullmatch(part)
+            if found is None or rule.stack not in found.groupdict():
+                continue  # a part without the capture (refused elsewhere, as in every element)
+            where = found.span(rule.stack)
+            index = self.index[part]
+            chosen = self.rule_of[index]
+            matched = compile_pattern(chosen.pattern).fullmatch(part) if chosen.pattern else None
+            if matched is None:
+                continue  # the default rule captures nothing, so no coordinate of it reads the stack
+            # the rule's own name for the digits the stack captures: the group at the same place
+            names = {n for n in matched.groupdict() if matched.span(n) == where}
+            for axis, coordinate in chosen.submesh:
+                if isinstance(coordinate, CaptureExpression) and coordinate.reads & names:
+                    spread.add(axis)
+        if not spread:
+            return {}
+        mesh = self.layout.mesh
+        placed = dict(self.submesh_of[self.index[first_element[0]]])
+        fixed = {axis: value for axis, value in placed.items() if axis not in spread}
+        others = [other for other in self.storage_index[storage.name] if other != sid]
+        out = {}
+        for rank in mesh.ranks:
+            if self.core.storage_shape(sid, rank) is not None:
+                continue
+            coords = mesh.coords(rank)
+            if any(coords[axis] != value for axis, value in fixed.items()):
+                continue
+            if any(self.core.storage_shape(other, rank) is not None for other in others):
+                continue  # a storage of that name on disjoint ranks holds this one
+            # the same rank with the first element's coordinates on the spread axes holds it
+            holder = mesh.rank_at({**coords, **{axis: placed[axis] for axis in spread}})
+            shape = self.core.storage_shape(sid, holder)
+            if shape is not None:
+                out[rank] = (0, *shape[1:])
+        return out
+
+    def shape(self, sid: int, rank: int) -> tuple[int, ...] | None:
+        """The shape storage ``sid``'s parts make on ``rank`` (an empty stack included), None
+        when the rank holds no such storage."""
+        shape = self.core.storage_shape(sid, rank)
+        if shape is not None:
+            return tuple(shape)
+        empty = self.empty_stacks().get(sid)
+        return empty.get(rank) if empty else None
 
     # -- core
     def _compile(self):
@@ -367,12 +461,17 @@ class Layout:
     def storages_on(self, rank: int) -> dict[str, tuple[int, ...]]:
         """Every storage ``rank`` holds, with its local shape: the engine's own, N-D
         (``[local experts, 2 * I / tp, H]`` for a stacked ``w13_weight``; its ``as [...]``
-        view when it declares one)."""
+        view when it declares one). A stack none of whose elements lands on the rank, on an
+        axis its elements spread over, is held empty: ``[0, 2 * I / tp, H]``."""
         out = {}
-        for sid, storage in enumerate(self.resolved.storages):
+        resolved = self.resolved
+        empty = resolved.empty_stacks()
+        for sid, storage in enumerate(resolved.storages):
             shape = self.core.storage_shape(sid, rank)
             if shape is not None:
                 out[storage.name] = storage.view if storage.view is not None else tuple(shape)
+            elif sid in empty and rank in empty[sid]:
+                out[storage.name] = empty[sid][rank]
         return out
 
     def parts_shape(self, name: str, rank: int) -> tuple[int, ...] | None:
@@ -380,25 +479,25 @@ class Layout:
         offsets index; it differs from :meth:`storage_shape` only for a storage viewed
         ``as [...]`` another shape. None when the rank holds no such storage."""
         for sid in self._storage_indices(name):
-            shape = self.core.storage_shape(sid, rank)
+            shape = self.resolved.shape(sid, rank)
             if shape is not None:
-                return tuple(shape)
+                return shape
         return None
 
     def storage(self, name: str, rank: int) -> Storage:
         """The storage of that name on ``rank`` (names may repeat on disjoint ranks)."""
         for sid in self._storage_indices(name):
-            if self.core.storage_shape(sid, rank) is not None:
+            if self.resolved.shape(sid, rank) is not None:
                 return self.resolved.storages[sid]
         raise LayoutValueError(f"rank {rank} holds no storage '{name}' in layout '{self.name}'")
 
     def storage_shape(self, name: str, rank: int) -> tuple[int, ...] | None:
         """The local shape of storage ``name`` on ``rank`` as the engine holds it (None: not held)."""
         for sid in self._storage_indices(name):
-            shape = self.core.storage_shape(sid, rank)
+            shape = self.resolved.shape(sid, rank)
             if shape is not None:
                 view = self.resolved.storages[sid].view
-                return view if view is not None else tuple(shape)
+                return view if view is not None else shape
         return None
 
     def summary(self) -> list[dict[str, int]]:
@@ -420,6 +519,7 @@ class Layout:
                 storage.span,
             )
         self._check_views()
+        self._check_empty_stacks()
         # Storage names may repeat only on disjoint ranks (Megatron's per-stage local names).
         for name, sids in resolved.storage_index.items():
             if len(sids) < 2:
@@ -442,11 +542,30 @@ class Layout:
             if storage.view is None:
                 continue
             for rank in self.mesh.ranks:
-                shape = self.core.storage_shape(sid, rank)
+                shape = self.resolved.shape(sid, rank)
                 if shape is not None and math.prod(shape) != math.prod(storage.view):
                     raise LayoutValueError(
                         f"storage '{storage.name}' of layout '{self.name}' on rank {rank}: its parts make "
-                        f"{list(shape)} ({math.prod(shape)} elements), which cannot be viewed as "
-                        f"{list(storage.view)} ({math.prod(storage.view)} elements)",
+                        f"{list(shape)} ({math.prod(shape)} elements){self._no_element(sid, rank)}, which "
+                        f"cannot be viewed as {list(storage.view)} ({math.prod(storage.view)} elements)",
                         storage.span,
+                    )
+
+    def _no_element(self, sid: int, rank: int) -> str:
+        """Why a stack is empty on ``rank``, for an error message ("" when it is not)."""
+        if rank not in self.resolved.empty_stacks().get(sid, {}):
+            return ""
+        return ": the rank holds no element of the stack, whose elements all land on other ranks"
+
+    def _check_empty_stacks(self) -> None:
+        """A stack held empty on a rank still has the shape its statement declares, if any."""
+        for sid, empty in self.resolved.empty_stacks().items():
+            storage = self.resolved.storages[sid]
+            for rank, shape in empty.items():
+                if storage.shape is not None and tuple(storage.shape) != shape:
+                    raise LayoutValueError(
+                        f"storage '{storage.name}' of layout '{self.name}' on rank {rank} is {list(shape)}"
+                        f"{self._no_element(sid, rank)}; it is declared {list(storage.shape)}",
+                        storage.span,
+                        "declare no shape, or place the elements so that every rank holds as many",
                     )
