@@ -184,6 +184,17 @@ def test_dtype_clause_overrides_the_checkpoint(checkpoints: dict[str, Path]) -> 
     }
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_a_config_alone_with_the_routers_declared_fp32_is_what_save_pretrained_writes(
+    checkpoints: dict[str, Path], model_type: str, tmp_path: Path
+) -> None:
+    # without the checkpoint, the body declares what transformers keeps in fp32: the router's
+    # weight and (V3) its correction bias, over the dtype clause that gives bf16 to the rest
+    shutil.copy(checkpoints[model_type] / "config.json", tmp_path / "config.json")
+    text = 'tensors from hf "config.json" as cfg dtype bf16 {\n  "model.layers.{l}.mlp.gate.*": fp32\n}\n'
+    assert imported(text, tmp_path) == stored(checkpoints[model_type])
+
+
 def test_checkpoint_that_is_not_the_configs_model_is_an_error_at_the_path(
     checkpoints: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "BinOp",
     "Binding",
     "Call",
+    "DtypeDecl",
     "Expr",
     "File",
     "Include",
@@ -175,6 +176,17 @@ class TensorDecl:
 
 
 @attrs.frozen
+class DtypeDecl:
+    """``"PATTERN": DTYPE`` in the body of ``tensors from``: the dtype of the tensors it matches."""
+
+    pattern: str
+    pattern_span: Span
+    dtype: str
+    dtype_span: Span
+    span: Span
+
+
+@attrs.frozen
 class TensorsFrom:
     kind: str
     kind_span: Span
@@ -183,6 +195,7 @@ class TensorsFrom:
     alias: str | None
     dtype: str | None
     span: Span
+    dtypes: tuple[DtypeDecl, ...] = ()
 
 
 @attrs.frozen

@@ -261,8 +261,8 @@ class _Builder(Transformer[Token, Any]):
             self._meta(meta),
         )
 
-    def tensors_from(self, meta: Meta, children: list[Token | None]) -> ast.TensorsFrom:
-        kind, path, alias, dtype = children
+    def tensors_from(self, meta: Meta, children: list[Any]) -> ast.TensorsFrom:
+        kind, path, alias, dtype, dtypes = children
         assert kind is not None and path is not None  # required by the grammar
         return ast.TensorsFrom(
             str(kind),
@@ -272,7 +272,15 @@ class _Builder(Transformer[Token, Any]):
             str(alias) if alias is not None else None,
             str(dtype) if dtype is not None else None,
             self._meta(meta),
+            dtypes or (),
         )
+
+    def dtype_body(self, meta: Meta, children: list[ast.DtypeDecl]) -> tuple[ast.DtypeDecl, ...]:
+        return tuple(children)
+
+    def dtype_rule(self, meta: Meta, children: list[Token]) -> ast.DtypeDecl:
+        pattern, dtype = children
+        return ast.DtypeDecl(_unquote(pattern), self._tok(pattern), str(dtype), self._tok(dtype), self._meta(meta))
 
     # -- layouts
     def rule_target(self, meta: Meta, children: list[Token]) -> tuple[str | None, Span]:
@@ -422,6 +430,8 @@ _MISTAKES: tuple[tuple[_Hint, tuple[str, ...]], ...] = (
             "tensor w [4] fp32",
             "tensor {l}",
             'tensors from hf w "config.json"',
+            'tensors from hf "config.json" { w: fp32 }',
+            'tensors from hf "config.json" { "a": fp32 w: fp32 }',
             "layout l on m { w: replicate }",
             "layout l on m { {l}: replicate }",
             'layout l on m { "a": replicate w: replicate }',

@@ -5,7 +5,9 @@ of its bindings; ``tensors from hf "config.json" as cfg`` imports every weight o
 Hugging Face model (and its integer settings as constants ``cfg.NAME``; the dtypes of the
 checkpoint beside the config when there is one), ``tensors from hf_constants "config.json" as
 cfg`` only the constants, ``tensors from safetensors "model.safetensors"`` every tensor of a
-checkpoint's headers.
+checkpoint's headers. A body ``{ "PATTERN": DTYPE ... }`` after an import declares the dtype of
+the imported tensors each pattern matches (the most specific pattern wins, as layout rules do),
+over the ``dtype`` clause, the checkpoint's header and the config.
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_y
 from ..io import hf, safetensors
 from ..model import LogicalTensor
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
+from ..model.rules import Rule, compile_pattern
 from . import ast
 from .expressions import evaluate
+from .includes import is_preset
+from .layouts import TensorNames
 from .limits import INT64_MAX, MAX_GENERATED_TENSORS
+from .patterns import pattern_captures
 from .scope import Scope
 
 __all__ = ["SOURCE_KINDS", "tensor", "tensors_from"]
@@ -129,8 +135,64 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
     except LayoutError as err:
         err.with_span(node.path_span)
         raise
+    if node.dtypes:
+        found = _declared_dtypes(node, found)
     for name, shape, tensor_dtype in found:
         _declare(scope, name, tuple(shape), tensor_dtype, node.span)
+
+
+def _declared_dtypes(
+    node: ast.TensorsFrom, found: list[tuple[str, tuple[int, ...], str]]
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """The imported tensors with the dtype of the most specific pattern of the statement's body
+    that matches each (the others keep theirs); every pattern must match some tensor."""
+    entries = []
+    seen: dict[str, Span] = {}
+    for decl in node.dtypes:
+        pattern_captures(decl.pattern, decl.pattern_span)
+        if decl.pattern in seen:
+            raise LayoutNameError(
+                f'pattern "{decl.pattern}" is given a dtype twice (first at line {seen[decl.pattern].line})',
+                decl.pattern_span,
+            )
+        seen[decl.pattern] = decl.pattern_span
+        # a Rule only for its specificity: the one layout rules compete by
+        specificity = Rule(decl.pattern).specificity
+        entries.append((decl, compile_pattern(decl.pattern), specificity, _dtype(decl.dtype, decl.dtype_span)))
+    # most specific first, so that the first match wins and a second of equal specificity is a tie
+    entries.sort(key=lambda entry: -entry[2])
+    used: set[int] = set()  # id() of the declarations that matched a tensor
+    out = []
+    for name, shape, dtype in found:
+        chosen = None
+        for index, (decl, regex, specificity, _) in enumerate(entries):
+            if chosen is not None and specificity < entries[chosen][2]:
+                break
+            if regex.fullmatch(name):
+                if chosen is not None:
+                    first = entries[chosen][0]
+                    raise LayoutValueError(
+                        f"tensor '{name}' is matched by two dtype patterns of equal specificity: "
+                        f'"{first.pattern}" (line {first.pattern_span.line}) and "{decl.pattern}"',
+                        decl.pattern_span,
+                        "make one pattern more specific (more literal characters wins)",
+                    )
+                chosen = index
+        if chosen is not None:
+            used.add(id(entries[chosen][0]))
+            dtype = entries[chosen][3]
+        out.append((name, shape, dtype))
+    names: TensorNames | None = None
+    for decl in node.dtypes:  # the first unmatched one as written
+        if id(decl) in used or is_preset(decl.pattern_span.path):
+            continue
+        names = names or TensorNames([name for name, _, _ in found])
+        raise LayoutNameError(
+            f"dtype pattern \"{decl.pattern}\" matches no tensor that 'tensors from {node.kind}' imports",
+            decl.pattern_span,
+            names.closest(decl.pattern, pattern_captures(decl.pattern, decl.pattern_span)),
+        )
+    return out
 
 
 def _constants_only(scope: Scope, node: ast.TensorsFrom, path: str) -> None:
@@ -141,7 +203,7 @@ def _constants_only(scope: Scope, node: ast.TensorsFrom, path: str) -> None:
             node.span,
             f'write: tensors from hf_constants "{node.path}" as cfg',
         )
-    if node.dtype:
+    if node.dtype or node.dtypes:
         raise LayoutValueError("'hf_constants' declares no tensor, so 'dtype' has nothing to apply to", node.span)
     try:
         config = hf.read_config(path)
