@@ -53,6 +53,9 @@ CONFIG = {
 #: DeepSeek-V2-Lite's shape of attention: no query low-rank projection
 NO_Q_LORA = CONFIG | {"q_lora_rank": None}
 
+#: DeepSeek-V2-Lite itself: model type deepseek_v2, a softmax router without correction bias
+V2_LITE = NO_Q_LORA | {"model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "greedy"}
+
 
 def write_program(tmp_path: Path, mesh: str, config: dict, ep: bool = False) -> Path:
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -157,6 +160,16 @@ def test_vllm_fused_ep_places_whole_experts_as_determine_expert_map(tmp_path, dp
     name = "vllm_fused_ep" if strategy == "linear" else "vllm_fused_ep_round_robin"
     assert main(["check", str(path)]) == 0
     check_against_vllm(path, config, tp, replicas=dp, name=name, strategy=strategy)
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_the_presets_hold_deepseek_v2_lites_parameters_without_a_correction_bias(tmp_path, ep):
+    path = write_program(tmp_path, "mesh infer [dp = 2, tp = 2]", V2_LITE, ep=ep)
+    storages = layoutlang.load(path).layout("vllm_fused").storages_on(0)
+    assert "model.layers.1.mlp.gate.weight" in storages
+    assert not [name for name in storages if "e_score_correction_bias" in name]
+    name, strategy = ("vllm_fused_ep", "linear") if ep else ("vllm_fused", None)
+    check_against_vllm(path, V2_LITE, 2, replicas=2, name=name, strategy=strategy)
 
 
 def test_vllm_fused_ep_without_q_lora_keeps_attention_as_vllm_fused_no_q_lora(tmp_path):
