@@ -443,23 +443,27 @@ NB_MODULE(_core, m) {
   m.def(
       "build_recovery_plan",
       [](const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
-         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes) {
+         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes,
+         const std::optional<std::vector<int64_t>>& fill) {
         nb::gil_scoped_release release;
-        return build_recovery_plan(sources, lost, destination, PlanOptions{domain_size, bucket_bytes});
+        return build_recovery_plan(sources, lost, destination, PlanOptions{domain_size, bucket_bytes}, fill);
       },
-      "sources"_a, "lost"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a,
-      "Compile a recovery plan: each region from the first source layout that holds it on a rank not lost.");
+      "sources"_a, "lost"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "fill"_a = nb::none(),
+      "Compile a recovery plan: each region from the first source layout that holds it on a rank not lost; "
+      "with `fill`, for those destination ranks only.");
 
   m.def(
       "validate_recovery_plan",
       [](const PlanData& plan, const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
-         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes, std::size_t max_problems) {
+         const LayoutCore& destination, int64_t domain_size, int64_t bucket_bytes, std::size_t max_problems,
+         const std::optional<std::vector<int64_t>>& fill) {
         nb::gil_scoped_release release;
         return validate_recovery_plan(plan, sources, lost, destination, PlanOptions{domain_size, bucket_bytes},
-                                      max_problems);
+                                      max_problems, fill);
       },
       "plan"_a, "sources"_a, "lost"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "max_problems"_a = 20,
-      "Problems with a recovery plan (empty when it is valid).");
+      "fill"_a = nb::none(),
+      "Problems with a recovery plan (empty when it is valid); with `fill`, a plan of those destination ranks only.");
 
   m.def(
       "plan_totals",

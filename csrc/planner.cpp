@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -54,12 +55,27 @@ std::vector<char> lost_mask(const std::vector<const LayoutCore*>& sources, const
   return mask;
 }
 
+// Marks the destination ranks a plan fills: every rank of `dst` without `fill`, else the
+// ranks listed (each must be in `dst`). Sized like lost_mask.
+std::vector<char> fill_mask(std::size_t size, const LayoutCore& dst, const std::optional<std::vector<int64_t>>& fill) {
+  std::vector<char> mask(size, fill.has_value() ? 0 : 1);
+  for (int64_t r : fill.value_or(std::vector<int64_t>{})) {
+    if (dst.mesh_index(r) < 0) {
+      throw CoreValueError("argument", "rank " + std::to_string(r) + " is to be filled but is not in the destination layout",
+                           -1, r);
+    }
+    mask[static_cast<std::size_t>(r)] = 1;
+  }
+  return mask;
+}
+
 class Builder {
  public:
   Builder(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost, const LayoutCore& dst,
-          const std::vector<uint8_t>& policies, const PlanOptions& options)
+          const std::vector<uint8_t>& policies, const PlanOptions& options,
+          const std::optional<std::vector<int64_t>>& fill = std::nullopt)
       : srcs_(sources), src_(*sources.at(0)), dst_(dst), policies_(policies), options_(options), dst_groups_(dst),
-        lost_(lost_mask(sources, dst, lost)) {
+        lost_(lost_mask(sources, dst, lost)), fill_(fill_mask(lost_.size(), dst, fill)) {
     for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
     const auto n = lost_.size();
     net_send_.assign(n, 0);
@@ -67,7 +83,7 @@ class Builder {
     domain_send_.assign(n, 0);
     root_load_.assign(n, 0);
     src_group_of_rank_.assign(srcs_.size(), std::vector<int64_t>(n, -1));
-    recovery_ = srcs_.size() > 1 || !lost.empty();
+    recovery_ = srcs_.size() > 1 || !lost.empty() || fill.has_value();
     if (srcs_.size() > 255) throw CoreValueError("argument", "a plan reads from at most 255 source layouts");
     if (options_.domain_size < 1) throw CoreValueError("argument", "domain size must be at least 1");
     if (options_.bucket_bytes < 1) throw CoreValueError("argument", "bucket size must be at least 1 byte");
@@ -110,7 +126,9 @@ class Builder {
         }
       }
       for (const HoldingGroup& g : dst_groups_.groups(tid)) {
-        expected_moves += g.ranks.size();
+        expected_moves += static_cast<std::size_t>(std::count_if(g.ranks.begin(), g.ranks.end(), [&](int64_t r) {
+          return fill_[static_cast<std::size_t>(r)] != 0;
+        }));
         expected_regions += 1;
       }
       expected_dims += src_.tensor(tid).shape.size() * dst_groups_.groups(tid).size();
@@ -340,7 +358,13 @@ class Builder {
     if (policies_[tensor] == kBroadcast) {
       plan_broadcast(tensor, src_groups_[0].groups(tensor), dgroups, numel * entry.itemsize);
     } else {
-      for (const HoldingGroup& dg : dgroups) cascade(tensor, dg.runs, dg.ranks, 0);
+      for (const HoldingGroup& dg : dgroups) {
+        needy_.clear();
+        for (int64_t r : dg.ranks) {
+          if (fill_[static_cast<std::size_t>(r)]) needy_.push_back(r);
+        }
+        if (!needy_.empty()) cascade(tensor, dg.runs, needy_, 0);
+      }
     }
     source_ = 0;
     for (std::size_t k = 0; k < srcs_.size(); ++k) {
@@ -414,6 +438,7 @@ class Builder {
       int64_t held = itemsize;
       for (const auto& runs : dg.runs) held *= runs_length(runs);
       for (int64_t rank : dg.ranks) {
+        if (!fill_[static_cast<std::size_t>(rank)]) continue;  // a rank the plan does not fill needs nothing
         int64_t own = 0;
         for (std::size_t k = 0; k < srcs_.size() && !lost_[static_cast<std::size_t>(rank)]; ++k) {
           const int64_t gi = src_group_of_rank_[k][rank];
@@ -546,6 +571,8 @@ class Builder {
   std::vector<GroupCache> src_groups_;
   GroupCache dst_groups_;
   std::vector<char> lost_;
+  std::vector<char> fill_;  // the destination ranks the plan fills
+  std::vector<int64_t> needy_;
   bool recovery_ = false;
   uint8_t source_ = 0;  // the source layout of the moves being added
   PlanData plan_;
@@ -558,9 +585,10 @@ class Builder {
 class Validator {
  public:
   Validator(const PlanData& plan, const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
-            const LayoutCore& dst, const PlanOptions& options, std::size_t max_problems)
+            const LayoutCore& dst, const PlanOptions& options, std::size_t max_problems,
+            const std::optional<std::vector<int64_t>>& fill = std::nullopt)
       : plan_(plan), srcs_(sources), src_(*sources.at(0)), dst_(dst), options_(options), max_(max_problems),
-        dst_groups_(dst), lost_(lost_mask(sources, dst, lost)) {
+        dst_groups_(dst), lost_(lost_mask(sources, dst, lost)), fill_(fill_mask(lost_.size(), dst, fill)) {
     for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
     src_group_.assign(srcs_.size(), std::vector<int64_t>(lost_.size(), -1));
     dst_group_.assign(lost_.size(), -1);
@@ -753,6 +781,9 @@ class Validator {
         problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
       }
       if (plan_.move_dst_space[i] == kSource) problem(i, "writes into a source storage");
+      if (plan_.move_dst_space[i] == kDestination && !fill_[static_cast<std::size_t>(d)]) {
+        problem(i, "writes to rank " + std::to_string(d) + ", which the plan does not fill");
+      }
       if ((plan_.move_src_space[i] == kSource && sgroup >= 0 &&
            !within_one_block(region, sgroups[sgroup], *srcs_[k])) ||
           (plan_.move_dst_space[i] == kDestination && dst_group_[d] >= 0 &&
@@ -810,6 +841,7 @@ class Validator {
       int64_t held = 1;
       for (const auto& runs : g.runs) held *= runs_length(runs);
       for (int64_t rank : g.ranks) {
+        if (!fill_[static_cast<std::size_t>(rank)]) continue;  // checked above: nothing written there
         int64_t written = 0;
         auto found = writes.find({rank, kDestination});
         if (found != writes.end()) {
@@ -833,6 +865,7 @@ class Validator {
   std::vector<GroupCache> src_groups_;
   GroupCache dst_groups_;
   std::vector<char> lost_;
+  std::vector<char> fill_;  // the destination ranks the plan fills
   std::vector<std::vector<int64_t>> src_group_;  // per source, per rank
   std::vector<int64_t> dst_group_;
   std::map<std::pair<int32_t, int64_t>, int64_t> staged_;  // (bucket, rank) -> bytes
@@ -847,10 +880,11 @@ PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
 }
 
 PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
-                             const LayoutCore& destination, const PlanOptions& options) {
+                             const LayoutCore& destination, const PlanOptions& options,
+                             const std::optional<std::vector<int64_t>>& fill) {
   if (sources.empty()) throw CoreValueError("argument", "a recovery plan needs at least one source layout");
   const std::vector<uint8_t> policies(destination.num_tensors(), kReshard);
-  return Builder(sources, lost, destination, policies, options).build();
+  return Builder(sources, lost, destination, policies, options, fill).build();
 }
 
 PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
@@ -885,9 +919,10 @@ std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& s
 
 std::vector<std::string> validate_recovery_plan(const PlanData& plan, const std::vector<const LayoutCore*>& sources,
                                                 const std::vector<int64_t>& lost, const LayoutCore& destination,
-                                                const PlanOptions& options, std::size_t max_problems) {
+                                                const PlanOptions& options, std::size_t max_problems,
+                                                const std::optional<std::vector<int64_t>>& fill) {
   if (sources.empty()) return {"a recovery plan needs at least one source layout"};
-  return Validator(plan, sources, lost, destination, options, max_problems).run();
+  return Validator(plan, sources, lost, destination, options, max_problems, fill).run();
 }
 
 }  // namespace layoutlang

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "layout_core.hpp"
@@ -72,8 +73,13 @@ PlanData build_plan(const LayoutCore& source, const LayoutCore& destination,
 // holds it on a rank not in `lost`; within that source, as build_plan chooses. Only the
 // `reshard` policy. Throws CoreValueError naming the tensor and box when no source holds
 // a region on a surviving rank, or when a lost rank is in the destination.
+//
+// With `fill`, only the destination ranks listed get moves (the ranks whose holdings changed
+// after a membership change: the others keep their storages): the plan is as long as what
+// they need, not as the whole destination.
 PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost,
-                             const LayoutCore& destination, const PlanOptions& options);
+                             const LayoutCore& destination, const PlanOptions& options,
+                             const std::optional<std::vector<int64_t>>& fill = std::nullopt);
 
 // Totals of a plan: bytes and moves by kind, sent and received per rank by kind, and the
 // number of messages (all moves between one pair of ranks in one bucket and stage).
@@ -93,9 +99,11 @@ std::vector<std::string> validate_plan(const PlanData& plan, const LayoutCore& s
                                        std::size_t max_problems);
 
 // The same for a recovery plan: reads lie in what the rank holds in the move's source
-// layout, and no move reads from or writes to a lost rank.
+// layout, and no move reads from or writes to a lost rank. With `fill`, every byte of the
+// ranks listed is written exactly once and nothing is written anywhere else.
 std::vector<std::string> validate_recovery_plan(const PlanData& plan, const std::vector<const LayoutCore*>& sources,
                                                 const std::vector<int64_t>& lost, const LayoutCore& destination,
-                                                const PlanOptions& options, std::size_t max_problems);
+                                                const PlanOptions& options, std::size_t max_problems,
+                                                const std::optional<std::vector<int64_t>>& fill = std::nullopt);
 
 }  // namespace layoutlang

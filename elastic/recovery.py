@@ -41,6 +41,7 @@ from layoutlang.io.torch_dtypes import torch_dtype
 from layoutlang.model import Layout
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
 from layoutlang.plan.loss import same_holdings
+from layoutlang.plan.refill import plan_refill
 from layoutlang.runtime import Executor
 
 from .commit import ABORTED, COMMITTED, ENTRY, CommitRecords, CommittedState, record_step, step_record
@@ -133,8 +134,16 @@ class RefitSpec:
             source, destination, name=self.name, domain_size=self.domain_size, bucket_bytes=self.bucket_bytes
         )
 
-    def recovery_plan(self, sources: Sequence[Layout], destination: Layout, gone: Sequence[int]) -> Plan:
-        """``destination`` from the surviving ranks of ``sources``, in order of preference."""
+    def recovery_plan(
+        self, sources: Sequence[Layout], destination: Layout, gone: Sequence[int], fill: Sequence[int] | None = None
+    ) -> Plan:
+        """``destination`` from the surviving ranks of ``sources``, in order of preference;
+        with ``fill``, only those ranks of it (the others keep their storages)."""
+        if fill is not None:
+            return plan_refill(
+                sources, destination, gone, fill,
+                name=f"recover {destination.name}", domain_size=self.domain_size, bucket_bytes=self.bucket_bytes,
+            )
         return plan_recovery(
             sources, destination, gone,
             name=f"recover {destination.name}", domain_size=self.domain_size, bucket_bytes=self.bucket_bytes,
@@ -442,8 +451,9 @@ class Recoverer:
         same = dict(zip(ranks, same_holdings(state.destination, destination, ranks)))
         destinations = self._allocate(destination, state, same.get(self.rank, False))
         moves = recovered = 0
-        if state.valid and not all(same.values()):
-            moves, recovered = self._run_recovery(state, destination, destinations, gone)
+        changed = [r for r in ranks if not same[r]]
+        if state.valid and changed:
+            moves, recovered = self._run_recovery(state, destination, destinations, gone, changed)
         return destinations, moves, recovered
 
     def _allocate(self, layout: Layout, state: CommittedState, unchanged: bool) -> dict[str, torch.Tensor]:
@@ -460,11 +470,18 @@ class Recoverer:
         return out
 
     def _run_recovery(
-        self, state: CommittedState, destination: Layout, destinations: dict[str, torch.Tensor], gone: list[int]
+        self,
+        state: CommittedState,
+        destination: Layout,
+        destinations: dict[str, torch.Tensor],
+        gone: list[int],
+        changed: list[int],
     ) -> tuple[int, int]:
-        """``destination`` from the surviving inference replicas first, then the training side."""
+        """The ``changed`` ranks of ``destination`` (those whose boxes changed: the others
+        keep their committed storages) from the surviving inference replicas first, then
+        the training side."""
         sources = [state.destination, state.source]
-        plan = self.spec.recovery_plan(sources, destination, gone)
+        plan = self.spec.recovery_plan(sources, destination, gone, fill=changed)
         if self.rank not in destination.mesh and not any(self.rank in s.mesh for s in sources):
             return plan.num_moves, 0  # a member in no layout (a spare) has no part in it
         executor = Executor(plan, self.rank, self.transport, timeout=self.timeout)

@@ -12,6 +12,11 @@ and element by element, with nothing from the core but each rank's boxes:
 - a rank holds the same in two layouts when its storages (names, shapes as held) and its
   boxes of every tensor (offsets, sizes, storage, place, transposition) are equal.
 
+Refill plans (layoutlang.plan.refill: the recovery plan of the ranks whose holdings changed)
+run on numpy buffers where the other ranks keep their storages: the whole new destination
+must come out exact, and the plan must move into those ranks what the plan of the whole
+destination moves into them.
+
 Checked on random programs (hypothesis: uneven, padded, strided, interleaved and fused
 layouts, sub-meshes, pipeline stages), on every program of examples/, and on the small
 programs of tests/test_recovery_plan.py and tests/test_elastic_remesh.py.
@@ -28,13 +33,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_elastic_remesh import PROGRAM as REMESH_PROGRAM
-from test_plan_properties import load_or_reject, programs
+from test_plan_properties import global_values, load_or_reject, programs, storages
 from test_recovery_plan import TEXT as RECOVERY_PROGRAM
 
 import layoutlang
-from elastic import remesh
+from elastic import DataLossError, remesh
 from layoutlang.errors import LayoutError, LayoutValueError
+from layoutlang.plan import plan_recovery
 from layoutlang.plan.loss import lost_regions, same_holdings
+from layoutlang.plan.refill import RefillPlan, plan_refill
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -226,3 +233,111 @@ def test_errors_name_what_is_wrong():
         same_holdings(program.layouts["fsdp"], other.layouts["x"], [0])
     with pytest.raises(LayoutValueError, match="lost ranks must be an iterable of integers"):
         lost_regions(program.layouts["fsdp"], 3)
+
+
+# ------------------------------------------------------------------ refill plans
+
+
+def execute_refill(plan: RefillPlan, old) -> None:
+    """Runs a refill plan on numpy buffers: the ranks it does not fill start with what they
+    held in ``old`` (they keep their storages), the filled ones with nothing; afterwards every
+    destination element of every rank must be right."""
+    values = global_values(plan.destination)
+    sources = [storages(layout, values, filled=True)[0] for layout in plan.sources]
+    expected, masks = storages(plan.destination, values, filled=True)
+    destination, _ = storages(plan.destination, values, filled=False)
+    kept, _ = storages(old, values, filled=True)
+    for rank in plan.destination.mesh.ranks:
+        if rank not in plan.filled:
+            destination[rank] = {name: buffer.copy() for name, buffer in kept[rank].items()}
+    order = sorted(plan.moves(), key=lambda m: (m.bucket, m.stage, m.index))
+    for _, step in itertools.groupby(order, key=lambda m: (m.bucket, m.stage)):
+        staged = []
+        for move in step:
+            assert move.src not in plan.lost and move.dst not in plan.lost, f"{move} touches a lost rank"
+            assert move.dst_space != "destination" or move.dst in plan.filled, f"{move} writes a kept rank"
+            (src_name, src_at), (dst_name, dst_at) = plan.place(move)
+            side = sources[move.source] if move.src_space == "source" else destination
+            data = side[move.src][src_name][tuple(slice(o, o + s) for o, s in zip(src_at, move.sizes))].copy()
+            assert (data >= 0).all(), f"{move} reads bytes nobody delivered"
+            staged.append((move, dst_name, dst_at, data))
+        for move, dst_name, dst_at, data in staged:
+            destination[move.dst][dst_name][tuple(slice(o, o + s) for o, s in zip(dst_at, move.sizes))] = data
+    for rank, buffers in destination.items():
+        for name, buffer in buffers.items():
+            mask = masks[rank][name]
+            assert np.array_equal(buffer[mask], expected[rank][name][mask]), f"rank {rank} storage {name}"
+
+
+@SETTINGS
+@given(programs(), st.data())
+def test_refill_plans_fill_exactly_the_ranks_that_changed(case, data):
+    """After lost destination ranks are replaced by spares, the plan of the ranks whose
+    holdings changed validates, writes nothing elsewhere, and with the other ranks' kept
+    storages rebuilds the whole new destination; it has the moves into those ranks that the
+    plan of the whole destination has, and it fails with the same DataLossError."""
+    program = load_or_reject(case[0])
+    source, old = program.layouts["S"], program.layouts["D"]
+    lost = set(data.draw(st.lists(st.sampled_from(old.mesh.ranks), min_size=1, max_size=2)))
+    fresh = max(set(source.mesh.ranks) | set(old.mesh.ranks)) + 1
+    new = remesh(old, lost, "fill-spares", spares=list(range(fresh, fresh + len(lost))))
+    ranks = list(new.mesh.ranks)
+    changed = [r for r, same in zip(ranks, same_holdings(old, new, ranks)) if not same]
+    assert set(changed) >= set(range(fresh, fresh + len(lost)))  # every spare is new
+    domain = program.topology.domain_size
+    try:
+        full = plan_recovery([old, source], new, lost, domain_size=domain, bucket_bytes=case[1])
+    except DataLossError as err:
+        with pytest.raises(DataLossError) as again:
+            plan_refill([old, source], new, lost, changed, domain_size=domain, bucket_bytes=case[1])
+        assert again.value.regions == err.regions
+        return
+    plan = plan_refill([old, source], new, lost, changed, domain_size=domain, bucket_bytes=case[1])
+    plan.validate()
+    assert plan.filled == frozenset(changed) and plan.lost == frozenset(lost)
+    execute_refill(plan, old)
+    # the whole destination's plan moves the same into those ranks, and copies the rest locally
+    assert all(m.dst in plan.filled for m in plan.moves())
+    assert plan.num_moves == sum(1 for m in full.moves() if m.dst in plan.filled)
+
+
+def test_a_refill_plan_is_checked_against_its_ranks():
+    program = layoutlang.loads(RECOVERY_PROGRAM)
+    serve, fsdp, regrown = program.layouts["serve"], program.layouts["fsdp"], program.layouts["serve_regrown"]
+    plan = plan_refill([serve, fsdp], regrown, {5}, [8])
+    plan.validate()
+    assert sorted((m.tensor, m.src, m.dst, m.source) for m in plan.moves()) == [("b", 4, 8, 0), ("w", 7, 8, 0)]
+    # the same moves said to fill another rank as well: that rank's bytes are not written
+    claimed = RefillPlan(
+        plan.source,
+        plan.destination,
+        "claimed",
+        plan.policies,
+        plan.domain_size,
+        plan.bucket_bytes,
+        plan.arrays,
+        sources=plan.sources,
+        lost=plan.lost,
+        filled={8, 6},
+    )
+    with pytest.raises(LayoutValueError, match="on rank 6: 0 of its"):
+        claimed.validate()
+    # ... and said to fill none: the moves write a rank the plan does not fill
+    silent = RefillPlan(
+        plan.source,
+        plan.destination,
+        "silent",
+        plan.policies,
+        plan.domain_size,
+        plan.bucket_bytes,
+        plan.arrays,
+        sources=plan.sources,
+        lost=plan.lost,
+        filled=set(),
+    )
+    with pytest.raises(LayoutValueError, match="writes to rank 8, which the plan does not fill"):
+        silent.validate()
+    with pytest.raises(LayoutValueError, match="rank 5 to be filled is not in the destination layout"):
+        plan_refill([serve, fsdp], regrown, set(), [5])
+    with pytest.raises(LayoutValueError, match="lost rank 4 still belongs"):
+        plan_refill([serve, fsdp], regrown, {4}, [8])
