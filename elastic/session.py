@@ -275,6 +275,7 @@ class ElasticSession:
         first_recovery = len(recoverer.recoveries)
         attempts, received = 0, 0
         joiners: list[int] = []
+        committed_in: tuple[int, tuple[int, ...], str, str] | None = None  # see below
         recoverer.sources = lambda s: step_fn(s, self)
         while True:
             attempts += 1
@@ -288,15 +289,23 @@ class ElasticSession:
             except ExecutionError as err:
                 if not recoverable(err):
                     raise
+                # The step may turn out committed in this generation (every member had finished
+                # it; e.g. this rank's commit wait saw the next generation agreed, by a grow the
+                # commit admitted, before it read the outcome): report it as committed here.
+                here = (self.generation, tuple(self.members), self.source.name, self.destination.name)
                 if recoverer.recover(err, step):
+                    committed_in = here
                     break  # every member had finished the step before the failure: it stands
                 continue  # retry on the new generation
             joiners = outcome.get("joiners") or []
             recoverer.mark_committed(step)
             break
+        generation, members, source, destination = committed_in or (
+            self.generation, tuple(self.members), self.source.name, self.destination.name
+        )
         report = StepReport(
-            step, self.generation, attempts, time.perf_counter() - begin, received, tuple(self.members),
-            self.source.name, self.destination.name, tuple(recoverer.recoveries[first_recovery:]),
+            step, generation, attempts, time.perf_counter() - begin, received, members,
+            source, destination, tuple(recoverer.recoveries[first_recovery:]),
         )
         self.last_report = report
         if joiners:
