@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .._text import rank_ranges
-from ..errors import LayoutValueError
+from ..errors import LayoutError, LayoutValueError, did_you_mean
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 
@@ -43,13 +43,15 @@ def _placement_text(name: str, tensor: Any) -> str:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    axes = _axis_names(tensor.device_mesh)
-    by_dim: dict[int, list[tuple[int, bool]]] = {}
+    mesh = tensor.device_mesh
+    axes = _axis_names(mesh)
+    by_dim: dict[int, list[tuple[int, int]]] = {}  # tensor dim -> (mesh dim, split factor; 0: plain)
     for mesh_dim, placement in enumerate(tensor.placements):
         if isinstance(placement, Replicate):
             continue
-        if isinstance(placement, Shard):  # _StridedShard is a Shard
-            by_dim.setdefault(placement.dim, []).append((mesh_dim, isinstance(placement, _StridedShard)))
+        if isinstance(placement, (Shard, _StridedShard)):  # torch 2.13: not a Shard subclass
+            factor = int(placement.split_factor) if isinstance(placement, _StridedShard) else 0
+            by_dim.setdefault(placement.dim, []).append((mesh_dim, factor))
             continue
         raise LayoutValueError(
             f"tensor '{name}': placement {placement} on mesh dim '{axes[mesh_dim]}' has no layout "
@@ -58,14 +60,20 @@ def _placement_text(name: str, tensor: Any) -> str:
     entries = []
     for dim, cuts in sorted(by_dim.items()):
         if len(cuts) == 1:
-            entries.append(f"{axes[cuts[0][0]]} = shard({dim})")
-            continue
-        # DTensor cuts in mesh-dim order; a _StridedShard (FSDP2 over TP) is cut after the
-        # plain Shard that follows it
-        order = [m for m, _ in cuts]
-        if any(strided for _, strided in cuts[:-1]):
-            order = order[::-1]
-        entries.append(f"({', '.join(axes[m] for m in order)}) = shard({dim})")
+            ((mesh_dim, factor),) = cuts
+            blocks = f", blocks = {factor}" if factor else ""
+            entries.append(f"{axes[mesh_dim]} = shard({dim}{blocks})")
+        elif not any(factor for _, factor in cuts):  # nested, in mesh-dim order
+            entries.append(f"({', '.join(axes[m] for m, _ in cuts)}) = shard({dim})")
+        elif len(cuts) == 2 and cuts[0][1] == mesh.size(cuts[1][0]) and not cuts[1][1]:
+            # FSDP2 over TP: [_StridedShard(d, split_factor=tp), Shard(d)] on (dp, tp) is tp
+            # cutting first, then dp cutting each tp piece
+            entries.append(f"({axes[cuts[1][0]]}, {axes[cuts[0][0]]}) = shard({dim})")
+        else:
+            raise LayoutValueError(
+                f"tensor '{name}': placements {tuple(tensor.placements)} cut dim {dim} in a way the "
+                "language has no rule for; write its rule by hand"
+            )
     return ", ".join(entries) if entries else "replicate"
 
 
@@ -139,15 +147,12 @@ def state_dict_problems(
     held = layout.storages_on(rank)
     for storage, shape in held.items():
         parts = layout.storage(storage, rank).parts
-        if len(parts) != 1 or parts[0] != storage:
-            problems.append(
-                f"storage '{storage}' fuses {len(parts)} tensors: a state dict holds one tensor per name "
-                "(declare the training layout without fused storages)"
-            )
-            continue
         tensor = named.get(storage)
         if tensor is None:
-            problems.append(f"tensor '{storage}' is missing from rank {rank}'s state dict")
+            hint = did_you_mean(storage, named)
+            problems.append(
+                f"tensor '{storage}' is missing from rank {rank}'s state dict" + (f" ({hint})" if hint else "")
+            )
             continue
         local = _local(tensor)
         if tuple(local.shape) != tuple(shape):
@@ -156,12 +161,14 @@ def state_dict_problems(
                 f"the layout places {list(shape)}"
             )
             continue
-        want = torch_dtype(layout.tensors[storage].dtype)
-        if local.dtype != want:
+        declared = layout.tensors[parts[0]].dtype
+        if local.dtype != torch_dtype(declared):
             problems.append(
                 f"tensor '{storage}' on rank {rank}: the state dict holds {local.dtype}, the program declares "
-                f"{layout.tensors[storage].dtype} (pass cast_sources=True to send it as declared)"
+                f"{declared} (pass cast_sources=True to send it as declared)"
             )
+        if list(parts) != [storage]:
+            continue  # a fused or stacked storage: its shape is what a state dict can show
         offset = _dtensor_offset(tensor)
         boxes = layout.boxes(storage, rank)
         if offset is not None and len(boxes) == 1 and local.numel() and tuple(boxes[0].offsets) != offset:
@@ -170,12 +177,22 @@ def state_dict_problems(
                 f"the layout at {list(boxes[0].offsets)} ({layout.rule_for(storage)})"
             )
     for name in named:
-        if name not in layout.tensors:
-            problems.append(f"tensor '{name}' of the state dict is not a tensor of the program")
-        elif name not in held and layout.holders(name) and rank in layout.mesh.ranks:
+        if name in held:
+            continue
+        if name in layout.tensors and layout.holders(name):
             holders = rank_ranges(layout.holders(name))
             problems.append(f"tensor '{name}': rank {rank} holds it in the state dict, the layout on {holders}")
+        elif name not in layout.tensors and not _is_storage(layout, name):
+            problems.append(f"tensor '{name}' of the state dict is neither a tensor nor a storage of the program")
     return problems
+
+
+def _is_storage(layout: Layout, name: str) -> bool:
+    try:
+        layout.parts_shape(name, layout.mesh.ranks[0])
+    except LayoutError:
+        return False
+    return True
 
 
 def local_storages(

@@ -40,16 +40,19 @@ def agree(
     error: str | None,
     timeout: float,
     failure: str = "could not compile the plan",
+    ready: bool = True,
 ) -> None:
     """Every participant learns whether all compiled the same plan; raises AgreementError if not.
 
     Each rank sends (status, plan fingerprint, error message) to the lowest participant, which
     compares them and sends every rank the same verdict. Nothing else moves before it.
+    ``ready=False`` says that ``error`` is a problem this rank found beside the plan (its
+    weights, its engine): the verdict says the rank "is not ready" rather than ``failure``.
     """
     leader = min(participants)
     device = transport.device
     digest = bytes.fromhex(fingerprint) if fingerprint else b""
-    mine = _encode(b"ER" if error else b"OK", digest, error or "", _AGREE_BYTES).to(device)
+    mine = _encode((b"ER" if ready else b"NR") if error else b"OK", digest, error or "", _AGREE_BYTES).to(device)
     if rank != leader:
         verdict = torch.empty(_VERDICT_BYTES, dtype=torch.uint8, device=device)
         transport.exchange([(leader, mine)], [(leader, verdict)], tag=AGREEMENT_TAG).wait(timeout)
@@ -62,17 +65,19 @@ def agree(
     transport.exchange([], list(inboxes.items()), tag=AGREEMENT_TAG).wait(timeout)
     seen: dict[tuple[bytes, bytes], list[int]] = defaultdict(list)
     errors: dict[int, str] = {}
-    seen[(mine[:2].cpu().numpy().tobytes(), digest)].append(rank)
+    statuses = {rank: mine[:2].cpu().numpy().tobytes()}
+    seen[(statuses[rank], digest)].append(rank)
     if error:
         errors[rank] = error
     for r, buf in inboxes.items():
         status, fp, message = _decode(buf)
+        statuses[r] = status
         seen[(status, fp)].append(r)
         if status != b"OK":
             errors[r] = message
     if errors:
         first = min(errors)
-        text = f"rank {first} {failure}: {errors[first]}"
+        text = f"rank {first} {'is not ready' if statuses[first] == b'NR' else failure}: {errors[first]}"
         if len(errors) > 1:
             text += f" ({ranks_phrase(sorted(errors))} failed); nothing was moved"
         else:

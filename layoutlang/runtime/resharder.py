@@ -70,9 +70,8 @@ class Resharder:
         except LayoutError as err:
             # Still take part in the agreement, so every rank learns why instead of waiting.
             error = str(err)
-        failure = "could not compile the plan"
         if problem is not None:  # what the caller found is more specific than what follows from it
-            error, failure = problem, "is not ready"
+            error = problem
         self.program = loaded
         if plan is not None:
             participants = sorted(set(plan.source.mesh.ranks) | set(plan.destination.mesh.ranks))
@@ -90,7 +89,8 @@ class Resharder:
                 rank=rank,
             )
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
-        agree(self.transport, rank, participants, plan.fingerprint if plan else None, error, timeout, failure)
+        fingerprint = plan.fingerprint if plan else None
+        agree(self.transport, rank, participants, fingerprint, error, timeout, ready=problem is None)
         assert plan is not None  # a rank without a plan reported its error: agree() raised it everywhere
         self.plan: Plan = plan
         self.executor = Executor(plan, rank, self.transport, timeout=timeout)

@@ -30,6 +30,10 @@ class WorkerInitFields:
     world_size: int
     timeout: float = 300.0
     group_name: str = "layoutlang-refit"
+    #: the destination layout names checkpoint tensors, not the engine's parameters: every
+    #: storage goes through load_weights (vLLM's own path for whole tensors, as its NCCL
+    #: engine takes it); for comparisons, and for engines layoutlang has no preset of
+    checkpoint_format: bool = False
 
 
 class RefitProgram:

@@ -69,7 +69,15 @@ class EngineTargets:
     into the model once every byte has arrived.
     """
 
-    def __init__(self, model: torch.nn.Module, layout: Layout, rank: int, *, engine: str = "the engine"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: Layout,
+        rank: int,
+        *,
+        engine: str = "the engine",
+        checkpoint_format: bool = False,
+    ):
         self.model = model
         self.layout = layout
         self.rank = rank
@@ -77,6 +85,9 @@ class EngineTargets:
         self.direct: dict[str, torch.Tensor] = {}  # storage -> live parameter
         self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
         self.shapes = layout.storages_on(rank)
+        if checkpoint_format:
+            self._checkpoint_names(engine)
+            return
         modules = dict(model.named_modules())
         parameters = dict(model.named_parameters())
         for storage, shape in self.shapes.items():
@@ -112,11 +123,26 @@ class EngineTargets:
                 f"parameter '{name}' of {engine} on rank {rank} is not delivered by layout '{layout.name}' "
                 "(it would keep its old values)"
             )
+        self._index_boxes()
+
+    def _checkpoint_names(self, engine: str) -> None:
+        """Every storage is a checkpoint tensor, handed to load_weights (the whole model reloads)."""
+        for storage in self.shapes:
+            parts = self.layout.storage(storage, self.rank).parts
+            if list(parts) != [storage]:
+                self.problems.append(
+                    f"storage '{storage}' of layout '{self.layout.name}' fuses {len(parts)} tensors: in checkpoint "
+                    f"format every storage is one checkpoint tensor, which {engine}'s load_weights takes"
+                )
+            self.loaded[storage] = self.model
+        self._index_boxes()
+
+    def _index_boxes(self) -> None:
         # storage -> the boxes of each logical tensor it holds, for load_weights
         self._boxes: dict[str, dict[str, list[Box]]] = defaultdict(dict)
         for storage in self.loaded:
-            for tensor in layout.storage(storage, rank).parts:
-                boxes = [b for b in layout.boxes(tensor, rank) if b.storage == storage]
+            for tensor in self.layout.storage(storage, self.rank).parts:
+                boxes = [b for b in self.layout.boxes(tensor, self.rank) if b.storage == storage]
                 if boxes:
                     self._boxes[storage][tensor] = boxes
 

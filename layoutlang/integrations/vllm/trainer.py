@@ -108,6 +108,8 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     group_name: str = "layoutlang-refit"
     #: send sources of another dtype (fp32 master weights) as the program declares them
     cast_sources: bool = False
+    #: the destination layout names checkpoint tensors (see WorkerInitFields)
+    checkpoint_format: bool = False
 
 
 class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[LayoutlangTrainerInitInfo]):
@@ -174,6 +176,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     world_size=world,
                     timeout=init_info.timeout,
                     group_name=init_info.group_name,
+                    checkpoint_format=init_info.checkpoint_format,
                 )
                 futures.append(pool.submit(client_.init_weight_transfer_engine, asdict(fields)))
         try:
@@ -248,6 +251,9 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 self.resharder.run(sources, {}, cast_sources=self.cast_sources, not_ready=not_ready)
             except (ExecutionError, LayoutError) as err:
                 error = err
+                # every member's pending exchange with this rank fails now, not at its deadline;
+                # the group is spent: trainer_init again to refit after a failure
+                self.group.transport.abort()
             # the engines' errors name their ranks; this rank's own comes first
             _raise_first(futures, self.timeout, first=error)
             if self.is_sender:

@@ -87,7 +87,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         dp_rank = getattr(parallel, "data_parallel_rank", 0) or 0
         return rank_offset + dp_rank * parallel.tensor_parallel_size + tp_rank, tp_rank
 
-    def _problems(self, refit: RefitProgram, tp_rank: int) -> list[str]:
+    def _problems(self, refit: RefitProgram, tp_rank: int, checkpoint_format: bool) -> list[str]:
         layout = refit.destination
         if self.rank not in layout.mesh.ranks:
             return [f"rank {self.rank} (this worker) is not in mesh '{layout.mesh.name}' of layout '{layout.name}'"]
@@ -101,11 +101,50 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                     f"but tensor-parallel rank {tp_rank} of {tp} in the engine (check rank_offset)"
                 )
             ]
-        self.targets = EngineTargets(self.model, layout, self.rank, engine=f"vLLM's {type(self.model).__name__}")
+        engine = f"vLLM's {type(self.model).__name__}"
+        self.targets = EngineTargets(self.model, layout, self.rank, engine=engine, checkpoint_format=checkpoint_format)
         return self.targets.problems
 
+    def _settle(self, error: BaseException | None) -> None:
+        """Make one RPC's outcome the engine's: every worker learns every worker's error.
+
+        vLLM's ``collective_rpc`` reads its workers' answers in order and stops at the first
+        failure, leaving the later workers' answers queued, to be read as the answers of the
+        next call. So the outcome is gathered over the engine's own tensor-parallel group and
+        only its last worker raises (naming every worker's error); the others return, knowing.
+        """
+        import torch.distributed as dist
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+        mine = None if error is None else (self.rank, f"{type(error).__name__}: {error}")
+        outcomes: list[Any] = [None] * group.world_size
+        dist.all_gather_object(outcomes, mine, group=group.cpu_group)
+        failed = [o for o in outcomes if o is not None]
+        if not failed:
+            return
+        self.complete = False
+        if group.rank_in_group != group.world_size - 1:
+            return
+        if error is not None and len(failed) == 1:
+            raise error
+        ranks = ", ".join(str(rank) for rank, _ in failed)
+        raise ExecutionError(
+            f"workers {ranks} of this engine failed:\n" + "\n".join(f"rank {r}: {m}" for r, m in failed),
+            rank=self.rank,
+        )
+
     def init_transfer_engine(self, init_info: LayoutlangInitInfo) -> None:
+        error: BaseException | None = None
+        try:
+            self._init(init_info)
+        except (LayoutError, ExecutionError, AgreementError) as err:
+            error = err
+        self._settle(error)
+
+    def _init(self, init_info: LayoutlangInitInfo) -> None:
         self.rank, tp_rank = self._program_rank(init_info.rank_offset)
+        self.shutdown()  # a group of an earlier init (failed or replaced) is left first
         self.group = RefitGroup(
             init_info.master_address,
             init_info.master_port,
@@ -119,10 +158,9 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         refit: RefitProgram | None = None
         try:
             refit = RefitProgram(init_info.program, init_info.program_path, init_info.reshard)
-            problems = self._problems(refit, tp_rank)
+            problems = self._problems(refit, tp_rank, init_info.checkpoint_format)
         except LayoutError as err:
             problems = [str(err)]
-        problem = first_of(problems)
         try:
             self.resharder = Resharder(
                 refit.program if refit is not None else loads(""),
@@ -131,7 +169,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 rank_map={r: r for r in range(init_info.world_size)},
                 transport=self.group.transport,
                 timeout=init_info.timeout,
-                problem=problem,
+                problem=first_of(problems),
             )
         except AgreementError:
             if problems:  # this worker's own list, whole
@@ -148,22 +186,41 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # received bytes are on the CPU (gloo) and applied at finish: nothing to synchronize
-        self.receive_weights(self.parse_update_info(update_info))
+        error: BaseException | None = None
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except (LayoutError, ExecutionError, ValueError) as err:
+            error = err
+        self._settle(error)
 
     def receive_weights(self, update_info: LayoutlangUpdateInfo) -> None:
         if self.resharder is None:
-            raise ExecutionError("the layoutlang weight transfer is not initialized: call init_weight_transfer_engine")
+            raise ExecutionError(
+                f"rank {self.rank}: the layoutlang weight transfer is not initialized "
+                "(init_weight_transfer_engine failed or was not called)",
+                rank=self.rank,
+            )
         self.complete = False
-        self.resharder.run({}, self.received)
+        try:
+            self.resharder.run({}, self.received)
+        except (ExecutionError, LayoutError):
+            assert self.group is not None
+            self.group.transport.abort()  # the group is spent: the trainer initializes again
+            raise
         self.complete = True
 
     def finish_weight_update(self) -> None:
+        # every worker of the engine applies, or none: a worker without a complete refit
+        # stops them all (the settled outcome of update_weights already says so)
+        error = None
         if not self.complete:
-            raise ExecutionError(
+            error = ExecutionError(
                 f"rank {self.rank}: no complete refit to apply; the engine keeps its previous weights", rank=self.rank
             )
-        assert self.targets is not None
-        self.targets.apply(self.received, self.model_config)
+        self._settle(error)
+        if error is None and self.complete:
+            assert self.targets is not None
+            self.targets.apply(self.received, self.model_config)
         self.complete = False
 
     def shutdown(self) -> None:
@@ -171,3 +228,4 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             self.group.close()
         self.group = None
         self.resharder = None
+        self.complete = False

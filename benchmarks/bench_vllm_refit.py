@@ -1,0 +1,165 @@
+"""layoutlang's refit of live vLLM engines against vLLM's own path for whole tensors.
+
+Run with the vLLM environment's Python (``scripts/setup-vllm`` makes it)::
+
+    .venv-vllm/bin/python benchmarks/bench_vllm_refit.py [--layers 4] [--hidden 512] [--refits 5]
+
+Two gloo trainer processes hold a random Llama (float32, GQA) as FSDP2 DTensors; trainer
+rank 0 starts two vLLM CPU engines of tensor parallel 2 (data-parallel replicas). The same
+refit is then run both ways, side by side, over the same refit group machinery:
+
+- **layoutlang**: ``preset:llama/vllm_fused``; each worker receives exactly its shards of
+  vLLM's fused parameters, from the trainer ranks that hold them;
+- **whole tensors into load_weights** (what vLLM's NCCL engine does after a trainer gathers
+  and broadcasts): the destination replicates every checkpoint tensor on every worker
+  (``default: replicate``, ``checkpoint_format``), and vLLM's loaders narrow them.
+
+It prints, for each, the bytes the plan moves over the network (the plan statistics) and
+the median refit time, and the ratios. Nothing is asserted: figures, not tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+TRAINERS = 2
+
+
+def engine(checkpoint: Path) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=str(checkpoint),
+        skip_tokenizer_init=True,
+        tensor_parallel_size=2,
+        dtype="float32",
+        max_model_len=128,
+        gpu_memory_utilization=0.05,
+        enforce_eager=True,
+        weight_transfer_config={"backend": "layoutlang"},
+    )
+
+
+def program(checkpoint: Path, train: str, destination: str) -> str:
+    head = f'tensors from hf "{checkpoint / "config.json"}" as cfg dtype fp32\n' + train
+    head += f"mesh infer [dp = 2, tp = 2] on ranks {TRAINERS}..{TRAINERS + 3}\n"
+    if destination == "layoutlang":
+        return head + 'include "preset:llama/vllm_fused"\nreshard refit: train -> vllm_fused\n'
+    return head + "layout whole on infer { default: replicate }\nreshard refit: train -> whole\n"
+
+
+def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from layoutlang.integrations.dtensor import layout_from_state_dict
+    from layoutlang.integrations.vllm.trainer import (
+        LayoutlangTrainerInitInfo,
+        LayoutlangTrainerWeightTransferEngine,
+        OfflineLLMClient,
+    )
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS)
+    config = transformers.LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=2,
+        vocab_size=args.vocab,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float()
+    checkpoint = work / "checkpoint"
+    if rank == 0:
+        model.save_pretrained(checkpoint)
+    mesh = init_device_mesh("cpu", (TRAINERS,), mesh_dim_names=("dp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    train = layout_from_state_dict(model.state_dict())
+    engines = [engine(checkpoint), engine(checkpoint)] if rank == 0 else []
+    clients = [OfflineLLMClient(e) for e in engines]
+    dist.barrier()
+    rows = {}
+    try:
+        for index, way in enumerate(["layoutlang", "whole tensors into load_weights"]):
+            info = LayoutlangTrainerInitInfo(
+                rank=rank,
+                master_address="127.0.0.1",
+                master_port=ports[1 + index],
+                program=program(checkpoint, train, "layoutlang" if index == 0 else "whole"),
+                group_name=f"bench{index}",
+                checkpoint_format=index == 1,
+                timeout=120,
+            )
+            refit = LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=model)
+            seconds = []
+            for _ in range(args.refits):
+                dist.barrier()
+                start = time.perf_counter()
+                refit.send_weights()
+                seconds.append(time.perf_counter() - start)
+            stats = refit.resharder.plan.stats
+            rows[way] = (stats.bytes["network"], statistics.median(seconds))
+            refit.group.close()
+    finally:
+        for e in engines:
+            e.llm_engine.engine_core.shutdown()
+    if rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f} M parameters (fp32)")
+        print(f"trainer: FSDP2 on {TRAINERS} ranks; inference: 2 vLLM engines x TP 2 (CPU); {args.refits} refits each")
+        print(f"{'refit':<34}{'network bytes':>16}{'median s':>12}")
+        for way, (moved, median) in rows.items():
+            print(f"{way:<34}{moved:>16,}{median:>12.3f}")
+        (exact, fast), (whole, slow) = rows.values()
+        print(f"ratio (whole / layoutlang): bytes {whole / exact:.2f}x, time {slow / fast:.2f}x")
+        sys.stdout.flush()
+    dist.barrier()
+
+
+def run(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -> None:
+    trainer(rank, args, work, ports)
+    os._exit(0)  # the engines' threads need no teardown here
+
+
+def main() -> None:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--refits", type=int, default=5)
+    args = parser.parse_args()
+    sockets = [socket.socket() for _ in range(3)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as work:
+        mp.start_processes(run, args=(args, Path(work), ports), nprocs=TRAINERS, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
