@@ -36,7 +36,17 @@ load from other processes on the machine does not fall on one path only:
     i.e. whose plan agreement (an exchange over the new group) completed (the last such
     worker is printed too).
 
-Both paths verify every destination byte of every committed refit against the synthetic
+``stall`` (a slow rank is forgiven)
+    the same pool runs ``--stall-steps`` (10) elastic refits (:mod:`recovery_stall_job`), and
+    a training rank (``--stall-rank``, 1) SIGSTOPs itself halfway through refit
+    ``--stall-step`` (4); the parent SIGCONTs it 1.5 s later (longer than the 1 s deadline:
+    the others suspect it, look again, and forgive it when its heartbeat resumes). Figures:
+    each refit's time (the slowest rank's), before the stall and after it; the target is
+    that the refits after it take at most 1.5x those before (the median over every run's
+    refits after the stall against the median of those before it), with
+    the rank still a member, every byte verified and no suspect left on any rank.
+
+All paths verify every destination byte of every committed refit against the synthetic
 truth (exit status 1 if any differs, a path fails, or torchrun does not finish within
 ``--timeout``). The targets (shrink >= 5x faster than restart-all, best of repeats; shrink
 < 1 s) are printed as ``met`` or ``MISSED``; a missed target is not an error, since times
@@ -52,7 +62,7 @@ process group up, program loaded, first byte (plan compiled and agreed).
     python benchmarks/bench_recovery.py              # --repeats 3: about 2 minutes here
     python benchmarks/bench_recovery.py --repeats 1  # a smoke test
     # --layout FILE --victim R --kill-step S --steps N --memory-budget BYTES --only shrink,torchrun
-    # --torchrun-env-init --timeout S --tmp DIR --json FILE
+    # --torchrun-env-init --timeout S --tmp DIR --json FILE --stall-rank R --stall-step S --stall-steps N
 """
 
 from __future__ import annotations
@@ -84,6 +94,8 @@ ROOT = HERE.parent
 
 SHRINK_TARGET_RATIO = 5.0  # shrink must be at least this many times faster than restart-all
 SHRINK_TARGET_SECONDS = 1.0
+STALL_SECONDS = 1.5  # how long the stalled rank stays stopped
+STALL_TARGET_RATIO = 1.5  # the refits after a stall take at most this many times those before
 KiB = 1024
 
 
@@ -170,6 +182,70 @@ def run_shrink(pool, layout: Path, *, world: int, steps: int, victim: int, kill_
     return out
 
 
+# ------------------------------------------------------------------------- stall path
+
+
+def run_stall(pool, layout: Path, *, steps: int, stalled: int, stall_step: int, memory_budget: int,
+              namespace: str, timeout: float) -> dict[str, Any]:
+    """One elastic run in which ``stalled`` stops for STALL_SECONDS mid-transfer of ``stall_step``."""
+    from recovery_stall_job import stall_job
+
+    from elastic import ExitWatcher
+
+    pool.respawn()
+    pool.run(os.getpid)
+    world = pool.size
+    results: dict[int, dict] = {}
+    errors: list[str] = []
+    key = f"{namespace}-ctl/stalled"
+    continued = False
+    started = time.perf_counter()
+    try:
+        with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace):
+            pool.submit(stall_job, str(layout), steps, namespace=namespace, stalled=stalled, stall_step=stall_step,
+                        memory_budget=memory_budget)
+            end = time.monotonic() + timeout
+            while len(results) < world and time.monotonic() < end and not errors:
+                if not continued and pool.store.check([key]):
+                    stopped_at = float(bytes(pool.store.get(key)).decode())
+                    time.sleep(max(0.0, stopped_at + STALL_SECONDS - time.time()))
+                    os.kill(pool.processes[stalled].pid, signal.SIGCONT)
+                    continued = True
+                try:
+                    rank, ok, value = pool._results.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if ok:
+                    results[rank] = value
+                else:
+                    errors.append(f"rank {rank}: {value[0]}: {value[1]}")
+            if len(results) < world and not errors:
+                errors.append(f"ranks {sorted(set(range(world)) - set(results))} did not finish within {timeout:g} s")
+    finally:
+        if not continued:  # never leave a stopped worker behind
+            os.kill(pool.processes[stalled].pid, signal.SIGCONT)
+        wall = time.perf_counter() - started
+        pool.respawn()
+    out: dict[str, Any] = {"wall": wall, "errors": errors}
+    if errors:
+        return out
+    if not continued:
+        errors.append(f"rank {stalled} never stalled")
+    for rank, result in sorted(results.items()):
+        if result["generation"] != 0 or result["members"] != list(range(world)):
+            errors.append(f"rank {rank}: generation {result['generation']}, members {result['members']}")
+        if result["suspected"]:
+            errors.append(f"rank {rank} still suspects {result['suspected']}")
+    # a refit takes as long as its slowest rank
+    per_step = [max(r["seconds"][s] for r in results.values()) for s in range(steps)]
+    before, after = per_step[1:stall_step], per_step[stall_step + 1 :]  # refit 0 also builds the first plan
+    ratio = statistics.median(after) / statistics.median(before) if before and after else None
+    out.update(per_step=per_step, before=before, stalled_refit=per_step[stall_step], after=after, ratio=ratio,
+               rechecks=max(r["rechecks"] for r in results.values()),
+               mismatches=[] if all(r["verified"] for r in results.values()) else ["a destination byte differs"])
+    return out
+
+
 # ---------------------------------------------------------------------- torchrun path
 
 
@@ -247,6 +323,10 @@ def _fmt(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.2f} s"
 
 
+def _times(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values) + " s"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layout", default=str(ROOT / "examples" / "refit.layout"),
@@ -258,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-budget", type=int, default=512 * KiB,
                         help="memory_budget of both paths, in bytes (default 512 KiB: buckets of 256 KiB, "
                              "so a refit has several executor steps and the kill falls mid-transfer)")
-    parser.add_argument("--only", default=None, help="comma-separated paths: shrink,torchrun")
+    parser.add_argument("--only", default=None, help="comma-separated paths: shrink,torchrun,stall")
+    parser.add_argument("--stall-rank", type=int, default=1, help="the rank that stalls (default 1, training)")
+    parser.add_argument("--stall-step", type=int, default=4, help="the refit it stalls in (default 4)")
+    parser.add_argument("--stall-steps", type=int, default=10, help="refits of a stall run (default 10)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds one run of a path may take")
     parser.add_argument("--torchrun-env-init", action="store_true",
                         help="torchrun workers call plain init_process_group('gloo') (env://) without a "
@@ -268,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
 
-    paths = [p for p in ("shrink", "torchrun") if args.only is None or p in args.only.split(",")]
+    paths = [p for p in ("shrink", "torchrun", "stall") if args.only is None or p in args.only.split(",")]
     layout_path = Path(args.layout).resolve()
     program = layoutlang.load(layout_path)
     statement = program.reshard()
@@ -295,18 +378,24 @@ def main(argv: list[str] | None = None) -> int:
           f"ranks {source.mesh.ranks[0]}..{source.mesh.ranks[-1]}"
           f" -> {destination.name} on {destination.mesh.name} {dict(destination.mesh.axes)} ranks "
           f"{destination.mesh.ranks[0]}..{destination.mesh.ranks[-1]}; {world} processes (gloo, CPU)")
-    print(f"  {args.steps} refits per run; rank {args.victim} SIGKILLs itself halfway through refit {args.kill_step}'s "
-          f"transfer; memory_budget {args.memory_budget // KiB} KiB; {args.repeats} runs of each path, alternately")
-    print(f"  shrink: ElasticSession (deadline 1 s, drop-replica) on a pool of {world} workers; "
-          f"torchrun: --standalone --nproc-per-node {world} --max-restarts 1, OMP_NUM_THREADS=1, "
-          f"{'env:// as is' if args.torchrun_env_init else 'group keys scoped by attempt'}", flush=True)
+    if "shrink" in paths or "torchrun" in paths:
+        print(f"  {args.steps} refits per run; rank {args.victim} SIGKILLs itself halfway through refit "
+              f"{args.kill_step}'s transfer; memory_budget {args.memory_budget // KiB} KiB; {args.repeats} runs of "
+              "each path, alternately")
+        print(f"  shrink: ElasticSession (deadline 1 s, drop-replica) on a pool of {world} workers; "
+              f"torchrun: --standalone --nproc-per-node {world} --max-restarts 1, OMP_NUM_THREADS=1, "
+              f"{'env:// as is' if args.torchrun_env_init else 'group keys scoped by attempt'}", flush=True)
+    if "stall" in paths:
+        print(f"  stall: {args.stall_steps} refits per run on a pool of {world} workers (ElasticSession, deadline "
+              f"1 s); rank {args.stall_rank} SIGSTOPped halfway through refit {args.stall_step}'s transfer, "
+              f"SIGCONT {STALL_SECONDS:g} s later; {args.repeats} runs", flush=True)
 
     runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
     failed = False
     begin = time.perf_counter()
     pool = None
     try:
-        if "shrink" in paths:
+        if "shrink" in paths or "stall" in paths:
             from layoutlang.cli.launch import LocalWorkers
 
             pool = LocalWorkers(world, timeout=120.0)
@@ -314,6 +403,22 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  pool of {world} workers started in {time.perf_counter() - begin:.1f} s", flush=True)
         for n in range(args.repeats):
             for path in paths:
+                if path == "stall":
+                    result = run_stall(pool, layout_path, steps=args.stall_steps, stalled=args.stall_rank,
+                                       stall_step=args.stall_step, memory_budget=args.memory_budget,
+                                       namespace=f"bench-stall-{os.getpid()}-{n}", timeout=args.timeout)
+                    runs[path].append(result)
+                    failed |= bool(result["errors"] or result.get("mismatches"))
+                    status = "FAILED" if result["errors"] else "verified"
+                    if result.get("ratio") is not None:
+                        print(f"  stall    run {n + 1}: refits before {_times(result['before'])}, stalled "
+                              f"{result['stalled_refit']:.2f} s, after {_times(result['after'])}: "
+                              f"{result['ratio']:.2f}x; {status}", flush=True)
+                    else:
+                        print(f"  stall    run {n + 1}: {status}", flush=True)
+                    for error in result["errors"][:5]:
+                        print(f"      {error.splitlines()[0] if error else error}")
+                    continue
                 if path == "shrink":
                     result = run_shrink(pool, layout_path, world=world, steps=args.steps, victim=args.victim,
                                         kill_step=args.kill_step, memory_budget=args.memory_budget,
@@ -352,13 +457,16 @@ def main(argv: list[str] | None = None) -> int:
 def _print_results(runs: dict[str, list[dict[str, Any]]], args) -> dict[str, Any]:
     labels = {"shrink": "shrink (elastic)", "torchrun": "torchrun restart-all"}
     summary: dict[str, Any] = {}
-    print()
-    print(
-        "failure (SIGKILL of the victim) -> first byte moved on the new group: least over ranks; "
-        "best and median of runs"
-    )
-    print(f"{'path':<24} {'best':>8} {'median':>8}   (repeats)")
+    if "shrink" in runs or "torchrun" in runs:
+        print()
+        print(
+            "failure (SIGKILL of the victim) -> first byte moved on the new group: least over ranks; "
+            "best and median of runs"
+        )
+        print(f"{'path':<24} {'best':>8} {'median':>8}   (repeats)")
     for path, results in runs.items():
+        if path == "stall":
+            continue  # printed apart below
         times = [r["seconds"] for r in results if r.get("seconds") is not None and not r["errors"]]
         if not times:
             print(f"{labels[path]:<24} {'-':>8} {'-':>8}   0 of {len(results)} runs succeeded")
@@ -402,6 +510,25 @@ def _print_results(runs: dict[str, list[dict[str, Any]]], args) -> dict[str, Any
             values = run["stamps"][key]
             print(f"  {label:<28} {min(values):6.3f} .. {max(values):6.3f}")
         print(f"  resumed at refit {run['resume_step']}; {run['verified_bytes'] / 2**20:.1f} MiB verified")
+    stalls = [r for r in runs.get("stall", []) if not r["errors"] and r.get("ratio") is not None]
+    if "stall" in runs:
+        print()
+        print(f"stall: rank {args.stall_rank} stopped {STALL_SECONDS:g} s (deadline 1 s) halfway through refit "
+              f"{args.stall_step} of {args.stall_steps}; each refit's time is its slowest rank's")
+        if stalls:
+            ratios = [r["ratio"] for r in stalls]
+            before = statistics.median(t for r in stalls for t in r["before"])
+            after = statistics.median(t for r in stalls for t in r["after"])
+            ratio = after / before  # the medians over every run's refits
+            print(f"  refits before the stall: median {before:.3f} s; after it: median {after:.3f} s: {ratio:.2f}x "
+                  f"(target <= {STALL_TARGET_RATIO:g}x: {'met' if ratio <= STALL_TARGET_RATIO else 'MISSED'}; "
+                  f"runs: {', '.join(f'{x:.2f}x' for x in ratios)})")
+            stalled_refits = ", ".join(f"{r['stalled_refit']:.2f} s" for r in stalls)
+            print(f"  the stalled refit: {stalled_refits}; rechecks per "
+                  f"rank at most {max(r['rechecks'] for r in stalls)}; still a member, nothing suspected, verified")
+            summary["stall"] = {"before": before, "after": after, "ratio": ratio, "ratios": ratios}
+        else:
+            print(f"  0 of {len(runs['stall'])} runs succeeded")
     for path in runs:
         summary.get(path, {}).pop("best_run", None)
     return summary

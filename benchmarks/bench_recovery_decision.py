@@ -20,8 +20,9 @@ surviving replicas). A lost training rank (the training mesh has no data-paralle
 only a spare can take its place) changes no inference holdings.
 
 Printed per case: each part's best time of ``--repeats`` (3) on this process's core (pinned
-to one core with ``--cores 1``, the default, as ``taskset -c 0`` would), their sum (the
-decision; the target is at most 1 s) and, apart, the time to derive the new layouts
+to one core with ``--cores 1``, the default, as ``taskset -c 0`` would), as CPU time of the
+thread (what one core spends on it, whatever else runs on the machine) and as wall time,
+their sums (the decision; the target is at most 1 s of one core) and, apart, the time to derive the new layouts
 (``elastic.remesh``: the model resolving 45,395 tensors again on the new mesh, which is not
 part of the recovery decisions this benchmark is about). Next to them, the figures issue 14
 measured with the Python loss analysis and holdings comparison this replaced (428 s with
@@ -62,12 +63,21 @@ BEFORE = {
 }
 
 
-def best(repeats: int, fn: Callable[[], Any]) -> tuple[Any, float]:
-    times, value = [], None
+CPU: dict[str, float] = {}  # part of the case being run -> best CPU seconds (see best)
+
+
+def best(repeats: int, fn: Callable[[], Any], part: str = "") -> tuple[Any, float]:
+    """``fn()`` and its best wall time of ``repeats``; its best CPU time of this thread goes
+    into CPU[part]: on a loaded machine the wall time includes waiting for the core, the CPU
+    time does not."""
+    times, cpu, value = [], [], None
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         value = fn()
         times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    if part:
+        CPU[part] = min(cpu)
     return value, min(times)
 
 
@@ -77,7 +87,8 @@ def run_case(source, destination, victim: int, policy: str, repeats: int, whole:
     spare = max(set(source.mesh.ranks) | set(destination.mesh.ranks)) + 1
     side = "inference" if victim in destination.mesh else "training"
     out: dict[str, Any] = {"victim": victim, "side": side, "policy": policy}
-    _, out["loss check"] = best(repeats, lambda: check_recoverable([destination, source], gone))
+    CPU.clear()
+    _, out["loss check"] = best(repeats, lambda: check_recoverable([destination, source], gone), "loss check")
     if side == "inference":
         new, out["new layouts"] = best(repeats, lambda: remesh(destination, gone, policy, spares=[spare]))
         new.core  # noqa: B018 - the new layout compiled for the core, outside the parts timed
@@ -85,13 +96,13 @@ def run_case(source, destination, victim: int, policy: str, repeats: int, whole:
         _, out["new layouts"] = best(repeats, lambda: remesh(source, gone, "fill-spares", spares=[spare]))
         new = destination
     ranks = list(new.mesh.ranks)
-    same, out["changed ranks"] = best(repeats, lambda: same_holdings(destination, new, ranks))
+    same, out["changed ranks"] = best(repeats, lambda: same_holdings(destination, new, ranks), "changed ranks")
     changed = [r for r, s in zip(ranks, same) if not s]
     out["changed"] = changed
     sources = [destination, source]
     if changed:
         plan, out["recovery plan"] = best(
-            repeats, lambda: plan_refill(sources, new, gone, changed, domain_size=8).num_moves
+            repeats, lambda: plan_refill(sources, new, gone, changed, domain_size=8).num_moves, "recovery plan"
         )
         out["moves"] = plan
         if whole:
@@ -101,7 +112,10 @@ def run_case(source, destination, victim: int, policy: str, repeats: int, whole:
             out["whole-destination moves"] = full
     else:
         out["recovery plan"], out["moves"] = 0.0, 0
+        CPU["recovery plan"] = 0.0
     out["decision"] = out["loss check"] + out["changed ranks"] + out["recovery plan"]
+    CPU["decision"] = sum(CPU[p] for p in ("loss check", "changed ranks", "recovery plan"))
+    out["cpu"] = dict(CPU)
     return out
 
 
@@ -132,18 +146,18 @@ def main(argv: list[str] | None = None) -> int:
         for policy in policies:
             r = run_case(source, destination, victim, policy, args.repeats, not args.no_whole)
             results.append(r)
-            met = r["decision"] <= TARGET_SECONDS
+            met = r["cpu"]["decision"] <= TARGET_SECONDS
             missed += not met
             before = BEFORE.get(policy, {}) if r["side"] == "inference" else {}
             print(
                 f"\nlose {r['side']} rank {victim}, {policy}: "
                 f"{len(r['changed'])} rank(s) changed {r['changed'][:4]}, {r['moves']:,} recovery moves"
             )
-            print(f"  {'part':<26}{'before (issue 14)':>18}{'now':>10}")
+            print(f"  {'part':<26}{'before (issue 14)':>18}{'now: cpu':>10}{'wall':>9}")
             for part in ("loss check", "changed ranks", "recovery plan", "decision"):
                 was = f"{before[part]:.0f} s" if part in before else "-"
-                print(f"  {part:<26}{was:>18}{r[part]:>9.3f}s")
-            print(f"  target: decision <= {TARGET_SECONDS:g} s: {'met' if met else 'MISSED'}")
+                print(f"  {part:<26}{was:>18}{r['cpu'][part]:>9.3f}s{r[part]:>8.3f}s")
+            print(f"  target: decision <= {TARGET_SECONDS:g} s of one core: {'met' if met else 'MISSED'}")
             print(f"  {'new layouts (remesh)':<26}{'':>18}{r['new layouts']:>9.3f}s  (model resolution, apart)")
             if "whole-destination plan" in r:
                 print(
