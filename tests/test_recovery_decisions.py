@@ -38,6 +38,7 @@ from test_recovery_plan import TEXT as RECOVERY_PROGRAM
 
 import layoutlang
 from elastic import DataLossError, remesh
+from layoutlang.core import _core
 from layoutlang.errors import LayoutError, LayoutValueError
 from layoutlang.plan import plan_recovery
 from layoutlang.plan.loss import lost_regions, same_holdings
@@ -341,3 +342,21 @@ def test_a_refill_plan_is_checked_against_its_ranks():
         plan_refill([serve, fsdp], regrown, set(), [5])
     with pytest.raises(LayoutValueError, match="lost rank 4 still belongs"):
         plan_refill([serve, fsdp], regrown, {4}, [8])
+
+
+def test_the_core_refuses_inconsistent_arguments():
+    program = layoutlang.loads(RECOVERY_PROGRAM)
+    fsdp = program.layouts["fsdp"]
+    n = len(fsdp.tensors)
+    shapes = [list(t.shape) for t in fsdp.tensors.values()]
+    with pytest.raises(_core.CoreError, match=f"layout 0 has {n} tensors, but 1 numbers are given"):
+        _core.lost_regions([fsdp.core], [[0]], shapes, [0])
+    with pytest.raises(_core.CoreError, match="tensor number 7 is out of range"):
+        _core.lost_regions([fsdp.core], [[7] * n], shapes, [0])
+    with pytest.raises(_core.CoreError, match="its shape differs between the layouts"):
+        _core.lost_regions([fsdp.core], [list(range(n))], shapes[::-1], [0])
+    storages = len(fsdp.resolved.storages)
+    names, views = list(range(storages)), [None] * storages
+    with pytest.raises(_core.CoreError, match=f"a name and a view per storage \\({storages} storages\\)"):
+        _core.same_holdings(fsdp.core, names[:-1], views, fsdp.core, names, views, [0])
+    assert _core.same_holdings(fsdp.core, names, views, fsdp.core, names, views, [0, 1, 99]) == [True, True, False]
