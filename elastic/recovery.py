@@ -4,7 +4,8 @@ The steps (the numbers of :mod:`elastic.session`'s sequence):
 
 1. *notice* (:class:`Watch`): every wait watches all members' heartbeats and exit
    notifications, a newer generation and the open commit record; a rank suspected for
-   silence is confirmed by one more deadline of silence before it counts as failed;
+   silence is confirmed by one more deadline of silence before it counts as failed, and
+   forgiven by the failure detector when its heartbeat advances meanwhile;
 2. *settle* (:meth:`Recoverer.recover`): compare-and-set ``aborted`` into the open commit
    record (:mod:`elastic.commit`), so every survivor ends in the same committed state;
 3. *agree* (:meth:`Watch.propose`): the next generation's members, without the failed ones
@@ -15,7 +16,9 @@ The steps (the numbers of :mod:`elastic.session`'s sequence):
 5. *rebuild* (:class:`GroupBuilder`): the generation's group, built while the members are
    watched; then the ``on_shrink`` / ``on_grow`` hooks;
 6. a *recovery plan* when the destination holds committed weights that some rank now
-   lacks, committed like a step (the ``entry`` record);
+   lacks, committed like a step (the ``entry`` record): the ranks whose holdings did not
+   change keep their storages (:func:`layoutlang.plan.loss.same_holdings`), and the plan
+   fills the others alone (:func:`layoutlang.plan.refill.plan_refill`);
 7. *retry*: the session refits the aborted step again (:meth:`ElasticSession.refit`).
 
 A failure during any of this starts again at the next generation, from the last state

@@ -22,9 +22,9 @@ deadline, the survivors
    prefix; NCCL: shrink or grow the communicator) and call the ``on_shrink`` /
    ``on_grow`` hooks;
 6. when the destination holds committed weights (a grow between steps) and some rank now
-   holds boxes it did not hold, run a *recovery plan* from the surviving inference
-   replicas first, then the training side (:func:`layoutlang.plan.plan_recovery`), and
-   commit it like a step;
+   holds boxes it did not hold, run a *recovery plan* for those ranks alone, from the
+   surviving inference replicas first, then the training side
+   (:func:`layoutlang.plan.refill.plan_refill`), and commit it like a step;
 7. retry the aborted step on the new generation.
 
 A failure during any of this (a second failure during recovery) starts the same sequence
