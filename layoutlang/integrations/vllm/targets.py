@@ -36,15 +36,30 @@ from ...model import Box, Layout
 __all__ = ["EngineTargets"]
 
 
-def _created_shape(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype vLLM created the parameter with (before any post-processing)."""
+def _recorded(module: torch.nn.Module, leaf: str) -> torch.Tensor | None:
+    """The parameter as vLLM created it, before any post-processing (a meta tensor), when vLLM
+    recorded it for reloading; None for parameters that post-processing made, and for the few
+    it never reloads (``e_score_correction_bias``)."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     info = LAYERWISE_INFO.get(module)
-    if info is not None:
-        meta = info.restore_metadata[0].get(leaf)
-        if meta is not None:
-            return tuple(meta.shape), meta.dtype
+    return None if info is None else info.restore_metadata[0].get(leaf)
+
+
+def _derived(module: torch.nn.Module, leaf: str) -> bool:
+    """Whether post-processing made this parameter (MLA's ``W_UV`` and ``W_UK_T``, from
+    ``kv_b_proj``): vLLM records every loaded parameter for reloading, except the few it
+    names in ``SKIP_TENSORS`` (biases, ``e_score_correction_bias``), which are loaded too."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    return leaf not in SKIP_TENSORS and _recorded(module, leaf) is None
+
+
+def _created_shape(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """The shape and dtype vLLM created the parameter with (before any post-processing)."""
+    meta = _recorded(module, leaf)
+    if meta is not None:
+        return tuple(meta.shape), meta.dtype
     return tuple(param.shape), param.dtype
 
 
@@ -119,6 +134,9 @@ class EngineTargets:
                 self.loaded[storage] = module
         missing = sorted(set(parameters) - set(self.shapes))
         for name in missing:
+            owner, _, leaf = name.rpartition(".")
+            if _derived(modules[owner], leaf):
+                continue
             self.problems.append(
                 f"parameter '{name}' of {engine} on rank {rank} is not delivered by layout '{layout.name}' "
                 "(it would keep its old values)"
