@@ -15,7 +15,10 @@ by a policy:
 - ``"callback"``: ``callback(mesh, lost) -> Mesh`` builds the new mesh.
 
 The new layout keeps the tensors, rules and storages of the old one (they do not depend on
-the mesh's ranks) on the new mesh, and is validated with :meth:`Layout.check`.
+the mesh's ranks) on the new mesh. Where the policy may re-cut shards (``shrink-axis``,
+``callback``) it is validated with :meth:`Layout.check`; ``fill-spares`` and
+``drop-replica`` leave every remaining mesh position holding what it held, so a valid
+layout stays valid.
 
 :func:`generation_layouts` gives an elastic session's layouts of any generation from the
 agreed member lists alone: joiners take the destination positions of lost ranks
@@ -189,6 +192,12 @@ def remesh(
         )
 
     new = attrs.evolve(layout, name=new_name, mesh=new_mesh)  # the same tensors, rules and storages
+    if policy in ("fill-spares", "drop-replica"):
+        # Every position left holds what it held: fill-spares keeps the positions (a spare
+        # takes a lost rank's), drop-replica removes coordinates of an axis that replicates
+        # every tensor and selects no sub-mesh. A valid layout stays valid; checking its
+        # storages again on every rank would cost half a second at DeepSeek-V3 scale.
+        return new
     try:
         new.check()
     except LayoutError as err:

@@ -152,12 +152,16 @@ def check_holdings(before, after) -> list[bool]:
 
 
 def successors(layout, lost):
-    """The layouts a session could move to after ``lost``: each policy that applies."""
+    """The layouts a session could move to after ``lost``: each policy that applies. Both
+    keep what every remaining position holds, so remesh does not check them again: they
+    must pass the check (the layouts given here did)."""
     spares = [max(layout.mesh.ranks) + 1 + i for i in range(len(lost))]
     out = []
     for policy in ("drop-replica", "fill-spares"):
         with contextlib.suppress(LayoutError):  # no data-parallel axis, or no spare
             out.append(remesh(layout, lost, policy, spares=spares))
+    for after in out:
+        after.check()
     return out
 
 
