@@ -146,8 +146,8 @@ def vllm_parameters(
             out |= {f"{p}.self_attn.q_norm.weight": (head_dim,), f"{p}.self_attn.k_norm.weight": (head_dim,)}
         out |= {
             f"{moe}.gate.weight": (experts, hidden),
-            f"{moe}.experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
-            f"{moe}.experts.w2_weight": (local, hidden, inter // moe_tp),
+            f"{moe}.experts.routed_experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
+            f"{moe}.experts.routed_experts.w2_weight": (local, hidden, inter // moe_tp),
             f"{p}.input_layernorm.weight": (hidden,),
             f"{p}.post_attention_layernorm.weight": (hidden,),
         }
@@ -185,7 +185,7 @@ def vllm_loaded(
         w13[i, :shard] = full[f"{x}.{family.gate}.weight"].narrow(0, moe_rank * shard, shard)
         w13[i, shard:] = full[f"{x}.{family.up}.weight"].narrow(0, moe_rank * shard, shard)
         w2[i] = full[f"{x}.{family.down}.weight"].narrow(1, moe_rank * shard, shard)
-    return {f"{p}.self_attn.qkv_proj.weight": qkv, f"{moe}.experts.w13_weight": w13, f"{moe}.experts.w2_weight": w2}
+    return {f"{p}.self_attn.qkv_proj.weight": qkv, f"{moe}.experts.routed_experts.w13_weight": w13, f"{moe}.experts.routed_experts.w2_weight": w2}
 
 
 # ------------------------------------------------------------------ layoutlang's side

@@ -234,17 +234,34 @@ def test_other_axes_of_sglang_fused_are_independent_instances(tmp_path):
     check_against_sglang(path, CONFIG, 2, replicas=2)
 
 
-def test_sglang_differs_from_vllm_only_in_the_fused_a_projection(tmp_path):
-    """The one name SGLang and vLLM spell differently, and the same bytes under it."""
+#: SGLang's name -> vLLM 0.32's, where they differ: the fused a-projection, and the stacked
+#: expert weights, which vLLM keeps in FusedMoE's routed_experts submodule
+SGLANG_TO_VLLM = {
+    "fused_qkv_a_proj_with_mqa": "fused_qkv_a_proj",
+    "experts.w13_weight": "experts.routed_experts.w13_weight",
+    "experts.w2_weight": "experts.routed_experts.w2_weight",
+}
+
+
+def vllm_name(name: str) -> str:
+    for sglang, vllm in SGLANG_TO_VLLM.items():
+        name = name.replace(sglang, vllm)
+    return name
+
+
+def test_sglang_differs_from_vllm_only_in_the_fused_a_projection_and_the_experts_module(tmp_path):
+    """The names SGLang and vLLM spell differently, and the same shapes under them."""
     program = layoutlang.load(write_program(tmp_path, "mesh infer [tp = 2]", CONFIG))
     sglang, vllm = program.layout("sglang_fused"), program.layout("vllm_fused")
     for rank in sglang.mesh.ranks:
         mine, theirs = sglang.storages_on(rank), vllm.storages_on(rank)
-        renamed = {n.replace("fused_qkv_a_proj_with_mqa", "fused_qkv_a_proj"): s for n, s in mine.items()}
-        assert renamed == theirs
-        assert sorted(set(mine) - set(theirs)) == [
-            f"model.layers.{layer}.self_attn.fused_qkv_a_proj_with_mqa.weight" for layer in range(3)
-        ]
+        assert {vllm_name(n): s for n, s in mine.items()} == theirs
+        moe_layers = [layer for layer in range(3) if f"model.layers.{layer}.mlp.experts.w13_weight" in mine]
+        assert moe_layers == [1, 2]  # first_k_dense_replace = 1
+        assert sorted(set(mine) - set(theirs)) == sorted(
+            [f"model.layers.{layer}.self_attn.fused_qkv_a_proj_with_mqa.weight" for layer in range(3)]
+            + [f"model.layers.{layer}.mlp.experts.{w}_weight" for layer in moe_layers for w in ("w13", "w2")]
+        )
 
 
 def test_a_refit_from_vllm_into_sglang_moves_nothing_but_local_copies(tmp_path):
@@ -390,11 +407,11 @@ def test_sglang_fused_ep_with_ep_equal_to_tp_is_vllms_linear_expert_parallelism(
     )
     sglang, vllm = program.layout("sglang_fused_ep"), layoutlang.load(vllm_path).layout("vllm_fused_ep")
     for rank in range(4):
-        assert sglang.storages_on(rank) == vllm.storages_on(rank)
+        assert {vllm_name(n): s for n, s in sglang.storages_on(rank).items()} == vllm.storages_on(rank)
         for name in sglang.tensors:
             places = [
-                [(b.offsets, b.sizes, b.storage, b.storage_offsets) for b in layout.boxes(name, rank)]
-                for layout in (sglang, vllm)
+                [(b.offsets, b.sizes, rename(b.storage), b.storage_offsets) for b in layout.boxes(name, rank)]
+                for layout, rename in ((sglang, vllm_name), (vllm, str))
             ]
             assert places[0] == places[1], (rank, name)
 

@@ -175,8 +175,8 @@ def vllm_shapes(cfg: dict[str, Any], tp: int, local_experts: int | None = None) 
             local, moe_tp = (experts, tp) if local_experts is None else (local_experts, 1)
             out |= {
                 f"{p}.{block}.gate.weight": (experts, hidden),
-                f"{p}.{block}.experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
-                f"{p}.{block}.experts.w2_weight": (local, hidden, inter // moe_tp),
+                f"{p}.{block}.experts.routed_experts.w13_weight": (local, 2 * inter // moe_tp, hidden),
+                f"{p}.{block}.experts.routed_experts.w2_weight": (local, hidden, inter // moe_tp),
             }
         else:
             inter = cfg["intermediate_size"]
@@ -220,7 +220,8 @@ def vllm_loaded(
             x = f"{p}.{block}.experts"
             local, moe_tp, moe_rank = (experts, 1, 0) if experts is not None else (range(num_experts(cfg)), tp, tp_rank)
             names = [tuple(f"{x}.{e}.{w}.weight" for w in projections) for e in local]
-            out[f"{x}.w13_weight"], out[f"{x}.w2_weight"] = fused_moe(
+            # vLLM 0.32: the stacked weights live in FusedMoE's routed_experts submodule
+            out[f"{x}.routed_experts.w13_weight"], out[f"{x}.routed_experts.w2_weight"] = fused_moe(
                 full, names, moe_tp, moe_rank, full[f"{x}.0.{projections[0]}.weight"]
             )
         else:  # MergedColumnParallelLinear and RowParallelLinear

@@ -129,8 +129,8 @@ def deepseek_parameters(cfg: dict[str, Any], tp: int, local_experts: int | None 
             out |= {
                 f"{mlp}.shared_experts.gate_up_proj.weight": (2 * shared_inter // tp, hidden),
                 f"{mlp}.shared_experts.down_proj.weight": (hidden, shared_inter // tp),
-                f"{mlp}.experts.w13_weight": (local, 2 * moe_inter // moe_tp, hidden),
-                f"{mlp}.experts.w2_weight": (local, hidden, moe_inter // moe_tp),
+                f"{mlp}.experts.routed_experts.w13_weight": (local, 2 * moe_inter // moe_tp, hidden),
+                f"{mlp}.experts.routed_experts.w2_weight": (local, hidden, moe_inter // moe_tp),
             }
         else:
             out |= {
@@ -179,7 +179,7 @@ def deepseek_loaded(
         else:
             local, moe_tp, moe_rank = experts, 1, 0
         names = [tuple(f"{mlp}.experts.{e}.{w}_proj.weight" for w in ("gate", "up", "down")) for e in local]
-        out[f"{mlp}.experts.w13_weight"], out[f"{mlp}.experts.w2_weight"] = fused_moe(
+        out[f"{mlp}.experts.routed_experts.w13_weight"], out[f"{mlp}.experts.routed_experts.w2_weight"] = fused_moe(
             full, names, moe_tp, moe_rank, full[f"{mlp}.experts.0.gate_proj.weight"]
         )
     # the rest is whole on every rank: the norms, the router and (noaux_tc) its bias, and
