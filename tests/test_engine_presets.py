@@ -167,11 +167,13 @@ def vllm_loaded(
     # QKVParallelLinear.weight_loader
     q_size, kv_size = heads // tp * head_dim, max(1, kv_heads // tp) * head_dim
     kv_rank = tp_rank // max(1, tp // kv_heads)
-    qkv = torch.cat([
-        full[f"{p}.self_attn.q_proj.weight"].narrow(0, tp_rank * q_size, q_size),
-        full[f"{p}.self_attn.k_proj.weight"].narrow(0, kv_rank * kv_size, kv_size),
-        full[f"{p}.self_attn.v_proj.weight"].narrow(0, kv_rank * kv_size, kv_size),
-    ])
+    qkv = torch.cat(
+        [
+            full[f"{p}.self_attn.q_proj.weight"].narrow(0, tp_rank * q_size, q_size),
+            full[f"{p}.self_attn.k_proj.weight"].narrow(0, kv_rank * kv_size, kv_size),
+            full[f"{p}.self_attn.v_proj.weight"].narrow(0, kv_rank * kv_size, kv_size),
+        ]
+    )
     # FusedMoE: _load_w13 narrows gate and up along dim 0, _load_w2 narrows down along dim 1
     if ep is None:
         moe_tp, moe_rank, local = tp, tp_rank, list(range(experts))
@@ -185,7 +187,11 @@ def vllm_loaded(
         w13[i, :shard] = full[f"{x}.{family.gate}.weight"].narrow(0, moe_rank * shard, shard)
         w13[i, shard:] = full[f"{x}.{family.up}.weight"].narrow(0, moe_rank * shard, shard)
         w2[i] = full[f"{x}.{family.down}.weight"].narrow(1, moe_rank * shard, shard)
-    return {f"{p}.self_attn.qkv_proj.weight": qkv, f"{moe}.experts.routed_experts.w13_weight": w13, f"{moe}.experts.routed_experts.w2_weight": w2}
+    return {
+        f"{p}.self_attn.qkv_proj.weight": qkv,
+        f"{moe}.experts.routed_experts.w13_weight": w13,
+        f"{moe}.experts.routed_experts.w2_weight": w2,
+    }
 
 
 # ------------------------------------------------------------------ layoutlang's side
@@ -285,3 +291,24 @@ def test_mixtral_presets_hold_vllms_parameters(tmp_path, dp, tp, strategy):
     assert main(["check", str(path)]) == 0
     name = {None: "vllm_fused", "linear": "vllm_fused_ep", "round_robin": "vllm_fused_ep_round_robin"}[strategy]
     check_against_vllm(layoutlang.load(path), name, dp, tp, strategy, MIXTRAL, MIXTRAL_FAMILY)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fewer_experts_than_ep_ranks_leave_the_last_ranks_empty(tmp_path, family):
+    # 3 experts on 4 EP ranks: vLLM's determine_expert_map gives ranks 0..2 one expert each
+    # and rank 3 none, whose w13_weight / w2_weight it creates with 0 experts
+    config, spec = (
+        (CONFIG | {"num_experts": 3}, QWEN3_MOE)
+        if family == "qwen3_moe"
+        else (
+            MIXTRAL | {"num_local_experts": 3},
+            MIXTRAL_FAMILY,
+        )
+    )
+    path = write_program(tmp_path, "mesh infer [dp = 2, tp = 2]", config, ep=True, family=spec)
+    assert main(["check", str(path)]) == 0
+    check_against_vllm(layoutlang.load(path), "vllm_fused_ep", 2, 2, "linear", config, spec)
+    storages = layoutlang.load(path).layout("vllm_fused_ep").storages_on(3)
+    assert [shape[0] for name, shape in storages.items() if name.endswith("w13_weight")] == [0] * config[
+        "num_hidden_layers"
+    ]
