@@ -364,3 +364,30 @@ def test_the_core_refuses_inconsistent_arguments():
     with pytest.raises(_core.CoreError, match=f"a name and a view per storage \\({storages} storages\\)"):
         _core.same_holdings(fsdp.core, names[:-1], views, fsdp.core, names, views, [0])
     assert _core.same_holdings(fsdp.core, names, views, fsdp.core, names, views, [0, 1, 99]) == [True, True, False]
+
+
+def test_empty_stacks_count_among_a_ranks_storages():
+    """vLLM's w13_weight with 3 experts on 4 EP ranks: EP rank 3 holds it empty ([0, ...]), a
+    storage the model knows and the core does not. A layout keeping every expert on EP rank 0
+    leaves rank 3 with no storage at all: the same boxes (none), not the same storages."""
+    text = """
+mesh infer [ep = 4]
+tensor "experts.{e}.gate_proj.weight" [4, 6] fp32 for e in 0..2
+tensor "experts.{e}.up_proj.weight" [4, 6] fp32 for e in 0..2
+layout spread on infer {
+  "experts.{e}.*": ep[e % 4]
+  storage "experts.w13_weight" = stack e of "experts.{e}.gate_proj.weight" | "experts.{e}.up_proj.weight"
+}
+layout first on infer {
+  "experts.{e}.*": ep[0]
+  storage "experts.w13_weight" = stack e of "experts.{e}.gate_proj.weight" | "experts.{e}.up_proj.weight"
+}
+"""
+    program = layoutlang.loads(text)
+    spread, first = program.layouts["spread"], program.layouts["first"]
+    assert spread.storages_on(3) == {"experts.w13_weight": (0, 8, 6)} and first.storages_on(3) == {}
+    assert same_holdings(spread, first, [3]) == [False] == [oracle_same(spread, first, 3)]
+    check_holdings(spread, first)
+    check_holdings(first, spread)
+    for after in successors(spread, {3}) + successors(spread, {1}):
+        check_holdings(spread, after)

@@ -144,7 +144,21 @@ def same_holdings(before: Layout, after: Layout, ranks: Iterable[int]) -> list[b
             )
         )
     with core_errors(before.resolved.names):
-        return list(_core.same_holdings(*sides[0], *sides[1], ranks))
+        same = list(_core.same_holdings(*sides[0], *sides[1], ranks))
+    # A stack none of whose elements lands on a rank is held there empty ([0, ...]): the model
+    # knows these storages, the core does not, so they are compared here.
+    empty_before, empty_after = _empty_stacks(before), _empty_stacks(after)
+    return [s and empty_before.get(r, {}) == empty_after.get(r, {}) for r, s in zip(ranks, same)]
+
+
+def _empty_stacks(layout: Layout) -> dict[int, dict[str, tuple[int, ...]]]:
+    """Rank -> the stacked storages it holds empty (name -> shape)."""
+    resolved = layout.resolved
+    out: dict[int, dict[str, tuple[int, ...]]] = {}
+    for sid, shapes in resolved.empty_stacks().items():
+        for rank, shape in shapes.items():
+            out.setdefault(rank, {})[resolved.storages[sid].name] = shape
+    return out
 
 
 def check_recoverable(layouts: Layout | Iterable[Layout], lost: Iterable[int], *, limit: int = 10) -> None:
