@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from ...errors import LayoutValueError
 from ...lang import load, loads
 from ...model import Layout, Program, Reshard
 
@@ -51,8 +52,6 @@ class RefitProgram:
         world = max(ranks) + 1
         missing = sorted(set(range(world)) - ranks)
         if missing:
-            from ...errors import LayoutValueError
-
             raise LayoutValueError(
                 f"ranks {missing[:8]} of the refit group 0..{world - 1} belong to no mesh of reshard "
                 f"'{self.reshard.name}': number the trainer's ranks 0.. and the engines' after them"
