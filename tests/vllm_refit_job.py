@@ -29,6 +29,8 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+# the oracle of vLLM's own reload path runs a function on the engine's workers
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 import torch
 import torch.distributed as dist
@@ -138,6 +140,18 @@ def transformers_logprobs(model: torch.nn.Module, tokens: list[list[int]]) -> li
             logits = model(input_ids=ids).logits[0].double().log_softmax(-1)
             out.append([float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(generated)])
     return out
+
+
+def reload_whole_tensors(worker: Any, checkpoint: str) -> None:
+    """vLLM's own path for whole tensors, run on each worker: every checkpoint tensor into
+    ``load_weights`` under the layerwise-reload lifecycle (what vLLM's NCCL engine does)."""
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+    model = worker.model_runner.model
+    initialize_layerwise_reload(model)
+    model.load_weights(list(load_file(f"{checkpoint}/model.safetensors").items()))
+    finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
 def stop(engine: Any) -> None:
@@ -265,6 +279,9 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
         reference.save_pretrained(checkpoint)
         fresh = start_engine(checkpoint)
         observed["fresh"] = generate(fresh)
+        # the same weights again, through vLLM's own reload path
+        fresh.llm_engine.collective_rpc(reload_whole_tensors, args=(str(checkpoint),))
+        observed["fresh_reloaded"] = generate(fresh)
         stop(fresh)
         observed["transformers"] = [transformers_logprobs(reference, e["tokens"]) for e in observed["engines"]]
         record["steps"].append(observed)
