@@ -137,7 +137,8 @@ def test_dense_layers_follow_first_k_dense_replace_and_moe_layer_freq(tmp_path):
     config = CONFIG | {"num_hidden_layers": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}
     path = write_program(tmp_path, "mesh infer [tp = 2]", config)
     storages = layoutlang.load(path).layout("vllm_fused").storages_on(0)
-    assert [layer for layer in range(4) if f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight" in storages] == [2]
+    stacked = [layer for layer in range(4) if f"model.layers.{layer}.mlp.experts.routed_experts.w13_weight" in storages]
+    assert stacked == [2]
     check_against_vllm(path, config, 2)
 
 

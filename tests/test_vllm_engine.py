@@ -89,30 +89,24 @@ def steps(job: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def vllm_reload_differs_from_a_fresh_load(job) -> bool:
-    """Whether vLLM itself generates other tokens after reloading the very weights it was
-    loaded with (its own layerwise reload, as its NCCL engine uses): then no refit through
-    vLLM's loaders can equal a fresh engine, and the fresh-engine oracle does not apply."""
-    return any(s["fresh"]["tokens"] != s["fresh_reloaded"]["tokens"] for s in steps(job))
-
-
-def test_every_refit_generates_the_tokens_of_vllms_own_path_for_whole_tensors(job):
-    # the fresh engine, reloaded with the same weights by vLLM's own whole-tensor path
-    for step, observed in enumerate(steps(job), 1):
-        for engine, generated in enumerate(observed["engines"]):
-            assert generated["tokens"] == observed["fresh_reloaded"]["tokens"], (step, engine)
-            assert generated["logprobs"] == observed["fresh_reloaded"]["logprobs"], (step, engine)
-
-
 def test_every_refit_generates_the_tokens_of_a_fresh_engine(job):
-    if vllm_reload_differs_from_a_fresh_load(job):
-        pytest.xfail(
-            f"vLLM 0.32 (CPU, TP 2) generates other tokens for {job['scenario']} after reloading the weights it "
-            "was loaded with, through its own layerwise reload: a refit equals vLLM's own reload path instead"
-        )
     for step, observed in enumerate(steps(job), 1):
         for engine, generated in enumerate(observed["engines"]):
             assert generated["tokens"] == observed["fresh"]["tokens"], (step, engine)
+
+
+def test_a_refit_equals_vllms_own_reload_where_that_reload_is_right(job):
+    """vLLM's own path for whole tensors (the fresh engine reloaded with the same weights
+    through load_weights under layerwise reload, as its NCCL engine does) gives, where it
+    agrees with the fresh load, the very logprobs of the refitted engines. vLLM 0.32 on the CPU
+    skips the MoE experts' prepack on a reload, so for Qwen3-MoE its own reload is wrong and the
+    refit (which repacks them) is compared with the fresh engine above instead."""
+    agreeing = [s for s in steps(job) if s["fresh_reloaded"]["tokens"] == s["fresh"]["tokens"]]
+    if job["scenario"] == "llama":
+        assert len(agreeing) == 3
+    for observed in agreeing:
+        for generated in observed["engines"]:
+            assert generated["logprobs"] == observed["fresh_reloaded"]["logprobs"]
 
 
 def test_every_refit_changes_the_tokens(job):
@@ -123,8 +117,6 @@ def test_every_refit_changes_the_tokens(job):
 
 
 def test_logprobs_match_transformers_forward_pass(job):
-    if vllm_reload_differs_from_a_fresh_load(job):
-        pytest.xfail(f"vLLM 0.32's own reload changes {job['scenario']}'s outputs (see the fresh-engine test)")
     for step, observed in enumerate(steps(job), 1):
         for engine, (generated, reference) in enumerate(zip(observed["engines"], observed["transformers"])):
             for prompt, (got, want) in enumerate(zip(generated["logprobs"], reference)):

@@ -46,6 +46,27 @@ def _recorded(module: torch.nn.Module, leaf: str) -> torch.Tensor | None:
     return None if info is None else info.restore_metadata[0].get(leaf)
 
 
+def _prepack_cpu_experts(modules: Iterable[torch.nn.Module]) -> None:
+    """Repack MoE experts for the CPU kernel after a weight update, as a first load does.
+
+    vLLM 0.32's ``UnquantizedFusedMoEMethod.process_weights_after_loading`` runs the experts
+    kernel's own ``process_weights_after_loading`` only on the first load (``if not
+    is_weight_update``); on the CPU that is the VNNI prepack (``cpu_moe.py``:
+    ``cpu_prepack_moe_weight``), so after any reload, vLLM's own included, the kernel reads
+    the loaded weights as if packed and a MoE model generates other tokens. Found by
+    tests/test_vllm_engine.py (a Qwen3-MoE refit against a fresh engine).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in {id(m): m for m in modules}.values():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        process = getattr(getattr(kernel, "fused_experts", None), "process_weights_after_loading", None)
+        if process is not None:
+            process(module)
+
+
 def _derived(module: torch.nn.Module, leaf: str) -> bool:
     """Whether post-processing made this parameter (MLA's ``W_UV`` and ``W_UK_T``, from
     ``kv_b_proj``): vLLM records every loaded parameter for reloading, except the few it
@@ -204,3 +225,4 @@ class EngineTargets:
                 for name, whole in self._whole_tensors(storage, received[storage]):
                     load_weights([(name, whole)])
             finalize_layerwise_reload(self.model, model_config)
+            _prepack_cpu_experts(self.loaded.values())
