@@ -18,8 +18,10 @@ Nothing here asserts: the observations go to WORKDIR/result.json and the test co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -154,12 +156,17 @@ def reload_whole_tensors(worker: Any, checkpoint: str) -> None:
     finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
+def worker_pid(worker: Any) -> int:
+    return os.getpid()
+
+
 def stop(engine: Any) -> None:
     import gc
 
     if engine in STARTED:
         STARTED.remove(engine)
-        engine.llm_engine.engine_core.shutdown()
+        with contextlib.suppress(Exception):  # an engine whose worker was killed is dead already
+            engine.llm_engine.engine_core.shutdown()
     gc.collect()
 
 
@@ -287,10 +294,29 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
         record["steps"].append(observed)
         log(f"step {step}: refit {seconds:.3f} s, tokens {observed['engines'][0]['tokens'][0]}")
 
-    # 2. a trainer rank dies in the middle of a refit: the other ranks and the engines must
-    # fail with an error, and the engines keep serving the weights of the last good refit
+    # 2. a rank dies just before a refit: the trainer's last rank (llama), or a worker of the
+    # second engine (qwen3_moe; vLLM then stops that engine). The other ranks must fail with
+    # an error, and the engines that live keep serving the weights of the last good refit.
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
+    if scenario == "qwen3_moe":
+        if rank == 0:
+            pids = engines[1].llm_engine.collective_rpc(worker_pid)
+            os.kill(pids[-1], signal.SIGKILL)
+            record["killed"] = "engine 1's tensor-parallel rank 1 (program rank 5)"
+            time.sleep(1.0)
+        dist.barrier()
+        started = time.perf_counter()
+        try:
+            refit.send_weights()
+            record["death_error"] = None
+        except Exception as err:
+            record["death_error"] = f"{type(err).__name__}: {err}"
+        record["death_seconds"] = time.perf_counter() - started
+        if rank == 0:
+            record["after_death"] = [generate(engines[0])]
+        (work / f"rank{rank}.json").write_text(json.dumps(record))
+        return
     if rank == TRAINERS - 1:
         record["died"] = True
         (work / f"rank{rank}.json").write_text(json.dumps(record))

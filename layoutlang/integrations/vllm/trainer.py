@@ -14,6 +14,7 @@ fails, no engine applies the refit: each keeps serving its previous weights.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -28,7 +29,8 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
-from ...errors import ExecutionError, LayoutError
+from ..._text import rank_ranges
+from ...errors import ExecutionError
 from ...runtime import Resharder
 from ..dtensor import state_dict_problems
 from ..refit_group import RefitGroup
@@ -128,6 +130,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         resharder: Resharder,
         cast_sources: bool,
         timeout: float,
+        engine_offsets: Sequence[int] = (),
     ):
         super().__init__(client=clients[0] if clients else None, source=source, is_sender=rank == 0)
         self.clients = list(clients)
@@ -139,6 +142,12 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         self.timeout = timeout
         self.refits = 0
         self.last_seconds = 0.0
+        # each engine's program ranks, for messages
+        ranks = sorted(refit.destination.mesh.ranks)
+        self.engine_ranks: list[list[int]] = []
+        if engine_offsets:
+            bounds = [*engine_offsets, ranks[-1] + 1]
+            self.engine_ranks = [[r for r in ranks if lo <= r < hi] for lo, hi in itertools.pairwise(bounds)]
 
     @classmethod
     def trainer_init(
@@ -214,6 +223,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             resharder=resharder,
             cast_sources=init_info.cast_sources,
             timeout=init_info.timeout,
+            engine_offsets=offsets,
         )
 
     def _sources(self) -> tuple[dict[str, torch.Tensor], str | None]:
@@ -233,6 +243,20 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             out[storage] = local.detach()
         return out, None
 
+    def _control(self, index: int, what: str, call: Any) -> None:
+        """One control-plane call to engine ``index``; its failure names the engine."""
+        try:
+            call()
+        except Exception as err:
+            ranks = self.engine_ranks[index] if index < len(self.engine_ranks) else []
+            raise ExecutionError(
+                f"rank {self.rank}: engine {index} (program ranks {rank_ranges(ranks)}) could not {what}: "
+                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                "(its workers may have died); no engine applies this refit",
+                rank=self.rank,
+                peers=ranks,
+            ) from err
+
     def send_weights(self) -> None:
         """Refit every engine from this rank's current weights (called on every trainer rank)."""
         start = time.perf_counter()
@@ -242,14 +266,15 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         futures = []
         error: BaseException | None = None
         try:
-            if self.is_sender:
-                for client in self.clients:
-                    client.start_weight_update()
-                update = {"refit": self.refits}
-                futures = [pool.submit(client.update_weights, dict(update)) for client in self.clients]
             try:
+                if self.is_sender:
+                    for index, client in enumerate(self.clients):
+                        self._control(index, "start the weight update", client.start_weight_update)
+                    update = {"refit": self.refits}
+                    futures = [pool.submit(client.update_weights, dict(update)) for client in self.clients]
                 self.resharder.run(sources, {}, cast_sources=self.cast_sources, not_ready=not_ready)
-            except (ExecutionError, LayoutError) as err:
+            except Exception as err:
+                # an engine that cannot start the update (dead), or an exchange that failed
                 error = err
                 # every member's pending exchange with this rank fails now, not at its deadline;
                 # the group is spent: trainer_init again to refit after a failure
@@ -257,8 +282,8 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             # the engines' errors name their ranks; this rank's own comes first
             _raise_first(futures, self.timeout, first=error)
             if self.is_sender:
-                for client in self.clients:
-                    client.finish_weight_update(str(self.refits))
+                for index, client in enumerate(self.clients):
+                    self._control(index, "apply the refit", lambda c=client: c.finish_weight_update(str(self.refits)))
         finally:
             pool.shutdown(wait=False)
         self.last_seconds = time.perf_counter() - start
