@@ -18,6 +18,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from .._text import rank_ranges
 from ..errors import ExitCode, LayoutError, RuntimeFailure
 
 __all__ = ["LocalWorkers", "WorkerError", "worker_context"]
@@ -29,8 +30,12 @@ class WorkerError(RuntimeError):
     ``kind`` is the error's kind when the task failed on a user's mistake (a
     :class:`~layoutlang.errors.LayoutError`: a bad program, storage or checkpoint) or on a
     failure at run time (a :class:`~layoutlang.errors.RuntimeFailure`: a peer that died or
-    hung, an agreement that failed); ``died`` for a worker that exited, ``hung`` for workers
-    that did not finish in time, ``internal`` for anything else. ``exit_code`` says who must
+    hung, an agreement that failed); ``died`` for a worker that exited (its exit code, or the
+    signal that killed it), ``hung`` for workers that did not finish in time, ``internal`` for
+    anything else. Once a worker has failed, the others get one more timeout (+5 s): the
+    failure is then reported with the workers that never answered (stopped or hung), so a
+    stopped peer ends a plain ``apply`` about two timeouts after it stopped, whatever
+    ``--repeat`` says. ``exit_code`` says who must
     act (:class:`~layoutlang.errors.ExitCode`); ``message`` is the worker's error text
     without the rank prefix.
     """
@@ -77,6 +82,16 @@ def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results
             results.put((rank, False, failure))
     if default_group:
         dist.destroy_process_group()
+
+
+def _exit_text(code: int | None) -> str:
+    """How a worker process ended: its exit code, or the signal that killed it."""
+    import signal
+
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 class LocalWorkers:
@@ -139,23 +154,44 @@ class LocalWorkers:
         return self.collect(timeout)
 
     def collect(self, timeout: float | None = None) -> list[Any]:
+        """Every worker's result, by rank; raises :class:`WorkerError` for the first failure.
+
+        Once a worker has failed, the others get one more ``timeout`` (their own exchanges end
+        within it) rather than the whole task's deadline: a worker that is stopped (SIGSTOP, an
+        overloaded host) never answers, and the job must end with the failure, naming it.
+        """
         deadline = time.monotonic() + (timeout or self.timeout + 60)
         results: dict[int, tuple[bool, Any]] = {}
+        grace_until: float | None = None
         while len(results) < self.size:
             result = self._next_result()
             if result is not None:
                 rank, ok, value = result
                 results[rank] = (ok, value)
+                if not ok and grace_until is None:
+                    grace_until = min(deadline, time.monotonic() + self.timeout + 5)
                 continue
             dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
             if dead:
-                text = f"worker rank {dead[0]} died (exit code {self.processes[dead[0]].exitcode})"
+                text = f"worker rank {dead[0]} died ({_exit_text(self.processes[dead[0]].exitcode)})"
                 raise WorkerError(text, "died", f"error: {text}", ExitCode.FAILURE)
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if grace_until is not None and now > grace_until:
+                break  # the failure is reported below, with the workers that never answered
+            if now > deadline:
                 missing = sorted(set(range(self.size)) - set(results))
                 text = f"workers {missing} did not finish in time"
                 raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
+        silent = sorted(set(range(self.size)) - set(results))
         failed = sorted(r for r, (ok, _) in results.items() if not ok)
+        if failed and silent:
+            first = min(failed)
+            name, message, kind, exit_code = results[first][1]
+            note = (
+                f"; {'worker' if len(silent) == 1 else 'workers'} {rank_ranges(silent)} did not answer within "
+                f"{self.timeout + 5:g} s of it (stopped or hung)"
+            )
+            raise WorkerError(f"rank {first}: {name}: {message}{note}", kind, message + note, exit_code)
         if failed:
             # Prefer a user's mistake over the runtime failures it caused on other ranks, and
             # both over a bug: BAD_INPUT (2), then FAILURE (1), then INTERNAL (3).
