@@ -139,9 +139,15 @@ def _dtensor_offset(tensor: Any) -> tuple[int, ...] | None:
 
 
 def state_dict_problems(
-    layout: Layout, state_dict: Mapping[str, Any], rank: int, *, rename: Callable[[str], str] | None = None
+    layout: Layout,
+    state_dict: Mapping[str, Any],
+    rank: int,
+    *,
+    rename: Callable[[str], str] | None = None,
+    allow_dtype: bool = False,
 ) -> list[str]:
-    """Every way ``state_dict`` on ``rank`` differs from what ``layout`` places there."""
+    """Every way ``state_dict`` on ``rank`` differs from what ``layout`` places there
+    (``allow_dtype`` accepts other dtypes, for ``cast_sources=True``)."""
     named = {(rename(k) if rename else k): v for k, v in state_dict.items()}
     problems = []
     held = layout.storages_on(rank)
@@ -162,7 +168,7 @@ def state_dict_problems(
             )
             continue
         declared = layout.tensors[parts[0]].dtype
-        if local.dtype != torch_dtype(declared):
+        if not allow_dtype and local.dtype != torch_dtype(declared):
             problems.append(
                 f"tensor '{storage}' on rank {rank}: the state dict holds {local.dtype}, the program declares "
                 f"{declared} (pass cast_sources=True to send it as declared)"
@@ -202,16 +208,15 @@ def local_storages(
     *,
     rename: Callable[[str], str] | None = None,
     allow_dtype: bool = False,
+    checked: bool = True,
 ) -> dict[str, torch.Tensor]:
     """This rank's sources for a Resharder: storage name -> the local shard in ``state_dict``.
 
     Raises :class:`~layoutlang.LayoutValueError` listing every problem
     :func:`state_dict_problems` finds (``allow_dtype`` accepts other dtypes, for
-    ``cast_sources=True``).
+    ``cast_sources=True``); ``checked=False`` skips the check, for a caller that just made it.
     """
-    problems = state_dict_problems(layout, state_dict, rank, rename=rename)
-    if allow_dtype:
-        problems = [p for p in problems if "cast_sources=True" not in p]
+    problems = state_dict_problems(layout, state_dict, rank, rename=rename, allow_dtype=allow_dtype) if checked else []
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
@@ -32,7 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from ..._text import rank_ranges
 from ...errors import ExecutionError
 from ...runtime import Resharder
-from ..dtensor import state_dict_problems
+from ..dtensor import local_storages, state_dict_problems
 from ..refit_group import RefitGroup
 from .common import BACKEND, RefitProgram, WorkerInitFields, first_of
 
@@ -141,7 +140,6 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         self.cast_sources = cast_sources
         self.timeout = timeout
         self.refits = 0
-        self.last_seconds = 0.0
         # each engine's program ranks, for messages
         ranks = sorted(refit.destination.mesh.ranks)
         self.engine_ranks: list[list[int]] = []
@@ -198,9 +196,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 name=init_info.group_name,
                 timeout=init_info.timeout,
             )
-            problems = state_dict_problems(refit.source, weights.state_dict(), rank)
-            if init_info.cast_sources:
-                problems = [p for p in problems if "cast_sources=True" not in p]
+            problems = state_dict_problems(refit.source, weights.state_dict(), rank, allow_dtype=init_info.cast_sources)
             problem = first_of(problems)
             resharder = Resharder(
                 refit.program,
@@ -231,17 +227,10 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         assert isinstance(self.source, StateDictSource)
         weights = self.source.state_dict()
         layout = self.refit.source
-        problems = state_dict_problems(layout, weights, self.rank)
-        if self.cast_sources:
-            problems = [p for p in problems if "cast_sources=True" not in p]
+        problems = state_dict_problems(layout, weights, self.rank, allow_dtype=self.cast_sources)
         if problems:
             return {}, f"rank {self.rank}'s weights do not match layout '{layout.name}': " + "; ".join(problems[:3])
-        out = {}
-        for storage in self.resharder.source_storages:
-            tensor = weights[storage]
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            out[storage] = local.detach()
-        return out, None
+        return local_storages(layout, weights, self.rank, checked=False), None
 
     def _control(self, index: int, what: str, call: Any) -> None:
         """One control-plane call to engine ``index``; its failure names the engine."""
@@ -259,7 +248,6 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
 
     def send_weights(self) -> None:
         """Refit every engine from this rank's current weights (called on every trainer rank)."""
-        start = time.perf_counter()
         self.refits += 1
         sources, not_ready = self._sources()
         pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.clients)), thread_name_prefix="layoutlang-refit")
@@ -286,7 +274,6 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     self._control(index, "apply the refit", lambda c=client: c.finish_weight_update(str(self.refits)))
         finally:
             pool.shutdown(wait=False)
-        self.last_seconds = time.perf_counter() - start
 
     def shutdown(self) -> None:
         if self.is_sender:
