@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ..core import _core
 from ..errors import LayoutError, LayoutValueError
@@ -148,6 +149,30 @@ def plan_recovery(
     >>> sorted((m.src, m.dst, m.kind) for m in plan.moves())
     [(0, 0, 'local'), (0, 4, 'network'), (1, 1, 'local'), (3, 3, 'local')]
     """
+    sources, destination, lost_ranks, arrays = _recovery_arrays(sources, destination, lost, domain_size, bucket_bytes)
+    return Plan(
+        sources[0],
+        destination,
+        name or f"recover {destination.name} from {', '.join(layout.name for layout in sources)}",
+        ("reshard",) * len(destination.tensors),
+        domain_size,
+        bucket_bytes,
+        arrays,
+        sources=sources,
+        lost=lost_ranks,
+    )
+
+
+def _recovery_arrays(
+    sources: Sequence[Layout],
+    destination: Layout,
+    lost: Iterable[int],
+    domain_size: int,
+    bucket_bytes: int,
+    fill: Sequence[int] | None = None,
+) -> tuple[list[Layout], Layout, list[int], Any]:
+    """The checks and the core's moves of a recovery plan (of the ``fill`` ranks, or of every
+    destination rank): the sources and destination in one tensor order, the lost ranks."""
     sources = list(sources)
     if not sources:
         raise LayoutValueError("a recovery plan needs at least one source layout")
@@ -170,23 +195,14 @@ def plan_recovery(
     names = list(sources[0].tensors)
     sources = [_in_order(layout, names) for layout in sources]
     destination = _in_order(destination, names)
+    extra = {} if fill is None else {"fill": list(fill)}
     try:
         arrays = _core.build_recovery_plan(
-            [layout.core for layout in sources], lost_ranks, destination.core, domain_size, bucket_bytes
+            [layout.core for layout in sources], lost_ranks, destination.core, domain_size, bucket_bytes, **extra
         )
     except _core.CoreError as err:
         raise LayoutValueError.from_core(err, sources[0].resolved.names, destination.span) from None
-    return Plan(
-        sources[0],
-        destination,
-        name or f"recover {destination.name} from {', '.join(layout.name for layout in sources)}",
-        ("reshard",) * len(names),
-        domain_size,
-        bucket_bytes,
-        arrays,
-        sources=sources,
-        lost=lost_ranks,
-    )
+    return sources, destination, lost_ranks, arrays
 
 
 def compile_plan(

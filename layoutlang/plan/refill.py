@@ -20,9 +20,8 @@ import attrs
 from ..core import _core
 from ..errors import LayoutValueError, core_errors
 from ..model import Layout
-from .compile import _check_pair, _in_order
+from .compile import _recovery_arrays
 from .data import DEFAULT_BUCKET_BYTES, Plan, _ranks
-from .loss import check_recoverable
 
 __all__ = ["RefillPlan", "plan_refill"]
 
@@ -97,21 +96,7 @@ def plan_refill(
     [(0, 4, 'network')]
     >>> plan.validate()
     """
-    sources = list(sources)
-    if not sources:
-        raise LayoutValueError("a recovery plan needs at least one source layout")
-    lost_ranks = sorted({int(r) for r in lost})
     fill_ranks = sorted({int(r) for r in fill})
-    for source in sources:
-        _check_pair(source, destination, storages=False)
-    in_destination = sorted(set(lost_ranks) & set(destination.mesh.ranks))
-    if in_destination:
-        raise LayoutValueError(
-            f"lost rank{'s' if len(in_destination) > 1 else ''} {', '.join(map(str, in_destination))} "
-            f"still belong{'s' if len(in_destination) == 1 else ''} to the destination layout '{destination.name}'",
-            destination.span,
-            "remesh the destination first (elastic.remesh)",
-        )
     outside = [r for r in fill_ranks if r not in destination.mesh]
     if outside:
         raise LayoutValueError(
@@ -119,30 +104,14 @@ def plan_refill(
             f"{'are' if len(outside) > 1 else 'is'} not in the destination layout '{destination.name}'",
             destination.span,
         )
-    check_recoverable(sources, lost_ranks)  # never silent loss: names every lost box
-    if bucket_bytes < 1:
-        raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
-    if domain_size < 1:
-        raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
-    names = list(sources[0].tensors)
-    sources = [_in_order(layout, names) for layout in sources]
-    destination = _in_order(destination, names)
-    try:
-        arrays = _core.build_recovery_plan(
-            [layout.core for layout in sources],
-            lost_ranks,
-            destination.core,
-            domain_size,
-            bucket_bytes,
-            fill=fill_ranks,
-        )
-    except _core.CoreError as err:
-        raise LayoutValueError.from_core(err, sources[0].resolved.names, destination.span) from None
+    sources, destination, lost_ranks, arrays = _recovery_arrays(
+        sources, destination, lost, domain_size, bucket_bytes, fill=fill_ranks
+    )
     return RefillPlan(
         sources[0],
         destination,
         name or f"refill ranks {', '.join(map(str, fill_ranks))} of {destination.name}",
-        ("reshard",) * len(names),
+        ("reshard",) * len(destination.tensors),
         domain_size,
         bucket_bytes,
         arrays,
