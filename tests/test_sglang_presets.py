@@ -46,36 +46,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_rules import TINY_DEEPSEEK_V3
 
 import layoutlang
 from layoutlang.cli.main import main
 
 pytestmark = pytest.mark.timeout(120)
 
-#: a tiny DeepSeek-V3: 3 layers, the first dense, 8 routed experts and 2 shared experts
-CONFIG = {
-    "model_type": "deepseek_v3",
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "hidden_size": 16,
-    "intermediate_size": 24,
-    "moe_intermediate_size": 12,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "n_routed_experts": 8,
-    "n_shared_experts": 2,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "moe_layer_freq": 1,
-    "q_lora_rank": 12,
-    "kv_lora_rank": 8,
-    "qk_nope_head_dim": 4,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 4,
-    "vocab_size": 100,
-    "topk_method": "noaux_tc",
-    "tie_word_embeddings": False,
-}
+CONFIG = TINY_DEEPSEEK_V3
 
 
 def write_program(tmp_path: Path, mesh: str, config: dict) -> Path:

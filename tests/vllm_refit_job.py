@@ -299,25 +299,16 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
     # an error, and the engines that live keep serving the weights of the last good refit.
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
+    living = engines
     if scenario == "qwen3_moe":
         if rank == 0:
             pids = engines[1].llm_engine.collective_rpc(worker_pid)
             os.kill(pids[-1], signal.SIGKILL)
             record["killed"] = "engine 1's tensor-parallel rank 1 (program rank 5)"
+            living = engines[:1]
             time.sleep(1.0)
         dist.barrier()
-        started = time.perf_counter()
-        try:
-            refit.send_weights()
-            record["death_error"] = None
-        except Exception as err:
-            record["death_error"] = f"{type(err).__name__}: {err}"
-        record["death_seconds"] = time.perf_counter() - started
-        if rank == 0:
-            record["after_death"] = [generate(engines[0])]
-        (work / f"rank{rank}.json").write_text(json.dumps(record))
-        return
-    if rank == TRAINERS - 1:
+    elif rank == TRAINERS - 1:
         record["died"] = True
         (work / f"rank{rank}.json").write_text(json.dumps(record))
         os._exit(0)
@@ -329,7 +320,7 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
         record["death_error"] = f"{type(err).__name__}: {err}"
     record["death_seconds"] = time.perf_counter() - started
     if rank == 0:
-        record["after_death"] = [generate(e) for e in engines]
+        record["after_death"] = [generate(e) for e in living]
     (work / f"rank{rank}.json").write_text(json.dumps(record))
 
 

@@ -33,6 +33,32 @@ from typing import Any
 
 import torch
 
+#: a tiny DeepSeek-V3: 3 layers, the first dense, 8 routed experts and 2 shared experts (so
+#: that the shared MLP is twice an expert's width); the vLLM and SGLang preset tests share it
+TINY_DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 16,
+    "intermediate_size": 24,
+    "moe_intermediate_size": 12,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "q_lora_rank": 12,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 2,
+    "v_head_dim": 4,
+    "vocab_size": 100,
+    "topk_method": "noaux_tc",
+    "tie_word_embeddings": False,
+}
+
 
 def expert_map(ep_rank: int, ep_size: int, experts: int, strategy: str = "linear") -> list[int]:
     """The global experts of an EP rank, in local order."""
