@@ -5,13 +5,21 @@ compare-and-set on an absent key, and a counter of the members that finished it:
 
     {namespace}/gen{g}/entry                entering generation g
     {namespace}/gen{g}/commit/{step}        the refit of ``step`` in generation g
-    {namespace}/gen{g}/done/{record}        members that finished it
+    {namespace}/gen{g}/done/{record}        members that finished it (a counter)
+    {namespace}/gen{g}/done/{record}/{rank} the finish of one member (a signed marker)
 
 The member that sees the counter reach the size of the generation writes
 ``{"state": "committed", "joiners": [...]}`` (the ranks every member admits after the
 step); the first member that notices a failure writes ``{"state": "aborted"}``. The first
 writer wins and every member reads the winner, so either every member moves on or every
 member recovers (:mod:`elastic.recovery`).
+
+Records and markers are signed with the job's secret (:mod:`elastic.auth`, through the
+membership's signer): a record that fails its check is ignored (and replaced when decided),
+so a writer without the secret cannot make a step committed or aborted. The counter is
+only a hint: the member that sees it reach the size of the generation commits only once
+every member's signed marker is there, so a forged count cannot commit a step that some
+member has not finished.
 
 :class:`CommittedState` is what every member committed last: a generation's layouts and
 this rank's destination storages.
@@ -79,15 +87,13 @@ class CommitRecords:
 
     def read(self, name: str) -> Record | None:
         """The record ``name`` of the current generation, or None when nobody decided it yet."""
-        key = self._key(name)
-        if not self.membership.store.check([key]):
-            return None
-        return json.loads(bytes(self.membership.store.get(key)).decode())
+        value = self.membership.records.read(self.membership.store, self._key(name))
+        return None if value is None else json.loads(value.decode())
 
     def decide(self, name: str, record: Record) -> Record:
         """Compare-and-set the record ``name`` of the current generation; returns the winner."""
-        won = self.membership.store.compare_set(self._key(name), "", json.dumps(record).encode())
-        return json.loads(bytes(won).decode())
+        won = self.membership.records.decide(self.membership.store, self._key(name), json.dumps(record).encode())
+        return json.loads(won.decode())
 
     def abort(self, name: str) -> Record:
         """Try to abort ``name``; returns the winner (``committed`` if every member had finished)."""
@@ -105,6 +111,7 @@ class CommitRecords:
         that ``joiners()`` admits after a step. Past ``timeout``: :class:`MemberFailure`."""
         store, members = self.membership.store, len(self.membership.members)
         done = self._key(f"done/{name}")
+        self.membership.records.set(store, f"{done}/{self.membership.rank}", b"done")  # before the count
         store.add(done, 1)
         end = time.monotonic() + self.timeout
         pause = 0.001
@@ -112,10 +119,19 @@ class CommitRecords:
             record = self.read(name)
             if record is not None:
                 return record
-            if int(store.add(done, 0)) >= members:
+            if int(store.add(done, 0)) >= members and self._all_done(done):
                 return self.decide(name, {"state": COMMITTED, "joiners": joiners() if joiners is not None else []})
             if time.monotonic() > end:
                 raise MemberFailure(self.membership.rank, self.membership.current(), {})
             watch()
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
+
+    def _all_done(self, done: str) -> bool:
+        """Whether every member's signed finish marker of ``done`` is there (the count may be
+        forged: it only says when to look)."""
+        store, records = self.membership.store, self.membership.records
+        keys = [f"{done}/{m}" for m in self.membership.members]
+        if not store.check(keys):
+            return False
+        return all(records.open(k, v) == b"done" for k, v in zip(keys, store.multi_get(keys)))

@@ -12,6 +12,13 @@ prefixed by its *generation* (one membership epoch)::
     {namespace}/gen{g}/join/{i}       the job rank of the i-th join request
     {namespace}/gen{g}/pg/...         the process group of generation g (elastic.groups)
 
+The member lists, exit notifications and join requests are *signed records*: each value is
+stored with an HMAC-SHA256 tag computed with the job's secret over its full key and the
+value (:mod:`elastic.auth`); a record that fails its check is ignored as absent and logged.
+The counters (heartbeats, ``exits``, ``joins``) are plain: a forged count only makes a
+reader look for records that are not there (or, for a heartbeat, keeps a silent rank
+looking alive until an exit notification or an exchange's deadline finds it).
+
 Keys are never reused across generations: a new generation starts from empty keys, so a
 stale heartbeat or a half-built group of an earlier generation cannot be mistaken for a
 live one. Ranks are *job ranks* (stable process identities); a member's rank in a
@@ -43,6 +50,8 @@ from datetime import timedelta
 from typing import Any
 
 from layoutlang.errors import ExecutionError, MembershipError, RuntimeFailure
+
+from .auth import JobSecret, RecordSigner
 
 __all__ = [
     "ExcludedError",
@@ -113,10 +122,6 @@ def _namespaced(store: Any, namespace: str) -> Any:
     import torch.distributed as dist
 
     return dist.PrefixStore(namespace, store) if namespace else store
-
-
-def _has(store: Any, key: str) -> bool:
-    return bool(store.check([key]))
 
 
 # ---------------------------------------------------------------------- heartbeats
@@ -214,7 +219,8 @@ class FailureDetector:
     A member has failed when its ``exited`` key is set, or when its heartbeat counter has
     not changed for ``deadline`` seconds of this detector's clock (a member whose key never
     appeared counts from the detector's first poll). ``use_exits=False`` ignores exit
-    notifications (heartbeats only).
+    notifications (heartbeats only). ``secret`` (default: ``LAYOUTLANG_JOB_SECRET``) checks
+    the exit notifications: one that fails its check is ignored.
     """
 
     def __init__(
@@ -229,8 +235,10 @@ class FailureDetector:
         self_rank: int | None = None,
         previous: int | None = None,
         startup: float | None = None,
+        secret: JobSecret | bytes | str | None = None,
     ):
         self.store = _namespaced(store, namespace)
+        self.records = RecordSigner(secret, namespace)  # exit notifications are signed
         # A member still busy in the previous generation beats only its keys: it is alive.
         self.previous = previous
         # A member never heard from may still be starting (importing torch): it has longer.
@@ -275,9 +283,11 @@ class FailureDetector:
             if last is None or own != last[0]:
                 self._seen[self.self_rank] = (own, now)
         for rank in self.members if exits_moved else ():
-            key = generation_key(self.generation, f"exited/{rank}")
-            if rank not in self.failures and _has(self.store, key):
-                self.failures[rank] = f"its process exited ({bytes(self.store.get(key)).decode()})"
+            if rank in self.failures:
+                continue
+            how = self.records.read(self.store, generation_key(self.generation, f"exited/{rank}"))
+            if how is not None:
+                self.failures[rank] = f"its process exited ({how.decode(errors='replace')})"
         for rank in ranks:
             if rank in self.failures or rank == self.self_rank:
                 continue
@@ -373,7 +383,13 @@ def failed_peers(
 
 
 class Membership:
-    """One rank's view of an elastic group's generations, over the shared store."""
+    """One rank's view of an elastic group's generations, over the shared store.
+
+    ``secret`` (a :class:`~elastic.auth.JobSecret`, bytes, or text as in the environment;
+    default: ``LAYOUTLANG_JOB_SECRET``) signs and checks this rank's records: member lists
+    and join requests that fail the check are ignored, so a writer without the secret can
+    neither exclude a member nor join.
+    """
 
     def __init__(
         self,
@@ -382,10 +398,12 @@ class Membership:
         *,
         namespace: str = "elastic",
         deadline: float = DEFAULT_DEADLINE,
+        secret: JobSecret | bytes | str | None = None,
     ):
         self.raw_store = store
         self.namespace = namespace
         self.store = _namespaced(store, namespace)
+        self.records = RecordSigner(secret, namespace)
         self.rank = int(rank)
         self.deadline = float(deadline)
         self.generation: int | None = None
@@ -402,21 +420,21 @@ class Membership:
 
     def members_of(self, generation: int) -> list[int] | None:
         """The agreed members of ``generation``, or None when it has not been agreed yet."""
-        key = self.key(generation, "members")
-        return decode_members(self.store.get(key)) if _has(self.store, key) else None
+        value = self.records.read(self.store, self.key(generation, "members"))
+        return None if value is None else decode_members(value)
 
     def propose(self, generation: int, members: Iterable[int]) -> list[int]:
         """Propose ``generation``'s members; returns the winning list (the first written).
 
-        Idempotent: proposing again, or another list, returns the same winning list.
+        Idempotent: proposing again, or another list, returns the same winning list. A list
+        that fails its check (a forgery) does not win: it is replaced by this proposal.
         """
         proposal = encode_members(members)
         if proposal == b"[]":
             raise MembershipError(
                 f"rank {self.rank}: cannot propose an empty generation {generation}"
             )
-        won = self.store.compare_set(self.key(generation, "members"), "", proposal)
-        return decode_members(won)
+        return decode_members(self.records.decide(self.store, self.key(generation, "members"), proposal))
 
     def enter(self, generation: int, members: Sequence[int]) -> list[int]:
         """Adopt an agreed generation; raise ExcludedError when this rank is not in it."""
@@ -455,17 +473,38 @@ class Membership:
     def request_join(self, generation: int) -> None:
         """Ask to be admitted into ``generation`` (the next one after the latest agreed)."""
         index = self.store.add(self.key(generation, "joins"), 1) - 1
-        self.store.set(self.key(generation, f"join/{index}"), str(self.rank).encode())
+        self.records.set(self.store, self.key(generation, f"join/{index}"), str(self.rank).encode())
 
     def join_requests(self, generation: int) -> list[int]:
-        """The ranks that asked to join ``generation`` so far (coordinator side)."""
+        """The ranks that asked to join ``generation`` so far (coordinator side); a request
+        that fails its check (written without the job's secret) is ignored."""
         count = int(self.store.add(self.key(generation, "joins"), 0))
         ranks = []
         for i in range(count):
-            key = self.key(generation, f"join/{i}")
-            if _has(self.store, key):  # a request whose rank is not written yet is read next time
-                ranks.append(int(bytes(self.store.get(key)).decode()))
+            # a request whose rank is not written yet is read next time
+            value = self.records.read(self.store, self.key(generation, f"join/{i}"))
+            if value is not None and value.isdigit():
+                ranks.append(int(value))
         return sorted(set(ranks))
+
+    def set_record(self, generation: int, name: str, value: bytes) -> None:
+        """Write the signed record ``name`` of ``generation`` (e.g. where a joiner resumes)."""
+        self.records.set(self.store, self.key(generation, name), value)
+
+    def wait_record(self, generation: int, name: str, timeout: float, period: float = 0.02) -> bytes:
+        """The authentic value of the record ``name`` of ``generation`` once written (a
+        forgery is waited past); MembershipError after ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        while True:
+            value = self.records.read(self.store, self.key(generation, name))
+            if value is not None:
+                return value
+            if time.monotonic() >= end:
+                raise MembershipError(
+                    f"rank {self.rank}: the record {name} of generation {generation} "
+                    f"was not written within {timeout:g} s"
+                )
+            time.sleep(period)
 
     def wait_until_member(
         self, timeout: float, start: int = 0, period: float = 0.02
@@ -507,6 +546,7 @@ class Membership:
             self_rank=self.rank,
             previous=previous,
             startup=startup,
+            secret=self.records.secret,
         )
 
 
@@ -519,7 +559,8 @@ class ExitWatcher:
     ``processes`` maps job ranks to objects with ``is_alive()`` and ``exitcode``
     (multiprocessing.Process, or a Popen adapter). The key is written under the latest
     agreed generation and the one after it (a generation being agreed right now), so
-    detectors of either see it.
+    detectors of either see it. ``secret`` (default: ``LAYOUTLANG_JOB_SECRET``, which
+    :class:`~layoutlang.cli.launch.LocalWorkers` sets) signs the notifications.
     """
 
     def __init__(
@@ -529,8 +570,10 @@ class ExitWatcher:
         *,
         namespace: str = "elastic",
         period: float = 0.05,
+        secret: JobSecret | bytes | str | None = None,
     ):
         self.store = _namespaced(store, namespace)
+        self.records = RecordSigner(secret, namespace)
         self.processes = (
             dict(processes) if isinstance(processes, Mapping) else dict(enumerate(processes))
         )
@@ -542,7 +585,7 @@ class ExitWatcher:
 
     def _latest(self) -> int:
         g = 0
-        while _has(self.store, generation_key(g + 1, "members")):
+        while self.records.read(self.store, generation_key(g + 1, "members")) is not None:
             g += 1
         return g
 
@@ -561,7 +604,7 @@ class ExitWatcher:
         g = self._latest()
         try:
             for gen in (g, g + 1):
-                self.store.set(generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode())
+                self.records.set(self.store, generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode())
                 self.store.add(generation_key(gen, "exits"), 1)
         except RuntimeError:
             return False

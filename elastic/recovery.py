@@ -580,8 +580,8 @@ class Recoverer:
         """Admit ``joiners`` after the committed step (every member does this at the same step)."""
         noticed = time.time()
         g = self.membership.current() + 1
-        resume = self.membership.key(g, "resume")  # where a joiner learns the step to refit next
-        self.membership.store.set(resume, json.dumps({"step": self.next_step}).encode())
+        # where a joiner learns the step to refit next (signed: elastic.auth)
+        self.membership.set_record(g, "resume", json.dumps({"step": self.next_step}).encode())
         members = self.membership.propose(g, self.membership.members + list(joiners))
         self.membership.enter(g, members)
         self.heartbeat.set_generation(g)
@@ -590,9 +590,8 @@ class Recoverer:
     def join(self) -> None:
         """Joiner side: ask to be admitted; wait for a generation that includes this rank."""
         requested, members = self._admission()
-        resume_key = self.membership.key(requested, "resume")
-        self.membership.store.wait([resume_key], timedelta(seconds=self.timeout))
-        self.next_step = json.loads(bytes(self.membership.store.get(resume_key)).decode())["step"]
+        resume = self.membership.wait_record(requested, "resume", self.timeout)
+        self.next_step = json.loads(resume.decode())["step"]
         self.committed_step = self.next_step - 1
         previous = requested - 1
         source, destination = self.spec.layouts(self.history(previous))

@@ -55,6 +55,7 @@ from layoutlang.errors import ExecutionError
 from layoutlang.model import Layout, Program
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan
 
+from .auth import JobSecret
 from .commit import COMMITTED, step_record
 from .groups import GlooGenerations
 from .membership import DEFAULT_DEADLINE, DEFAULT_INTERVAL, GenerationChanged, Heartbeat, Membership
@@ -108,6 +109,12 @@ class ElasticSession:
     its group is built. ``backend`` builds each generation's group:
     :class:`~elastic.GlooGenerations` (default) or :class:`~elastic.NcclGenerations`.
 
+    ``secret`` is the job's secret (a :class:`~elastic.auth.JobSecret`, bytes, or text as in
+    the environment variable; default: ``LAYOUTLANG_JOB_SECRET``, which the local launcher
+    sets for its workers): it signs and checks the membership, commit and join records, so
+    a process without it can neither forge a decision nor join (the failure-recovery
+    guide's security model).
+
     Use it as a context manager (or call :meth:`close`) to stop its heartbeat.
     """
 
@@ -135,6 +142,7 @@ class ElasticSession:
         on_shrink: Callable[[Change], None] | None = None,
         on_grow: Callable[[Change], None] | None = None,
         device: Any = "cpu",
+        secret: JobSecret | bytes | str | None = None,
     ):
         statement = program.reshard(reshard)
         self.program = program
@@ -154,7 +162,7 @@ class ElasticSession:
         self.backend = backend if backend is not None else GlooGenerations(timeout=timeout)
         self.on_shrink, self.on_grow = on_shrink, on_grow
         self.device = torch.device(device)
-        self.membership = Membership(store, self.rank, namespace=namespace, deadline=deadline)
+        self.membership = Membership(store, self.rank, namespace=namespace, deadline=deadline, secret=secret)
         self.heartbeat = Heartbeat(host, port, self.rank, namespace=namespace, interval=heartbeat_interval)
         self._recoverer = Recoverer(
             spec, membership=self.membership, heartbeat=self.heartbeat,
