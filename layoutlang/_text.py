@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "elide",
     "human_bytes",
     "human_time",
     "parse_size",
@@ -19,6 +20,22 @@ __all__ = [
     "table",
     "tensor_region",
 ]
+
+
+def elide(text: str, width: int) -> str:
+    """``text`` cut to at most ``width`` characters, ``...`` in the middle marking what is left out
+    (a name or a string quoted in a message can be megabytes long).
+
+    >>> elide("layers.0.self_attn.q_proj.weight", 21)
+    'layers.0....oj.weight'
+    >>> elide("short", 20)
+    'short'
+    """
+    if len(text) <= width:
+        return text
+    keep = max(0, width - 3)
+    head = (keep + 1) // 2
+    return text[:head] + "..." + text[len(text) - (keep - head) :]
 
 
 def rank_ranges(ranks: Iterable[int], *, through: str = "..", separator: str = ", ", min_run: int = 3) -> str:

@@ -37,6 +37,7 @@ import attrs
 from .core import _core
 
 __all__ = [
+    "SOURCE_WINDOW",
     "AgreementError",
     "CudaError",
     "DataLossError",
@@ -58,6 +59,10 @@ __all__ = [
     "did_you_mean",
     "from_nccl_core",
 ]
+
+
+#: the most characters of a source line an error shows (a window around the offending text)
+SOURCE_WINDOW = 120
 
 
 class ExitCode(enum.IntEnum):
@@ -89,13 +94,29 @@ class Span:
         return f"{self.path}:{self.line}:{self.column}"
 
     def caret(self) -> str:
-        """The source line and a ``^~~`` marker under the span (first line only)."""
-        text = self.source_line.rstrip("\n").expandtabs(1)
-        width = (self.end_column - self.column) if self.end_line == self.line else len(text) - self.column + 1
-        width = max(1, width)
+        """The source line and a ``^~~`` marker under the span (first line only).
+
+        A line longer than :data:`SOURCE_WINDOW` characters is shown as a window of that
+        many around the span's start, ``...`` marking what is cut on either side, so an
+        error in a file of one long line prints a few hundred bytes, not the line.
+        """
+        line = self.source_line.rstrip("\n")
+        start = min(max(0, self.column - 1), len(line))  # where the marker starts, 0-based
+        end = (self.end_column - 1) if self.end_line == self.line else len(line)
+        width = max(1, end - start)
+        before = after = ""
+        if len(line) > SOURCE_WINDOW:
+            # a third of the window before the span: what leads to the mistake reads first
+            low = max(0, min(start - SOURCE_WINDOW // 3, len(line) - SOURCE_WINDOW))
+            high = low + SOURCE_WINDOW
+            before, after = ("..." if low > 0 else ""), ("..." if high < len(line) else "")
+            line = line[low:high]
+            start -= low
+            width = max(1, min(width, len(line) - start))
+        text = before + line.expandtabs(1) + after  # a tab as one column, as lark counts them
         gutter = f"{self.line:>5} | "
         pad = " " * (len(gutter) - 2) + "| "
-        return f"{gutter}{text}\n{pad}{' ' * (self.column - 1)}^{'~' * (width - 1)}"
+        return f"{gutter}{text}\n{pad}{' ' * (len(before) + start)}^{'~' * (width - 1)}"
 
 
 class LayoutError(ValueError):

@@ -22,7 +22,7 @@ from ..model import Program, Reshard, Topology
 from . import ast, layouts, meshes, tensors
 from .expressions import evaluate
 from .includes import Includes, Source, read_source
-from .parser import parse
+from .parser import TokenBudget, parse
 from .scope import Declarations, Scope
 from .topology import topology
 
@@ -35,9 +35,10 @@ class _Elaborator:
     def __init__(self) -> None:
         self.scope = Scope()
         self.includes = Includes()
+        self.tokens = TokenBudget()  # of every file together: includes cannot multiply the limit
 
     def file(self, source: Source) -> None:
-        tree = parse(source.text, source.display, source.included_from)
+        tree = parse(source.text, source.display, source.included_from, self.tokens)
         with self.includes.reading(source):
             for statement in tree.statements:
                 self.statement(statement, source)

@@ -5,6 +5,10 @@ mark) or a string. ``include "PATH"`` reads another file relative to the includi
 ``include "preset:NAME"`` reads ``NAME.layout`` or ``NAME/model.layout`` from the presets
 shipped with layoutlang. Each file is read once, so presets can be included from several
 places, and a file that includes itself, directly or not, is an error naming the chain.
+
+Every file is read by :func:`layoutlang.io._files.read_limited`: only regular files (a FIFO,
+a device or a directory is refused at once, never waited on) of at most
+:data:`~.limits.MAX_PROGRAM_BYTES`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from pathlib import Path
 import attrs
 
 from ..errors import LayoutError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
+from ..io._files import read_limited
 from . import ast
+from .limits import MAX_PROGRAM_BYTES
 
 __all__ = ["PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
 
@@ -50,16 +56,13 @@ class Source:
 
 
 def read_source(path: str | os.PathLike[str], display: str | None = None) -> str:
-    """The text of a ``.layout`` file; unreadable or non-UTF-8 files are LayoutSyntaxErrors."""
+    """The text of a ``.layout`` file; missing, unreadable, non-regular (a FIFO, a device, a
+    directory), oversized (:data:`~.limits.MAX_PROGRAM_BYTES`) or non-UTF-8 files are
+    LayoutSyntaxErrors naming the file."""
     display = display or str(path)
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise LayoutSyntaxError(f"no such file: {display}") from None
-    except IsADirectoryError:
-        raise LayoutSyntaxError(f"{display} is a directory, not a .layout file") from None
-    except OSError as err:
-        raise LayoutSyntaxError(f"cannot read {display}: {err.strerror}") from None
+    if not os.path.lexists(path):
+        raise LayoutSyntaxError(f"no such file: {display}")
+    data = read_limited(path, MAX_PROGRAM_BYTES, ".layout file", display=display, error=LayoutSyntaxError)
     data = data.removeprefix(_BYTE_ORDER_MARK)
     try:
         return data.decode("utf-8")
@@ -134,7 +137,7 @@ class Includes:
             return None
         if os.path.isdir(real):
             raise LayoutIncludeError(f"cannot include '{node.path}': it is a directory ({display})", node.span)
-        if not os.path.isfile(real):
+        if not os.path.exists(real):
             raise LayoutIncludeError(
                 f"cannot include '{node.path}': no such file ({display})",
                 node.span,
@@ -144,7 +147,8 @@ class Includes:
         try:
             text = read_source(real, display)
         except LayoutError as err:
-            if err.span is not None:  # a place in the included file: not UTF-8
-                err.span = attrs.evolve(err.span, included_from=led_here)
+            if err.span is None:  # the file as a whole: not a regular file, too large, unreadable
+                raise LayoutIncludeError(f"cannot include '{node.path}': {err.message}", node.span) from None
+            err.span = attrs.evolve(err.span, included_from=led_here)  # a place in it: not UTF-8
             raise
         return Source(text, display, real, led_here)

@@ -1,12 +1,26 @@
-"""Limits that keep a mistyped number from exhausting memory or overflowing the C++ core.
+"""Limits that keep a mistyped number, or hostile input, from exhausting memory or time.
 
 The core counts elements, bytes and ranks in 64-bit integers and chunks and blocks in
 32-bit ones; a mesh or a ``for`` clause is built in memory before anything checks it.
+
+A program's text is bounded too: each file it reads (the program and every include) holds
+at most :data:`MAX_PROGRAM_BYTES`, and all of them together at most
+:data:`MAX_PROGRAM_TOKENS` tokens. The parser (lark's LALR, in Python) spends about 15 us
+and 1 KB per token, so the token limit keeps the worst program within a few seconds and a
+few hundred MB; the largest program shipped with layoutlang holds under 400 tokens.
+The language reference's "Limits" section lists them all.
 """
 
 from __future__ import annotations
 
-__all__ = ["INT32_MAX", "INT64_MAX", "MAX_GENERATED_TENSORS", "MAX_MESH_RANKS"]
+__all__ = [
+    "INT32_MAX",
+    "INT64_MAX",
+    "MAX_GENERATED_TENSORS",
+    "MAX_MESH_RANKS",
+    "MAX_PROGRAM_BYTES",
+    "MAX_PROGRAM_TOKENS",
+]
 
 #: positions of one mesh
 MAX_MESH_RANKS = 1 << 20
@@ -14,3 +28,7 @@ MAX_MESH_RANKS = 1 << 20
 MAX_GENERATED_TENSORS = 1 << 20
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
+#: bytes of one ``.layout`` file (a program or an include)
+MAX_PROGRAM_BYTES = 16 << 20
+#: tokens (names, numbers, strings, symbols; not comments) of a program's files together
+MAX_PROGRAM_TOKENS = 1 << 18

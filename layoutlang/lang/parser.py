@@ -11,13 +11,19 @@ Lark's exceptions never leave this module: they become a
 and a caret, and for common mistakes a hint. The hints come from a table of bad examples
 (:data:`_MISTAKES`): an error raised in the parser state one of them ends in gets its hint
 (lark's ``match_examples``).
+
+A program is read within a :class:`TokenBudget` (:data:`~.limits.MAX_PROGRAM_TOKENS` for
+all its files): the lexer's tokens are counted as they are made, and the one past the
+budget stops the parse with an error at its place, so no text, however long, keeps the
+parser busy for more than a few seconds.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from importlib import resources
 from typing import Any
 
@@ -32,12 +38,15 @@ from lark.exceptions import (
     UnexpectedToken,
     VisitError,
 )
+from lark.lark import PostLex
 from lark.tree import Meta
 
+from .._text import elide
 from ..errors import LayoutError, LayoutSyntaxError, Span
 from . import ast
+from .limits import MAX_PROGRAM_TOKENS
 
-__all__ = ["STATEMENT_KEYWORDS", "parse", "parse_expression"]
+__all__ = ["STATEMENT_KEYWORDS", "TokenBudget", "parse", "parse_expression"]
 
 #: the words a statement starts with, in the order the language reference gives them
 STATEMENT_KEYWORDS = ("include", "let", "topology", "mesh", "tensor", "tensors", "layout", "reshard")
@@ -45,6 +54,58 @@ STATEMENT_KEYWORDS = ("include", "let", "topology", "mesh", "tensor", "tensors",
 # Python refuses to read integers of more digits; none is meaningful in a layout
 _MAX_DIGITS = 1000
 _QUANTITY = re.compile(r"([0-9_.eE+-]+?) ?([A-Za-z/]+)?")
+
+
+# a token of an error message is shown up to this many characters (a string may be megabytes)
+_SHOWN_TOKEN = 60
+
+
+@attrs.define
+class TokenBudget:
+    """The tokens a program's files may still hold: one budget is shared by a program and
+    all its includes, :data:`~.limits.MAX_PROGRAM_TOKENS` in all."""
+
+    left: int = MAX_PROGRAM_TOKENS
+
+
+class _TokenCounter(PostLex):
+    """Counts the lexer's tokens while a program is parsed, and stops the parse at the one
+    past its :class:`TokenBudget` (lark runs this between its lexer and its parser).
+
+    The parser is shared (built once), so the budget of the parse under way is per thread;
+    parses without one (the hint table's examples, embedded expressions) are not counted.
+    """
+
+    always_accept = ()
+
+    def __init__(self) -> None:
+        self._current = threading.local()
+
+    def start(self, budget: TokenBudget | None, path: str, lines: Sequence[str]) -> None:
+        self._current.state = (budget, path, lines) if budget is not None else None
+
+    def process(self, stream: Iterator[Token]) -> Iterator[Token]:
+        state = getattr(self._current, "state", None)
+        if state is None:
+            yield from stream
+            return
+        budget, path, lines = state
+        for token in stream:
+            if budget.left <= 0:
+                line, column = token.line or 1, token.column or 1
+                source = lines[line - 1] if 0 < line <= len(lines) else ""
+                raise LayoutSyntaxError(
+                    f"the program is too long: its files hold more than {MAX_PROGRAM_TOKENS:,} tokens"
+                    " (names, numbers, strings and symbols), the most layoutlang reads",
+                    Span(path, line, column, line, column + 1, source),
+                    "generate tensors with a 'for' clause, or read them with 'tensors from hf' or"
+                    " 'tensors from safetensors', instead of one statement each",
+                )
+            budget.left -= 1
+            yield token
+
+
+_TOKENS = _TokenCounter()
 
 
 @functools.cache
@@ -56,11 +117,18 @@ def _parser() -> lark.Lark:
         start=["start", "expr"],
         propagate_positions=True,
         maybe_placeholders=True,
+        postlex=_TOKENS,
     )
 
 
-def _parse_program(text: str) -> Tree[Token]:
-    return _parser().parse(text, start="start")
+def _parse_program(
+    text: str, budget: TokenBudget | None = None, path: str = "", lines: Sequence[str] = ()
+) -> Tree[Token]:
+    _TOKENS.start(budget, path, lines)
+    try:
+        return _parser().parse(text, start="start")
+    finally:
+        _TOKENS.start(None, path, lines)
 
 
 # ------------------------------------------------------------------ the builder
@@ -568,7 +636,7 @@ def _error_from_lark(err: LarkError, path: str, lines: list[str]) -> LayoutSynta
     if isinstance(err, UnexpectedToken):
         token = err.token
         width = max(1, len(str(token))) if token.type != "$END" else 1
-        shown = "end of the file" if token.type == "$END" else f"'{token}'"
+        shown = "end of the file" if token.type == "$END" else f"'{elide(str(token), _SHOWN_TOKEN)}'"
         message = f"unexpected {shown}; expected {_describe_expected(err.expected)}"
         hint = _hint_for(err)
         span = Span(path, line, column, line, column + width, source)
@@ -593,21 +661,25 @@ def _error_from_lark(err: LarkError, path: str, lines: list[str]) -> LayoutSynta
 # ----------------------------------------------------------------------- entry
 
 
-def parse(text: str, path: str = "<string>", included_from: tuple[Span, ...] = ()) -> ast.File:
+def parse(
+    text: str, path: str = "<string>", included_from: tuple[Span, ...] = (), budget: TokenBudget | None = None
+) -> ast.File:
     """Parse the text of one ``.layout`` file; raises LayoutSyntaxError with a caret.
 
     ``included_from``: the ``include`` statements that led to this file, innermost first;
-    every span of the result (and of an error) carries them.
+    every span of the result (and of an error) carries them. ``budget``: the tokens the
+    file may hold, shared with the other files of its program and decreased by this one's
+    (default: a budget of its own, :data:`~.limits.MAX_PROGRAM_TOKENS`).
     """
     try:
-        return _parse(text, path, included_from)
+        return _parse(text, path, included_from, budget if budget is not None else TokenBudget())
     except LayoutError as err:
         if err.span is not None and not err.span.included_from:
             err.span = attrs.evolve(err.span, included_from=included_from)
         raise
 
 
-def _parse(text: str, path: str, included_from: tuple[Span, ...]) -> ast.File:
+def _parse(text: str, path: str, included_from: tuple[Span, ...], budget: TokenBudget) -> ast.File:
     lines = text.splitlines(keepends=True)
     if all(not ln.strip() or ln.lstrip().startswith("#") for ln in lines):
         raise LayoutSyntaxError(
@@ -616,7 +688,7 @@ def _parse(text: str, path: str, included_from: tuple[Span, ...]) -> ast.File:
             "a program declares at least one of: " + ", ".join(STATEMENT_KEYWORDS),
         )
     try:
-        tree = _parse_program(text)
+        tree = _parse_program(text, budget, path, lines)
     except LarkError as err:
         raise _error_from_lark(err, path, lines) from None
     builder = _Builder(path, lines, included_from=included_from)
