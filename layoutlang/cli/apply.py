@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
@@ -31,14 +34,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_file(parser)
     arguments.add_reshard(parser)
     parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
-    parser.add_argument(
-        "--compare", action="store_true", help="also run the gather-and-broadcast plan and compare"
-    )
+    parser.add_argument("--compare", action="store_true", help="also run the gather-and-broadcast plan and compare")
     parser.add_argument(
         "--from", dest="from_dir", metavar="DIR", help="read source weights from a safetensors checkpoint"
     )
     parser.add_argument(
-        "--to", dest="to_dir", metavar="DIR", help="write each destination rank's storages to DIR/rankNNNNN.safetensors"
+        "--allow-outside-paths",
+        action="store_true",
+        help="with --from: follow the files an index names outside its folder (absolute paths, '..', "
+        "symbolic links leaving it); refused by default",
+    )
+    parser.add_argument(
+        "--to",
+        dest="to_dir",
+        metavar="DIR",
+        help="write each destination rank's storages to DIR/rankNNNNN.safetensors (each file atomically); "
+        "a folder holding an earlier run's files is refused without --overwrite",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="with --to: remove the earlier run's files the folder holds (rank files, model.safetensors*) first",
     )
     parser.add_argument(
         "--memory-budget",
@@ -63,9 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(fp32 master weights for a bf16 layout), converted to the layout's dtype while packed",
     )
     parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live"
-    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live")
     parser.add_argument(
         "--transport",
         choices=("torch", "nccl"),
@@ -84,26 +98,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     elastic.add_argument("--steps", type=int, default=4, metavar="N", help="refits to run (default 4)")
     elastic.add_argument(
-        "--kill", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        "--kill",
+        action="append",
+        default=[],
+        type=_rank_at_step,
+        metavar="RANK@STEP",
         help="SIGKILL RANK halfway through the transfer of refit STEP (repeatable)",
     )
     elastic.add_argument(
-        "--stop", action="append", default=[], type=_rank_at_step, metavar="RANK@STEP",
+        "--stop",
+        action="append",
+        default=[],
+        type=_rank_at_step,
+        metavar="RANK@STEP",
         help="SIGSTOP RANK halfway through refit STEP: a hung rank, excluded after about two deadlines",
     )
     elastic.add_argument(
         "--replace", action="store_true", help="start a replacement rank for every rank killed or stopped"
     )
     elastic.add_argument(
-        "--deadline", type=float, default=1.0, metavar="S",
+        "--deadline",
+        type=float,
+        default=1.0,
+        metavar="S",
         help="seconds of silence after which a rank counts as failed (default 1)",
     )
     elastic.add_argument(
-        "--source-policy", default="drop-replica", metavar="POLICY",
+        "--source-policy",
+        default="drop-replica",
+        metavar="POLICY",
         help="remesh policy of the source layout when it loses ranks (default drop-replica)",
     )
     elastic.add_argument(
-        "--destination-policy", default="drop-replica", metavar="POLICY",
+        "--destination-policy",
+        default="drop-replica",
+        metavar="POLICY",
         help="remesh policy of the destination layout (default drop-replica; shrink-axis needs --destination-axis)",
     )
     elastic.add_argument("--source-axis", metavar="AXIS", help="the axis the source policy shrinks")
@@ -119,24 +148,36 @@ def _torch_dtype_name(text: str) -> str:
     return DTYPES[short][1]
 
 
-def check_checkpoint(program: Program, reshard: str | None, from_dir: str, cast_sources: bool = False) -> None:
+def check_checkpoint(
+    program: Program,
+    reshard: str | None,
+    from_dir: str,
+    cast_sources: bool = False,
+    allow_outside_paths: bool = False,
+) -> None:
     """Refuse a ``--from`` checkpoint that lacks a tensor of the source layout, or stores one with
     another dtype or shape: every such tensor at once, from the headers, before a worker starts.
 
+    Every header is validated on the way (:mod:`layoutlang.io.safetensors`: spans of exactly
+    shape x dtype, no overlap, index files inside the folder unless ``allow_outside_paths``).
     With ``cast_sources`` another dtype is accepted (the workers convert it while packing);
     without it, the error says how to ask for that when only dtypes differ."""
     statement = program.reshard(reshard)
     source = program.layout(statement.source)
     expected = [(name, source.tensors[name].shape, source.tensors[name].dtype) for name in source.resolved.names]
-    stored = {name: (tuple(shape), dtype) for name, shape, dtype in tensors_from_safetensors(from_dir)}
+    stored = {
+        name: (tuple(shape), dtype)
+        for name, shape, dtype in tensors_from_safetensors(from_dir, allow_outside_paths=allow_outside_paths)
+    }
     # only the dtype differs: what --cast-sources converts
     recast = [
-        name for name, shape, dtype in expected
+        name
+        for name, shape, dtype in expected
         if name in stored and stored[name][0] == tuple(shape) and stored[name][1] != dtype
     ]
     if cast_sources:
         expected = [(name, shape, stored[name][1] if name in recast else dtype) for name, shape, dtype in expected]
-    problems, hint = checkpoint_mismatches(from_dir, expected)
+    problems, hint = checkpoint_mismatches(from_dir, expected, allow_outside_paths=allow_outside_paths)
     if problems and recast and not cast_sources:
         advice = (
             f"pass --cast-sources to convert the {len(recast)} tensor{'s' if len(recast) != 1 else ''} stored in"
@@ -150,6 +191,53 @@ def check_checkpoint(program: Program, reshard: str | None, from_dir: str, cast_
             f" program declares it ({len(problems)} of its {len(expected)} tensors):\n{listed}",
             hint=hint,
         )
+
+
+#: the files an earlier run leaves in a ``--to`` folder: rank files, a whole checkpoint
+#: (model.safetensors, its shards and index), and the temporary files of an interrupted write
+_RUN_FILE = re.compile(
+    r"rank\d+\.safetensors|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|\.rank\d+\.safetensors\..*\.tmp"
+)
+
+
+def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str | None = None) -> list[str]:
+    """Make ``--to`` ready before a worker starts: created if missing, writable, and holding no
+    earlier run's files (rank files, ``model.safetensors*``) unless ``overwrite``, which removes
+    them all first, so the folder never mixes two runs' files. Returns the names removed.
+
+    Every refusal is a :class:`~layoutlang.errors.LayoutValueError` naming the folder: a file in
+    its place, a folder that cannot be created or written (read-only), the ``--from`` folder
+    itself, an earlier run's files."""
+    folder = Path(to_dir)
+    if from_dir is not None and folder.resolve() == checkpoint_file(from_dir).parent.resolve():
+        raise LayoutValueError(f"--to {folder}: is the folder of the --from checkpoint; write to another folder")
+    if folder.exists() and not folder.is_dir():
+        raise LayoutValueError(f"--to {folder}: is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        # the one sure test of writability (root ignores permission bits; a mount may be read-only)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".layoutlang-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        what = "create" if not folder.is_dir() else "write into"
+        raise LayoutValueError(f"--to {folder}: cannot {what} the folder: {exc.strerror or exc}") from None
+    earlier = sorted(entry.name for entry in os.scandir(folder) if _RUN_FILE.fullmatch(entry.name))
+    if not earlier:
+        return []
+    if not overwrite:
+        shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
+        raise LayoutValueError(
+            f"--to {folder}: the folder holds {len(earlier)} file{'s' if len(earlier) != 1 else ''} of an earlier"
+            f" run ({shown})",
+            hint="pass --overwrite to remove them before this run writes its own, or choose an empty folder",
+        )
+    try:
+        for name in earlier:
+            (folder / name).unlink(missing_ok=True)  # missing: another torchrun process removed it first
+    except OSError as exc:
+        raise LayoutValueError(f"--to {folder}: cannot remove {exc.filename}: {exc.strerror or exc}") from None
+    return earlier
 
 
 def _rank_at_step(text: str) -> tuple[int, int]:
@@ -166,11 +254,21 @@ def run(args: argparse.Namespace) -> int:
         raise LayoutValueError("--kill, --stop and --replace need --elastic")
     if args.cast_sources and not args.from_dir:
         raise LayoutValueError("--cast-sources converts the tensors of a --from checkpoint; give --from DIR")
-    if args.from_dir:
-        # before torch is imported and any worker starts: a wrong checkpoint fails in well under a second
+    if args.allow_outside_paths and not args.from_dir:
+        raise LayoutValueError("--allow-outside-paths is about the index of a --from checkpoint; give --from DIR")
+    if args.overwrite and not args.to_dir:
+        raise LayoutValueError("--overwrite replaces the files of a --to folder; give --to DIR")
+    if args.from_dir or args.to_dir:
+        # before torch is imported and any worker starts: a wrong checkpoint or --to folder fails in
+        # well under a second; the program is checked first, so a bad one leaves the folder untouched
         program = load(args.file)
         program.check()
-        check_checkpoint(program, args.reshard, args.from_dir, args.cast_sources)
+        program.reshard(args.reshard)
+        if args.from_dir:
+            check_checkpoint(program, args.reshard, args.from_dir, args.cast_sources, args.allow_outside_paths)
+        if args.to_dir:
+            # under torchrun every process checks here, before any joins the job: none has written yet
+            prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir)
 
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
@@ -187,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         to_dir=args.to_dir,
         cast=args.cast,
         cast_sources=args.cast_sources,
+        allow_outside_paths=args.allow_outside_paths,
         repeat=args.repeat,
         transport=args.transport,
     )
@@ -226,9 +325,16 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     refused = [
         flag
         for flag, given in (
-            ("--compare", args.compare), ("--from", args.from_dir), ("--to", args.to_dir), ("--cast", args.cast),
+            ("--compare", args.compare),
+            ("--from", args.from_dir),
+            ("--to", args.to_dir),
+            ("--cast", args.cast),
             ("--cast-sources", args.cast_sources),
-            ("--policy", args.policy), ("--repeat", args.repeat != 1), ("--transport nccl", args.transport == "nccl"),
+            ("--allow-outside-paths", args.allow_outside_paths),
+            ("--overwrite", args.overwrite),
+            ("--policy", args.policy),
+            ("--repeat", args.repeat != 1),
+            ("--transport nccl", args.transport == "nccl"),
         )
         if given
     ]
@@ -247,10 +353,18 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         if step >= args.steps:
             raise LayoutValueError(f"--{how} {rank}@{step}: there are only {args.steps} steps (0..{args.steps - 1})")
     options = job.ElasticOptions(
-        path=args.file, steps=args.steps, reshard=args.reshard, faults=tuple(faults), replace=args.replace,
-        memory_budget=args.memory_budget, timeout=min(args.timeout, 120.0), deadline=args.deadline,
-        source_policy=args.source_policy, destination_policy=args.destination_policy,
-        source_axis=args.source_axis, destination_axis=args.destination_axis,
+        path=args.file,
+        steps=args.steps,
+        reshard=args.reshard,
+        faults=tuple(faults),
+        replace=args.replace,
+        memory_budget=args.memory_budget,
+        timeout=min(args.timeout, 120.0),
+        deadline=args.deadline,
+        source_policy=args.source_policy,
+        destination_policy=args.destination_policy,
+        source_axis=args.source_axis,
+        destination_axis=args.destination_axis,
     )
     if environment_is_torchrun():
         summary = job.run_torchrun(options, namespace=f"apply-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}")
@@ -290,8 +404,15 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
     rows = []
     for step in summary["steps"]:
         verified = "ok" if not step["mismatches"] else f"{len(step['mismatches'])} MISMATCHES"
-        rows.append([step["step"], step["generation"], step["destination"], step["ranks"],
-                     f"{verified} ({human_bytes(step['verified_bytes'])})"])
+        rows.append(
+            [
+                step["step"],
+                step["generation"],
+                step["destination"],
+                step["ranks"],
+                f"{verified} ({human_bytes(step['verified_bytes'])})",
+            ]
+        )
     if rows:
         lines += table(rows, ["step", "generation", "destination layout", "ranks", "verified"], right={0, 1, 3})
     for recovery in summary["recoveries"]:
@@ -385,5 +506,3 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
     if args.to_dir:
         lines.append(f"destination storages written to {args.to_dir}/rankNNNNN.safetensors")
     return lines
-
-

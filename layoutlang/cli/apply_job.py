@@ -55,6 +55,7 @@ class ApplyOptions:
     to_dir: str | None = None
     cast: str | None = None
     cast_sources: bool = False
+    allow_outside_paths: bool = False
     repeat: int = 1
     transport: str = "torch"
 
@@ -83,7 +84,8 @@ def apply_on_rank(
     program = load(options.path)
     checkpoint = None
     if options.from_dir:
-        checkpoint = _AsStored(options.from_dir) if options.cast_sources else SafetensorsCheckpoint(options.from_dir)
+        opened = _AsStored if options.cast_sources else SafetensorsCheckpoint
+        checkpoint = opened(options.from_dir, allow_outside_paths=options.allow_outside_paths)
     policies = [options.policy or "reshard"]
     if options.compare and policies[0] != "broadcast":
         policies.append("broadcast")
@@ -150,7 +152,8 @@ def _run_policy(
         result["verified_bytes"] = check.bytes
         result["mismatches"] = list(check.mismatches)
         if options.to_dir and write:
-            Path(options.to_dir).mkdir(parents=True, exist_ok=True)
+            # the launcher made the folder and checked it; write_safetensors names any failure
+            # (a folder removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
             write_safetensors(
                 Path(options.to_dir) / f"rank{rank:05d}.safetensors",
                 destinations,
@@ -204,9 +207,11 @@ class _AsStored(SafetensorsCheckpoint):
     source storages hold them as a trainer does (fp32 master weights), and the executor
     converts while it packs."""
 
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.stored = {name: dtype for name, _, dtype in tensors_from_safetensors(path)}
+    def __init__(self, path: str, *, allow_outside_paths: bool = False):
+        super().__init__(path, allow_outside_paths=allow_outside_paths)
+        self.stored = {
+            name: dtype for name, _, dtype in tensors_from_safetensors(path, allow_outside_paths=allow_outside_paths)
+        }
 
     def read_box(self, name: str, dtype: str, shape: tuple[int, ...], offsets, sizes) -> torch.Tensor:
         return super().read_box(name, self.stored.get(name, dtype), shape, offsets, sizes)
@@ -355,4 +360,3 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def environment_is_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-

@@ -4,15 +4,38 @@ A ``.safetensors`` file starts with an 8-byte little-endian header length, then 
 bytes of UTF-8 JSON mapping each tensor name to its ``dtype``, ``shape`` and
 ``data_offsets`` (begin and end, relative to the end of the header), plus an optional
 ``__metadata__`` object of strings. A sharded checkpoint adds an index
-(``model.safetensors.index.json``) whose ``weight_map`` names the shard of each tensor.
+(``model.safetensors.index.json``) whose ``weight_map`` names the file of each tensor.
 
 This module reads headers only, with bounded reads: never tensor data, never a header
-over 100 MB (the limit the safetensors library sets). It checks what a later reader of
-the data relies on: offsets inside the file and as long as shape and dtype require.
+over 100 MB (the limit the safetensors library sets), never a FIFO or a device. Before any
+byte of data is trusted, every header is checked as strictly as the safetensors library
+checks it, so no reader of the data can be led astray:
+
+- each entry has a known ``dtype`` string, a ``shape`` of non-negative integers and
+  ``data_offsets`` ``[begin, end]`` with ``end - begin == prod(shape) x itemsize``;
+- the spans tile the data area exactly: none overlaps another (one tensor would read
+  another's bytes), none leaves the file, and no byte of data belongs to no tensor (the
+  format forbids holes, so that a file cannot be two formats at once). Empty tensors (a
+  zero dim) take no bytes and may sit anywhere inside the data;
+- ``__metadata__``, when present, maps strings to strings.
+
+An index's ``weight_map`` must be an object from tensor names to file names, and the files
+it names are **confined to the index's folder**: no absolute path, no ``..``, and a symbolic
+link is followed only when its target (resolved) lies inside the folder, so an index cannot
+make layoutlang open ``/etc/shadow`` or a file beside the checkpoint. One exception keeps the
+Hugging Face hub cache working: in a snapshot folder (``.../snapshots/REV``) the links into
+the repository's own ``blobs`` folder (``../../blobs/HASH``) are inside. The keyword
+``allow_outside_paths=True`` (``apply --from DIR --allow-outside-paths`` on the command
+line) lifts the confinement for an index one trusts.
+
+Every refusal is a :class:`~layoutlang.errors.ModelDescriptionError` naming the file and
+the tensor.
 
 Limits: only the dtypes in :data:`SAFETENSORS_DTYPES` are known (no F8_E8M0, U16, U32,
 U64, no sub-byte types); the package's own ``safetensors`` reader is not used, so
-no header extension it may add later is understood.
+no header extension it may add later is understood. A JSON header that repeats a tensor
+name keeps the last entry (as Python's ``json`` does); the first one's bytes are then a
+hole, refused as such.
 """
 
 from __future__ import annotations
@@ -25,7 +48,7 @@ from typing import Any
 
 from ..errors import ModelDescriptionError
 from ..model.dtypes import itemsize
-from ._files import TensorEntry, parse_json_object, read_json_object
+from ._files import TensorEntry, open_regular, parse_json_object, read_json_object
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -34,6 +57,7 @@ __all__ = [
     "TensorEntry",
     "checkpoint_file",
     "checkpoint_mismatches",
+    "index_files",
     "read_safetensors_header",
     "read_weight_map",
     "renamed_prefix",
@@ -71,14 +95,15 @@ _INDEX_FILE = "model.safetensors.index.json"
 def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any], int]:
     """The header of the ``.safetensors`` file at ``path`` and the byte offset where its data starts.
 
-    The header is returned as stored, ``__metadata__`` included. Each tensor entry has been
-    checked to hold a ``dtype`` string, a ``shape`` of non-negative integers and
-    ``data_offsets`` that lie inside the file, so ``data_start + data_offsets[0]`` is where
-    a tensor's bytes begin.
+    The header is returned as stored, ``__metadata__`` included. Every tensor entry has been
+    checked as the module docstring says (a known dtype, a shape, data_offsets spanning
+    exactly shape x dtype, spans that tile the data without overlap or hole), so
+    ``data_start + data_offsets[0]`` is where a tensor's bytes begin and nothing else
+    reads them. A FIFO, a device or a folder is refused without blocking.
     """
     file = Path(path)
-    try:
-        with file.open("rb") as stream:
+    with open_regular(file, "safetensors file") as stream:
+        try:
             file_size = os.fstat(stream.fileno()).st_size
             prefix = stream.read(_LENGTH_PREFIX_BYTES)
             if len(prefix) < _LENGTH_PREFIX_BYTES:
@@ -98,44 +123,54 @@ def read_safetensors_header(path: str | os.PathLike[str]) -> tuple[dict[str, Any
                     f" but only {file_size - _LENGTH_PREFIX_BYTES} bytes follow the length"
                 )
             raw_header = stream.read(header_length)
-    except FileNotFoundError:
-        raise ModelDescriptionError(f"{file}: safetensors file not found") from None
-    except IsADirectoryError:
-        raise ModelDescriptionError(f"{file}: is a folder, not a safetensors file") from None
-    except OSError as exc:
-        raise ModelDescriptionError(f"{file}: cannot read safetensors file: {exc.strerror}") from None
+        except OSError as exc:
+            raise ModelDescriptionError(f"{file}: cannot read safetensors file: {exc.strerror}") from None
+    if len(raw_header) < header_length:  # the file shrank while it was read
+        raise ModelDescriptionError(
+            f"{file}: truncated safetensors file: the header ends after {len(raw_header)} bytes"
+        )
     header = parse_json_object(file, raw_header, "safetensors header")
-    data_size = file_size - data_start
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
-        if name != _METADATA_KEY:
-            _check_entry(file, name, entry, data_size)
+        if name == _METADATA_KEY:
+            _check_metadata(file, entry)
+        else:
+            spans.append((*_check_entry(file, name, entry), name))
+    _check_spans(file, spans, file_size - data_start)
     return header, data_start
 
 
-def tensors_from_safetensors(path: str | os.PathLike[str]) -> list[TensorEntry]:
+def tensors_from_safetensors(path: str | os.PathLike[str], *, allow_outside_paths: bool = False) -> list[TensorEntry]:
     """(name, shape, dtype short name) of every tensor of a checkpoint, from headers only.
 
     ``path`` is a ``.safetensors`` file (tensors in the order of their data), a sharded
-    checkpoint's index (any ``*.json`` with a ``weight_map``: each shard read once, shards
-    in name order), or a model folder holding ``model.safetensors.index.json`` or
-    ``model.safetensors``. Raises :class:`ModelDescriptionError` naming the file at fault.
+    checkpoint's index (any ``*.json`` with a ``weight_map``: each file read once, in name
+    order), or a model folder holding ``model.safetensors.index.json`` or
+    ``model.safetensors``. The files an index names must lie inside its folder unless
+    ``allow_outside_paths`` (see :func:`index_files`). Raises
+    :class:`ModelDescriptionError` naming the file at fault.
     """
     file = checkpoint_file(path)
     if file.suffix == ".json":
-        return _tensors_from_index(file)
+        return _tensors_from_index(file, allow_outside_paths)
     return _tensors_from_file(file)
 
 
 def checkpoint_mismatches(
-    path: str | os.PathLike[str], expected: Iterable[TensorEntry]
+    path: str | os.PathLike[str], expected: Iterable[TensorEntry], *, allow_outside_paths: bool = False
 ) -> tuple[list[str], str | None]:
     """Every way the checkpoint at ``path`` fails to hold the ``expected`` tensors, from headers only.
 
     Returns one line per tensor that is missing or stored with another dtype or shape (none
     when the checkpoint holds them all; extra tensors are fine), and a hint when the missing
     names are all in the checkpoint under one other prefix (``model.`` added or dropped...).
+    A checkpoint that cannot be read (a bad header, an index naming a file outside its
+    folder without ``allow_outside_paths``) raises :class:`ModelDescriptionError`.
     """
-    stored = {name: (shape, dtype) for name, shape, dtype in tensors_from_safetensors(path)}
+    stored = {
+        name: (shape, dtype)
+        for name, shape, dtype in tensors_from_safetensors(path, allow_outside_paths=allow_outside_paths)
+    }
     problems: list[str] = []
     missing: list[str] = []
     wanted: set[str] = set()
@@ -159,7 +194,7 @@ def checkpoint_mismatches(
         else:
             how = f"with the prefix '{theirs}' for '{ours}'"
         hint = (
-            f"did you mean '{theirs}{missing[0][len(ours):]}'? the checkpoint stores all {len(missing)}"
+            f"did you mean '{theirs}{missing[0][len(ours) :]}'? the checkpoint stores all {len(missing)}"
             f" missing tensors {how}"
         )
     return problems, hint
@@ -208,13 +243,70 @@ def checkpoint_file(path: str | os.PathLike[str]) -> Path:
 
 
 def read_weight_map(index: Path) -> dict[str, str]:
-    """The ``weight_map`` of a sharded checkpoint's index: the shard file of each tensor."""
+    """The ``weight_map`` of a sharded checkpoint's index: the file of each tensor, as written.
+
+    Only its form is checked here (an object from tensor names to non-empty file names);
+    :func:`index_files` checks where the names lead."""
     weight_map = read_json_object(index, "safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+    if not isinstance(weight_map, dict):
+        found = "none" if weight_map is None else f"a JSON {_json_kind(weight_map)}"
         raise ModelDescriptionError(
-            f"{index}: not a safetensors index: needs a 'weight_map' object from tensor names to shard files"
+            f"{index}: not a safetensors index: needs a 'weight_map' object from tensor names to files, found {found}"
         )
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise ModelDescriptionError(
+                f"{index}: weight_map gives tensor {name!r} the file {file!r}; expected a file name (a string)"
+            )
     return weight_map
+
+
+def index_files(index: Path, *, allow_outside_paths: bool = False) -> list[tuple[str, Path]]:
+    """``(name as written, path)`` of every file the index's ``weight_map`` names, in name order.
+
+    Each name must stay inside the index's folder: relative, without a ``..`` component,
+    and, symbolic links resolved, still inside the folder (or, in a Hugging Face hub
+    snapshot, inside the repository's ``blobs`` folder, where the hub cache links its
+    files). ``allow_outside_paths`` follows any name, for an index one trusts. A file that
+    does not exist is refused too, naming the index and the file."""
+    folder = index.parent
+    root = folder.resolve()
+    # the hub cache: models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/HASH
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    files: list[tuple[str, Path]] = []
+    for name in sorted(set(read_weight_map(index).values())):
+        if "\0" in name:
+            raise ModelDescriptionError(f"{index}: weight_map names the file {name!r}, which holds a NUL byte")
+        path = folder / name
+        if not allow_outside_paths:
+            reason = _leaves_folder(name, path, root, blobs)
+            if reason is not None:
+                raise ModelDescriptionError(
+                    f"{index}: weight_map names the file {name!r}, which {reason}; the files of an index"
+                    f" must lie inside its folder {folder}",
+                    hint="move or copy the file into the checkpoint folder; or, for an index you trust, pass"
+                    " allow_outside_paths=True (Python) or --allow-outside-paths (layoutlang apply --from)",
+                )
+        if not path.is_file():
+            raise ModelDescriptionError(f"{index}: weight_map names the file {name!r}, which is missing ({path})")
+        files.append((name, path))
+    return files
+
+
+def _leaves_folder(name: str, path: Path, root: Path, blobs: Path | None) -> str | None:
+    """Why the file ``name`` (at ``path``) of an index leaves the index's folder ``root``; None when it does not."""
+    if os.path.isabs(name):
+        return "is an absolute path"
+    if ".." in Path(name).parts:
+        return "climbs out of the folder with '..'"
+    target = path.resolve()
+    if target.is_relative_to(root) or (blobs is not None and target.parent == blobs):
+        return None
+    return f"is a symbolic link to {target}, outside the folder"
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "value")
 
 
 def _tensors_from_file(file: Path) -> list[TensorEntry]:
@@ -222,48 +314,38 @@ def _tensors_from_file(file: Path) -> list[TensorEntry]:
     entries = [(name, entry) for name, entry in header.items() if name != _METADATA_KEY]
     # header key order is arbitrary (the library sorts names); the data order is the file's own
     entries.sort(key=lambda item: (item[1]["data_offsets"][0], item[1]["data_offsets"][1]))
-    tensors: list[TensorEntry] = []
-    for name, entry in entries:
-        dtype = _short_dtype(file, name, entry["dtype"])
-        shape = tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        expected_bytes = math.prod(shape) * itemsize(dtype)
-        if end - begin != expected_bytes:
-            raise ModelDescriptionError(
-                f"{file}: tensor {name!r} of shape {list(shape)} and dtype {entry['dtype']} needs"
-                f" {expected_bytes} bytes but its data_offsets span {end - begin}"
-            )
-        tensors.append((name, shape, dtype))
-    return tensors
+    return [(name, tuple(entry["shape"]), _SHORT_DTYPE[entry["dtype"]]) for name, entry in entries]
 
 
-def _tensors_from_index(index: Path) -> list[TensorEntry]:
-    """All tensors of the shards an index names, checked against its ``weight_map``."""
+def _tensors_from_index(index: Path, allow_outside_paths: bool) -> list[TensorEntry]:
+    """All tensors of the files an index names, checked against its ``weight_map``."""
     weight_map = read_weight_map(index)
     tensors: list[TensorEntry] = []
-    shard_of: dict[str, str] = {}
-    for shard in sorted(set(weight_map.values())):
-        shard_file = index.parent / shard
-        if not shard_file.is_file():
-            raise ModelDescriptionError(f"{index}: weight_map names shard {shard!r}, which is missing ({shard_file})")
+    file_of: dict[str, str] = {}
+    for shard, shard_file in index_files(index, allow_outside_paths=allow_outside_paths):
         for tensor in _tensors_from_file(shard_file):
             name = tensor[0]
-            if name in shard_of:
+            if name in file_of:
                 # one logical tensor cannot have two global shapes
                 raise ModelDescriptionError(
-                    f"{index}: tensor {name!r} is stored in both {shard_of[name]!r} and {shard!r}"
+                    f"{index}: tensor {name!r} is stored in both {file_of[name]!r} and {shard!r}"
                 )
-            shard_of[name] = shard
+            file_of[name] = shard
             tensors.append(tensor)
     for name, shard in weight_map.items():
-        if shard_of.get(name) != shard:
-            found = f"; it is in {shard_of[name]!r}" if name in shard_of else ""
+        if file_of.get(name) != shard:
+            found = f"; it is in {file_of[name]!r}" if name in file_of else ""
             raise ModelDescriptionError(f"{index}: weight_map puts {name!r} in {shard!r}, whose header lacks it{found}")
     return tensors
 
 
-def _check_entry(file: Path, name: str, entry: Any, data_size: int) -> None:
-    """Reject a header entry whose fields a reader of the data could not trust."""
+def _check_metadata(file: Path, metadata: Any) -> None:
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise ModelDescriptionError(f"{file}: the header's __metadata__ must be an object of strings, not {metadata!r}")
+
+
+def _check_entry(file: Path, name: str, entry: Any) -> tuple[int, int]:
+    """The data span ``(begin, end)`` of one header entry, refused unless a reader of the data can trust it."""
 
     def is_count(value: Any) -> bool:
         # bool is an int subclass in Python, but `true` is no size
@@ -271,6 +353,7 @@ def _check_entry(file: Path, name: str, entry: Any, data_size: int) -> None:
 
     if not isinstance(entry, dict) or not isinstance(entry.get("dtype"), str):
         raise ModelDescriptionError(f"{file}: header entry {name!r} has no dtype string")
+    dtype = _short_dtype(file, name, entry["dtype"])
     shape = entry.get("shape")
     if not isinstance(shape, list) or not all(is_count(dim) for dim in shape):
         raise ModelDescriptionError(f"{file}: tensor {name!r} has shape {shape!r}, not a list of dim sizes")
@@ -282,10 +365,43 @@ def _check_entry(file: Path, name: str, entry: Any, data_size: int) -> None:
         raise ModelDescriptionError(
             f"{file}: tensor {name!r} has data_offsets [{begin}, {end}] that end before they begin"
         )
-    if end > data_size:
+    expected_bytes = math.prod(shape) * itemsize(dtype)
+    if end - begin != expected_bytes:
         raise ModelDescriptionError(
-            f"{file}: truncated safetensors file: tensor {name!r} ends at data byte {end}"
-            f" but the file holds {data_size} bytes of data"
+            f"{file}: tensor {name!r} of shape {list(shape)} and dtype {entry['dtype']} needs"
+            f" {expected_bytes} bytes but its data_offsets [{begin}, {end}] span {end - begin}"
+        )
+    return begin, end
+
+
+def _check_spans(file: Path, spans: list[tuple[int, int, str]], data_size: int) -> None:
+    """Refuse spans that leave the data, overlap, or leave a byte of data to no tensor."""
+    for _, end, name in spans:
+        if end > data_size:
+            raise ModelDescriptionError(
+                f"{file}: truncated safetensors file: tensor {name!r} ends at data byte {end}"
+                f" but the file holds {data_size} bytes of data"
+            )
+    cursor, previous = 0, None
+    # empty tensors read no byte: they overlap nothing and fill no hole
+    for begin, end, name in sorted(span for span in spans if span[1] > span[0]):
+        if begin < cursor:
+            raise ModelDescriptionError(
+                f"{file}: tensors {previous!r} and {name!r} overlap: data bytes [{begin}, {min(end, cursor)}) are in"
+                " both, so one would read the other's bytes"
+            )
+        if begin > cursor:
+            after = f" after tensor {previous!r}" if previous is not None else ", at the start of the data"
+            raise ModelDescriptionError(
+                f"{file}: data bytes [{cursor}, {begin}){after} belong to no tensor; the safetensors format"
+                f" requires the data_offsets to cover the data exactly (tensor {name!r} begins at {begin})"
+            )
+        cursor, previous = end, name
+    if cursor != data_size:
+        after = f" after tensor {previous!r}" if previous is not None else ""
+        raise ModelDescriptionError(
+            f"{file}: the last {data_size - cursor} bytes of data{after} belong to no tensor; the safetensors"
+            " format requires the data_offsets to cover the data exactly"
         )
 
 

@@ -1,6 +1,13 @@
 """Weights to move and checks that they arrived: synthetic values, safetensors reading and
 writing of boxes, and verification of every destination byte.
 
+Verification compares bits, not values: a NaN that arrived bit for bit is equal to the NaN
+it was sent as, and ``-0.0`` differs from ``0.0``.
+
+Destination files are written atomically (:func:`write_safetensors`): each to a temporary
+file in the same folder, flushed to disk, then renamed over the final name, so a full disk
+or a killed writer leaves the previous file or none, never a partial one.
+
 Synthetic weights are small integers computed from (tensor, global element index): every
 rank computes any element without communication, the values are exact in every dtype
 (bf16, fp16, fp8 included), and two different elements of one tensor rarely share a value,
@@ -9,9 +16,12 @@ so a byte delivered to the wrong place is caught.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import struct
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -20,9 +30,9 @@ import numpy as np
 import torch
 
 from .._text import region
-from ..errors import ModelDescriptionError
+from ..errors import LayoutError, LayoutValueError, ModelDescriptionError, RuntimeFailure
 from ..model import Box, Layout
-from .safetensors import SAFETENSORS_DTYPE, checkpoint_file, read_safetensors_header, read_weight_map
+from .safetensors import SAFETENSORS_DTYPE, checkpoint_file, index_files, read_safetensors_header
 from .torch_dtypes import dtype_name, torch_dtype
 
 __all__ = [
@@ -109,7 +119,8 @@ class Verification:
 def verify(
     layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], truth=None, limit: int = 10, version: int = 0
 ) -> Verification:
-    """Compare every box ``rank`` holds with the truth, bit for bit.
+    """Compare every box ``rank`` holds with the truth, bit for bit (a NaN equals a NaN of the
+    same bits; ``-0.0`` and ``0.0`` differ).
 
     ``truth(name, index, box)`` gives a box's expected values (default: the synthetic ones
     of ``version``).
@@ -130,8 +141,9 @@ def verify(
             expected = expected.to(device=got.device, dtype=got.dtype)
             boxes += 1
             nbytes += got.numel() * got.element_size()
-            if not torch.equal(_bits(got), _bits(expected)) and len(mismatches) < limit:
-                wrong = (got != expected).nonzero()
+            got_bits, expected_bits = _bits(got), _bits(expected)
+            if not torch.equal(got_bits, expected_bits) and len(mismatches) < limit:
+                wrong = (got_bits != expected_bits).nonzero()
                 first = tuple(int(o) + int(i) for o, i in zip(box.offsets, wrong[0])) if len(wrong) else ()
                 mismatches.append(
                     f"rank {rank}: {name}{region(box.offsets, box.sizes)} in storage '{box.storage}': "
@@ -140,9 +152,14 @@ def verify(
     return Verification(rank, boxes, nbytes, tuple(mismatches))
 
 
+#: the integer dtype of each element size: what a tensor's bits are compared as
+_BITS_DTYPE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _bits(values: torch.Tensor) -> torch.Tensor:
-    # bool tensors are compared by their bytes, as the other dtypes are by their values
-    return values.view(torch.uint8) if values.dtype == torch.bool else values
+    """``values`` as integers of the same width: equal exactly when the bits are (NaN == NaN)."""
+    # a dtype view of the same element size keeps the shape and strides, so works on any view
+    return values.view(_BITS_DTYPE[values.element_size()])
 
 
 # ------------------------------------------------------------------- safetensors
@@ -151,15 +168,22 @@ def _bits(values: torch.Tensor) -> torch.Tensor:
 class SafetensorsCheckpoint:
     """A checkpoint of whole logical tensors (a .safetensors file, an index, or a folder),
     from which each rank reads only its own boxes: files are memory-mapped and a box
-    touches only the pages of its rows."""
+    touches only the pages of its rows.
 
-    def __init__(self, path: str | os.PathLike[str]):
+    Every header is validated when the checkpoint is opened (spans of exactly shape x dtype
+    that tile the data), and an index's files must lie inside its folder unless
+    ``allow_outside_paths`` (:mod:`layoutlang.io.safetensors`)."""
+
+    def __init__(self, path: str | os.PathLike[str], *, allow_outside_paths: bool = False):
         start = checkpoint_file(path)
         self.files: dict[str, tuple[Path, dict, int]] = {}
-        shards = sorted(set(read_weight_map(start).values())) if start.suffix == ".json" else [start.name]
+        if start.suffix == ".json":
+            # an index's files are confined to its folder (see layoutlang.io.safetensors)
+            shards = [file for _, file in index_files(start, allow_outside_paths=allow_outside_paths)]
+        else:
+            shards = [start]
         self._maps: dict[Path, np.memmap] = {}
-        for shard in shards:
-            file = start.parent / shard
+        for file in shards:
             header, data_start = read_safetensors_header(file)
             for name, entry in header.items():
                 if name != "__metadata__":
@@ -198,28 +222,88 @@ class SafetensorsCheckpoint:
 def write_safetensors(
     path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
 ) -> None:
-    """Write tensors to a .safetensors file (header, then the raw bytes in order)."""
+    """Write tensors to a .safetensors file (header, then the raw bytes in order), atomically.
+
+    The bytes go to a temporary file in the same folder (``.NAME.XXXX.tmp``), which is
+    flushed to disk (``fsync``) and then renamed over ``path``: a reader sees the previous
+    file or the whole new one, and a failure leaves no partial file. A folder that is
+    missing, read-only or not a folder raises :class:`~layoutlang.errors.LayoutValueError`
+    (a path mistake); a full disk or another I/O failure while writing raises
+    :class:`~layoutlang.errors.RuntimeFailure`; both name the file.
+    """
+    target = Path(path)
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     offset = 0
-    blobs = []
+    blobs: list[np.ndarray] = []
     for name, tensor in tensors.items():
         dtype = dtype_name(tensor.dtype)
         if dtype is None:
             raise ModelDescriptionError(f"cannot write tensor '{name}' of dtype {tensor.dtype} to safetensors")
-        data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         header[name] = {
             "dtype": SAFETENSORS_DTYPE[dtype],
             "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
+            "data_offsets": [offset, offset + data.nbytes],
         }
-        offset += len(data)
+        offset += data.nbytes
         blobs.append(data)
     encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
     encoded += b" " * (-len(encoded) % 8)  # data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for blob in blobs:
-            f.write(blob)
+    try:
+        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise _write_error(target, exc) from None
+    try:
+        try:
+            _write_all(fd, struct.pack("<Q", len(encoded)) + encoded)
+            for blob in blobs:
+                _write_all(fd, blob.data)
+            os.fsync(fd)  # the bytes are on disk before the name points at them
+        finally:
+            os.close(fd)
+        os.replace(temporary, target)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        if isinstance(exc, OSError):
+            raise _write_error(target, exc, offset + 8 + len(encoded)) from None
+        raise
+    _sync_folder(target.parent)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (``os.write`` may write fewer)."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _sync_folder(folder: Path) -> None:
+    """Flush the folder's entries, so the rename survives a crash (best effort: not every
+    file system lets a folder be opened or synced)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+#: errors of a path the user gave (exit 2); any other OSError is a failure at run time (exit 1)
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG}
+
+
+def _write_error(target: Path, exc: OSError, size: int | None = None) -> LayoutError | RuntimeFailure:
+    """The error for ``exc`` raised while writing ``target``."""
+    what = f"cannot write {target}: {exc.strerror or exc}"
+    if exc.errno in _PATH_ERRNOS:
+        return LayoutValueError(f"{what} (the folder {target.parent} is missing, read-only or not a folder)")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        needed = f" ({size} bytes)" if size is not None else ""
+        return RuntimeFailure(
+            f"{what}{needed}; no partial file is left", hint="free space on that disk or write to another folder"
+        )
+    return RuntimeFailure(f"{what}; no partial file is left")
