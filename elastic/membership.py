@@ -238,7 +238,7 @@ class FailureDetector:
         secret: JobSecret | bytes | str | None = None,
     ):
         self.store = _namespaced(store, namespace)
-        self.records = RecordSigner(secret, namespace)  # exit notifications are signed
+        self.records = RecordSigner(secret, namespace, store=store)  # exit notifications are signed
         # A member still busy in the previous generation beats only its keys: it is alive.
         self.previous = previous
         # A member never heard from may still be starting (importing torch): it has longer.
@@ -403,7 +403,7 @@ class Membership:
         self.raw_store = store
         self.namespace = namespace
         self.store = _namespaced(store, namespace)
-        self.records = RecordSigner(secret, namespace)
+        self.records = RecordSigner(secret, namespace, store=store)
         self.rank = int(rank)
         self.deadline = float(deadline)
         self.generation: int | None = None
@@ -559,8 +559,9 @@ class ExitWatcher:
     ``processes`` maps job ranks to objects with ``is_alive()`` and ``exitcode``
     (multiprocessing.Process, or a Popen adapter). The key is written under the latest
     agreed generation and the one after it (a generation being agreed right now), so
-    detectors of either see it. ``secret`` (default: ``LAYOUTLANG_JOB_SECRET``, which
-    :class:`~layoutlang.cli.launch.LocalWorkers` sets) signs the notifications.
+    detectors of either see it. ``secret`` signs the notifications (default: the secret
+    remembered for ``store``, as :class:`~layoutlang.cli.launch.LocalWorkers` does for its
+    store, else ``LAYOUTLANG_JOB_SECRET``).
     """
 
     def __init__(
@@ -573,7 +574,7 @@ class ExitWatcher:
         secret: JobSecret | bytes | str | None = None,
     ):
         self.store = _namespaced(store, namespace)
-        self.records = RecordSigner(secret, namespace)
+        self.records = RecordSigner(secret, namespace, store=store)
         self.processes = (
             dict(processes) if isinstance(processes, Mapping) else dict(enumerate(processes))
         )

@@ -4,6 +4,17 @@ is not launched by torchrun, and what the tests use.
 The parent process hosts the TCPStore (so the store outlives any worker) and hands tasks to
 every worker: a module-level function and its arguments, run on all ranks at once. A pool
 is kept for many tasks, since each worker pays about 1.7 s to import torch.
+
+Security by default: the store listens on loopback only (torch's TCPStore server binds every
+interface whatever host it is given, so the launcher binds the socket itself and hands it
+over), the workers' gloo groups bind loopback (``GLOO_SOCKET_IFNAME=lo`` unless set), and
+the job has a secret (the operator's ``LAYOUTLANG_JOB_SECRET``, or one generated here)
+that each worker is handed when it starts and keeps in its environment, never through the
+store (:mod:`elastic.auth`).
+
+A worker never outlives its launcher: a watch thread in every worker sees the launcher go
+(its parent process changes) and ends the worker within a second, idle or in the middle of
+an exchange, with one line on stderr naming its rank and the launcher's pid.
 """
 
 from __future__ import annotations
@@ -12,16 +23,27 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from elastic.auth import SECRET_ENV, JobSecret, remember
+from elastic.store import serve_store
+
 from .._text import rank_ranges
 from ..errors import ExitCode, LayoutError, RuntimeFailure
 
-__all__ = ["LocalWorkers", "WorkerError", "worker_context"]
+__all__ = ["LAUNCHER_GONE", "LocalWorkers", "WorkerError", "watch_launcher", "worker_context"]
+
+#: The exit status of a worker that lost its launcher.
+LAUNCHER_GONE = 75
+#: How often a worker looks for its launcher (seconds).
+WATCH_PERIOD = 0.25
 
 
 class WorkerError(RuntimeError):
@@ -51,7 +73,63 @@ class WorkerError(RuntimeError):
 worker_context: dict[str, Any] = {}
 
 
-def _worker_main(rank: int, size: int, port: int, timeout: float, tasks, results, default_group: bool = True) -> None:
+def watch_launcher(launcher: int, rank: int, period: float = WATCH_PERIOD) -> threading.Thread:
+    """End this worker when its launcher (its parent, pid ``launcher``) is gone.
+
+    A daemon thread compares ``os.getppid()`` with ``launcher`` every ``period`` seconds: an
+    orphan is adopted by another process (init, or a subreaper), so its parent changes. The
+    thread then writes one line on stderr and ends the process with ``os._exit`` (whatever
+    the main thread is doing: waiting for a task, or blocked in an exchange with a peer).
+    Polling, not ``PR_SET_PDEATHSIG``: that signal follows the launcher's *thread* that
+    started the worker, and a launcher may start workers from a thread that ends first.
+    """
+
+    def run() -> None:
+        while os.getppid() == launcher:
+            time.sleep(period)
+        with contextlib.suppress(OSError, ValueError):
+            print(
+                f"layoutlang worker rank {rank}: the launcher (pid {launcher}) is gone; exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(LAUNCHER_GONE)
+
+    thread = threading.Thread(target=run, name=f"layoutlang-launcher-watch-{rank}", daemon=True)
+    thread.start()
+    return thread
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback interface (``lo`` on Linux), or None when there is none."""
+    with contextlib.suppress(OSError):
+        for _, name in socket.if_nameindex():
+            if name == "lo" or name.startswith("lo0"):
+                return name
+    return None
+
+
+def _worker_main(
+    rank: int,
+    size: int,
+    port: int,
+    timeout: float,
+    tasks,
+    results,
+    default_group: bool = True,
+    launcher: int | None = None,
+    secret: str | None = None,
+) -> None:
+    if launcher is not None:
+        watch_launcher(launcher, rank)
+    if secret is not None:  # what elastic sessions (and anything this worker starts) read
+        os.environ[SECRET_ENV] = secret
+    # Gloo binds the address the host name resolves to unless told otherwise: these workers
+    # talk only to each other, so they bind loopback (an operator's choice is kept).
+    interface = _loopback_interface()
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+
     import torch
     import torch.distributed as dist
 
@@ -95,15 +173,31 @@ def _exit_text(code: int | None) -> str:
 
 
 class LocalWorkers:
-    """``size`` worker processes on this machine, ranks 0..size-1 of one gloo group."""
+    """``size`` worker processes on this machine, ranks 0..size-1 of one gloo group.
 
-    def __init__(self, size: int, *, timeout: float = 120.0, start_timeout: float = 180.0):
-        import torch.distributed as dist
+    The store listens on 127.0.0.1 only. ``secret`` is the job's secret; by default the
+    operator's ``LAYOUTLANG_JOB_SECRET``, else a fresh one. Each worker is handed it at its
+    start (a process argument, never the store) and sets ``LAYOUTLANG_JOB_SECRET`` in its
+    own environment; this process remembers it for :attr:`store`
+    (:func:`elastic.auth.remember`), so an :class:`~elastic.ExitWatcher` on that store signs
+    with it. Every worker ends within about a second if this process dies
+    (:func:`watch_launcher`).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        timeout: float = 120.0,
+        start_timeout: float = 180.0,
+        secret: JobSecret | None = None,
+    ):
 
         self.size = size
         self.timeout = timeout
-        self.store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=start_timeout))
+        self.secret: JobSecret = secret or JobSecret.from_environment() or JobSecret.generate()
+        self.store = serve_store("127.0.0.1", 0, size + 1, timeout=start_timeout)
+        remember(self.store, self.secret)
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers, read at their start
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
@@ -111,7 +205,8 @@ class LocalWorkers:
         self.processes = [
             ctx.Process(
                 target=_worker_main,
-                args=(rank, size, self.store.port, timeout, self._tasks[rank], self._results),
+                args=(rank, size, self.store.port, timeout, self._tasks[rank], self._results, True, os.getpid(),
+                      self.secret.text()),
                 daemon=True,
                 name=f"layoutlang-worker-{rank}",
             )
@@ -136,7 +231,8 @@ class LocalWorkers:
             self._tasks[rank] = self._ctx.SimpleQueue()
             self.processes[rank] = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.size, self.store.port, self.timeout, self._tasks[rank], self._results, False),
+                args=(rank, self.size, self.store.port, self.timeout, self._tasks[rank], self._results, False,
+                      os.getpid(), self.secret.text()),
                 daemon=True,
                 name=f"layoutlang-worker-{rank}",
             )

@@ -7,6 +7,11 @@ every inference worker builds a ``ProcessGroupGloo`` over it directly (unregiste
 torch.distributed, so neither world's default group is touched) and moves bytes through
 its ``send``/``recv``. Group ranks are program ranks: the program's meshes must cover
 ranks ``0 .. world_size - 1``.
+
+The store listens only on the address trainer rank 0 is given (torch's TCPStore server
+would listen on every interface: :func:`elastic.store.serve_store` binds the socket
+itself); give the address of the network the inference workers reach it on, or loopback
+when every member runs on the same machine.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from elastic.groups import GlooTransport
+from elastic.store import serve_store
 
 from ..errors import ExecutionError
 
@@ -25,8 +31,9 @@ class RefitGroup:
     """This process's membership of the refit group: its store, gloo group and transport.
 
     ``host_store`` is true on the one process that serves the store (trainer rank 0); it
-    binds ``address:port``. Every member calls this at once: building the group waits for
-    all ``world_size`` members, at most ``timeout`` seconds.
+    binds ``address:port`` and listens on that address only. Every member calls this at
+    once: building the group waits for all ``world_size`` members, at most ``timeout``
+    seconds.
     """
 
     def __init__(
@@ -49,11 +56,12 @@ class RefitGroup:
         self.timeout = timeout
         wait = timedelta(seconds=timeout)
         try:
-            self.store: Any = dist.TCPStore(
-                address, port, world_size, is_master=host_store, timeout=wait, wait_for_workers=False
-            )
+            if host_store:
+                self.store: Any = serve_store(address, port, world_size, timeout=timeout)
+            else:
+                self.store = dist.TCPStore(address, port, world_size, is_master=False, timeout=wait)
             self.pg: Any = dist.ProcessGroupGloo(dist.PrefixStore(name, self.store), rank, world_size, wait)
-        except (RuntimeError, ValueError) as err:
+        except (RuntimeError, ValueError, OSError) as err:
             role = "serving" if host_store else "reaching"
             raise ExecutionError(
                 f"rank {rank}: {role} the refit group's store at {address}:{port} failed "
