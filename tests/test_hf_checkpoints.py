@@ -245,3 +245,44 @@ def test_constants_only_import_errors(checkpoints: dict[str, Path], statement: s
     with pytest.raises(LayoutError, match=fragment) as caught:
         load(path)
     assert caught.value.span is not None and caught.value.span.line == 1
+
+
+def hub_snapshot(checkpoint: Path, root: Path, link: str | None = None) -> Path:
+    """``checkpoint`` laid out as the Hugging Face hub cache keeps a download: the files in
+    ``blobs/`` under their hashes, a snapshot folder of relative links to them, and an index
+    naming the one shard (``link``: where the shard's link points instead, when given)."""
+    repo = root / "models--tiny--llama"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "5f1a2b3c"
+    snapshot.mkdir(parents=True)
+    shard = "model-00001-of-00001.safetensors"
+    index = {"metadata": {}, "weight_map": dict.fromkeys(stored(checkpoint), shard)}
+    contents = {"config.json": (checkpoint / "config.json").read_bytes(), shard: b""}
+    contents["model.safetensors.index.json"] = json.dumps(index).encode()
+    for number, (name, data) in enumerate(contents.items()):
+        blob = repo / "blobs" / f"{number:040x}"
+        if name == shard:
+            shutil.copy(checkpoint / "model.safetensors", blob)
+        else:
+            blob.write_bytes(data)
+        (snapshot / name).symlink_to(link if name == shard and link else f"../../blobs/{blob.name}")
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_reads_through_its_links(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    snapshot = hub_snapshot(checkpoints["llama"], tmp_path)
+    assert imported('tensors from hf "config.json"\n', snapshot) == stored(checkpoints["llama"])
+
+
+def test_an_index_whose_shard_links_out_of_the_folder_is_refused_unless_allowed(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    from layoutlang.io.hf import tensors_from_hf_config
+
+    # the shard's link leads to another folder's file: not the hub's blobs, not the folder
+    snapshot = hub_snapshot(checkpoints["llama"], tmp_path, link=str(checkpoints["llama"] / "model.safetensors"))
+    with pytest.raises(LayoutError) as caught:
+        imported('tensors from hf "config.json"\n', snapshot)
+    assert "model-00001-of-00001.safetensors" in str(caught.value) and "outside the folder" in str(caught.value)
+    allowed = tensors_from_hf_config(snapshot, checkpoint=snapshot, allow_outside_paths=True)
+    assert {name: (shape, dtype) for name, shape, dtype in allowed} == stored(checkpoints["llama"])

@@ -276,6 +276,31 @@ def test_verify_compares_bits_nan_equals_nan_and_signed_zeros_differ() -> None:
         assert not check.ok and f"1 wrong elements, the first at [{where}]" in check.mismatches[0]
 
 
+def test_a_checkpoint_of_nans_and_a_scalar_verifies_against_itself(tmp_path: Path) -> None:
+    import layoutlang
+
+    program = layoutlang.loads(
+        'mesh m [tp = 1] on ranks 0..0\ntensor "s" [] fp32\ntensor "w" [3] fp32\n'
+        'layout l on m { "s": tp = replicate  "w": tp = replicate }\n'
+    )
+    layout = program.layouts["l"]
+    path = tmp_path / "m.safetensors"
+    s = struct.pack("<I", 0x7FC00000)  # NaN
+    w = struct.pack("<3I", 0xFFC00001, 0x00000000, 0x80000000)  # a NaN with a payload, 0.0, -0.0
+    path.write_bytes(encode({"s": entry("F32", [], 0), "w": entry("F32", [3], 4)}, s + w))
+    checkpoint = SafetensorsCheckpoint(path)
+    storages = {"s": torch.zeros(()), "w": torch.zeros(3)}
+    assert checkpoint.fill(layout, 0, storages) == 16
+    assert storages["s"].shape == () and storages["w"].view(torch.int32).tolist() == list(struct.unpack("<3i", w))
+
+    def truth(name: str, _index: int, box: Any) -> torch.Tensor:
+        tensor = layout.tensors[name]
+        return checkpoint.read_box(name, tensor.dtype, tensor.shape, box.offsets, box.sizes)
+
+    check = weights.verify(layout, 0, storages, truth=truth)
+    assert check.ok and check.boxes == 2 and check.bytes == 16
+
+
 # --- atomic writes --------------------------------------------------------------------------
 
 

@@ -89,6 +89,7 @@ def tensors_from_hf_config(
     *,
     include_mtp: bool = False,
     checkpoint: str | os.PathLike[str] | None = None,
+    allow_outside_paths: bool = False,
 ) -> list[TensorEntry]:
     """Every weight tensor of the model described by the ``config.json`` at ``path``.
 
@@ -99,8 +100,10 @@ def tensors_from_hf_config(
     not use. ``checkpoint`` (a ``.safetensors`` file, an index or a folder, e.g.
     :func:`checkpoint_beside`) must hold every tensor the config describes, in the same shape;
     without ``dtype`` each tensor then takes the dtype the checkpoint's header records (tensors
-    transformers keeps in fp32 in a bf16 model). Raises :class:`ModelDescriptionError` naming the
-    file for any problem.
+    transformers keeps in fp32 in a bf16 model). The checkpoint's headers are validated and the
+    files of its index confined to its folder unless ``allow_outside_paths``, as
+    :func:`~layoutlang.io.safetensors.tensors_from_safetensors` does. Raises
+    :class:`ModelDescriptionError` naming the file for any problem.
     """
     file = _config_file(path)
     config = read_config(file)
@@ -116,14 +119,22 @@ def tensors_from_hf_config(
     builder(reader, out, include_mtp)
     if checkpoint is None:
         return out.tensors
-    return _as_stored(out.tensors, file, checkpoint, keep_dtype=dtype is not None)
+    return _as_stored(
+        out.tensors, file, checkpoint, keep_dtype=dtype is not None, allow_outside_paths=allow_outside_paths
+    )
 
 
 def _as_stored(
-    tensors: list[TensorEntry], config: Path, checkpoint: str | os.PathLike[str], *, keep_dtype: bool
+    tensors: list[TensorEntry],
+    config: Path,
+    checkpoint: str | os.PathLike[str],
+    *,
+    keep_dtype: bool,
+    allow_outside_paths: bool = False,
 ) -> list[TensorEntry]:
     """The config's tensors with the checkpoint's dtypes, once the checkpoint confirms names and shapes."""
-    stored = {name: (shape, dtype) for name, shape, dtype in tensors_from_safetensors(checkpoint)}
+    found = tensors_from_safetensors(checkpoint, allow_outside_paths=allow_outside_paths)
+    stored = {name: (shape, dtype) for name, shape, dtype in found}
     where = checkpoint_file(checkpoint)
     missing = [name for name, _, _ in tensors if name not in stored]
     if missing:

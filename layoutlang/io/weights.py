@@ -204,7 +204,7 @@ class SafetensorsCheckpoint:
             self._maps[file] = np.memmap(file, dtype=np.uint8, mode="c")
         begin, end = entry["data_offsets"]
         raw = torch.from_numpy(np.asarray(self._maps[file][data_start + begin : data_start + end]))
-        whole = raw.view(torch_dtype(dtype)).view(tuple(shape)) if shape else raw.view(torch_dtype(dtype))
+        whole = raw.view(torch_dtype(dtype)).view(tuple(shape))  # shape () views the one element as a scalar
         return whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
 
     def fill(self, layout: Layout, rank: int, storages: Mapping[str, torch.Tensor]) -> int:
