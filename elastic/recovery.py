@@ -28,6 +28,7 @@ every member committed. :class:`Recovery` is one such change as this rank lived 
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 import time
@@ -58,9 +59,11 @@ from .membership import (
     MembershipError,
     failed_peers,
 )
-from .remesh import SidePolicy, check_recoverable, generation_layouts, replacements
+from .remesh import SidePolicy, check_recoverable, generation_layouts, needs_spares, open_positions, replacements
 
 __all__ = ["Change", "GroupBuilder", "Recoverer", "Recovery", "RefitSpec", "Watch", "recoverable"]
+
+_log = logging.getLogger(__name__)
 
 # How often a waiting rank reads the store for failures: a tenth of the default deadline,
 # few enough requests that the store stays responsive with hundreds of waiting ranks.
@@ -230,9 +233,13 @@ class Watch:
         """The peers of a failed transport wait that really failed (rank -> reason)."""
         return failed_peers(err, self.detector)
 
-    def propose(self, generation: int, reasons: dict[int, str]) -> list[int]:
+    def propose(
+        self, generation: int, reasons: dict[int, str],
+        admit: Callable[[int, list[int]], list[int]] | None = None,
+    ) -> list[int]:
         """The members of ``generation``: without the failed ones, found within about two
-        deadlines (``reasons`` gains the reasons found meanwhile)."""
+        deadlines (``reasons`` gains the reasons found meanwhile), and with the joiners
+        ``admit(generation, survivors)`` names."""
         failed = set(reasons) | set(self.detector.poll())
         end = time.monotonic() + 2 * self.deadline
         while not failed and time.monotonic() < end:
@@ -245,7 +252,9 @@ class Watch:
             reasons.setdefault(rank, why)
         failed = self.confirm(failed, reasons)
         # Nobody found failed (a transient error): the next generation keeps every member.
-        return self.membership.propose(generation, [m for m in self.membership.members if m not in failed])
+        survivors = [m for m in self.membership.members if m not in failed]
+        joiners = admit(generation, survivors) if admit is not None else []
+        return self.membership.propose(generation, survivors + joiners)
 
 
 class GroupBuilder:
@@ -343,6 +352,7 @@ class Recoverer:
         deadline: float,
         device: torch.device,
         on_change: Callable[[Change], None],
+        spare_wait: float | None = None,
     ):
         self.spec = spec
         self.rank = membership.rank
@@ -352,6 +362,7 @@ class Recoverer:
         self.timeout = timeout
         self.device = device
         self.on_change = on_change
+        self.spare_wait = timeout if spare_wait is None else spare_wait  # see _spares_for
         self.sources: Sources | None = None
         self.commits = CommitRecords(membership, timeout=timeout)
         self.watch = Watch(membership, self.commits, deadline=deadline)
@@ -526,7 +537,7 @@ class Recoverer:
             g = self.membership.current() + 1
             members = self.membership.members_of(g)
             if members is None:
-                members = self.watch.propose(g, reasons)
+                members = self.watch.propose(g, reasons, admit=self._spares_for)
             self.membership.enter(g, members)  # ExcludedError: the survivors left this rank out
             self.heartbeat.set_generation(g)
             try:
@@ -580,23 +591,66 @@ class Recoverer:
         """Admit ``joiners`` after the committed step (every member does this at the same step)."""
         noticed = time.time()
         g = self.membership.current() + 1
-        # where a joiner learns the step to refit next (signed: elastic.auth)
-        self.membership.set_record(g, "resume", json.dumps({"step": self.next_step}).encode())
+        self._write_resume(g)
         members = self.membership.propose(g, self.membership.members + list(joiners))
         self.membership.enter(g, members)
         self.heartbeat.set_generation(g)
         self._enter_or_recover(noticed)
 
+    def _write_resume(self, generation: int) -> None:
+        """Tell the joiners of ``generation`` the members' committed state, which they enter
+        it from (every member writes the same record: they agree on that state; signed, see
+        :mod:`elastic.auth`)."""
+        record = {
+            "step": self.next_step,
+            "committed_step": self.committed_step,
+            "generation": self.committed.generation,
+            "valid": self.committed.valid,
+        }
+        self.membership.set_record(generation, "resume", json.dumps(record).encode())
+
+    def _spares_for(self, generation: int, survivors: list[int]) -> list[int]:
+        """The joiners ``generation`` must admit beside the ``survivors``: none while the
+        destination's policy can give up the lost positions (drop a replica), else as many
+        as there are open positions (every replica lost a rank, or the policy is
+        ``fill-spares``), waiting up to ``spare_wait`` seconds for them to ask. The recovery plan then
+        fills them from any surviving holder, the training side included (:meth:`enter`)."""
+        destination, policy = self.spec.destination, self.spec.destination_policy
+        history = self.history(generation - 1)
+        wanted = open_positions([*history, survivors], destination.mesh)
+        if not needs_spares(destination, wanted, policy):
+            return []
+        end = time.monotonic() + self.spare_wait
+        waited = False
+        while True:
+            asking = self.membership.join_requests(generation)
+            joiners = sorted(j for j in set(asking) if j not in self.membership.members)[: len(wanted)]
+            members = survivors + joiners
+            if not needs_spares(destination, open_positions([*history, members], destination.mesh), policy):
+                break
+            if time.monotonic() > end or self.membership.members_of(generation) is not None:
+                break  # another member proposed, or no spare came: entering reports what is lost
+            if not waited and self.spare_wait > 0:
+                waited = True
+                _log.warning(
+                    "rank %d: layout '%s' lost positions %s that policy '%s' cannot give up; waiting up to "
+                    "%g s for spare ranks to join", self.rank, destination.name, wanted, policy[0], self.spare_wait,
+                )
+            time.sleep(0.05)
+        if joiners:
+            self._write_resume(generation)
+        return joiners
+
     def join(self) -> None:
         """Joiner side: ask to be admitted; wait for a generation that includes this rank."""
         requested, members = self._admission()
-        resume = self.membership.wait_record(requested, "resume", self.timeout)
-        self.next_step = json.loads(resume.decode())["step"]
-        self.committed_step = self.next_step - 1
-        previous = requested - 1
+        resume = json.loads(self.membership.wait_record(requested, "resume", self.timeout).decode())
+        self.next_step = resume["step"]
+        self.committed_step = resume["committed_step"]
+        previous = resume["generation"]
         source, destination = self.spec.layouts(self.history(previous))
         # the members' committed state: this rank holds nothing of it yet
-        self.committed = CommittedState(previous, source, destination, {}, True)
+        self.committed = CommittedState(previous, source, destination, {}, resume["valid"])
         self.membership.enter(requested, members)
         self.heartbeat.set_generation(requested)
         self._enter_or_recover(time.time())  # a failure while this rank was being admitted: recover

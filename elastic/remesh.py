@@ -56,6 +56,8 @@ __all__ = [
     "data_parallel_axes",
     "generation_layouts",
     "lost_regions",
+    "needs_spares",
+    "open_positions",
     "remesh",
     "replacements",
 ]
@@ -109,10 +111,13 @@ def _shrink(mesh: Mesh, axis: str, lost: set[int], name: str) -> tuple[Mesh, lis
     dropped = sorted({mesh.coords(r)[axis] for r in lost if r in mesh})
     kept = [c for c in range(size) if c not in dropped]
     if not kept:
+        where = ", ".join(f"{r} at {axis} {mesh.coords(r)[axis]}" for r in sorted(lost) if r in mesh)
         raise LayoutValueError(
-            f"every coordinate of axis '{axis}' (size {size}) of mesh '{mesh.name}' holds a lost rank; "
-            "no intact replica remains",
-            hint="restore from a checkpoint or add spare ranks ('fill-spares')",
+            f"every coordinate of axis '{axis}' (size {size}) of mesh '{mesh.name}' holds a lost rank "
+            f"({where}); no intact replica remains",
+            hint="start spare ranks that join (apply --elastic --replace, or ElasticSession(join=True)): "
+            "they take the lost positions, filled from any surviving holder, the other side's layout "
+            "included; with no holder left, restore from a checkpoint",
         )
     shape = list(mesh.shape)
     shape[index] = len(kept)
@@ -294,10 +299,31 @@ def _callback_mesh(
     return new_mesh
 
 
-# ------------------------------------------------------------------ generations
-
 #: A side's remesh policy and its axis (None: the policy finds one), as ``remesh`` takes them.
 SidePolicy = tuple[str, str | None]
+
+
+def needs_spares(layout: Layout, lost: Iterable[int], policy: SidePolicy) -> bool:
+    """Whether ``policy`` cannot take the ``lost`` ranks out of ``layout`` by itself, so that
+    spare ranks must take their positions: ``fill-spares`` whenever a rank of the mesh is
+    lost, ``drop-replica`` and ``shrink-axis`` when every coordinate of the axis they would
+    shrink holds a lost rank (no intact replica remains). Mesh arithmetic only: no layout is
+    built, so it costs microseconds at any scale."""
+    how, axis = policy
+    hit = [r for r in rank_set(lost) if r in layout.mesh]
+    if not hit or how == "callback":
+        return False
+    if how == "fill-spares":
+        return True
+    try:
+        chosen = _axis_to_shrink(layout, set(hit), how, axis, f"remesh of layout '{layout.name}' ({how})")
+    except LayoutError:
+        return False  # remesh reports why this policy cannot apply at all
+    mesh = layout.mesh
+    return len({mesh.coords(r)[chosen] for r in hit}) == mesh.axis_size(chosen)
+
+
+# ------------------------------------------------------------------ generations
 
 
 def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[int, int]:
@@ -320,6 +346,15 @@ def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[in
         replaced.update(zip(open_positions, joined))
         before = after
     return replaced
+
+
+def open_positions(history: Sequence[Sequence[int]], destination: Mesh) -> list[int]:
+    """The positions of ``destination`` (the first generation's mesh, named by the ranks that
+    first held them) whose holder is no member of the last generation ``history`` lists: lost
+    ranks whose position no joiner took, and joiners lost in turn."""
+    replaced = replacements(history, destination)
+    members = set(history[-1]) if history else set()
+    return [r for r in destination.ranks if replaced.get(r, r) not in members]
 
 
 def generation_layouts(

@@ -104,7 +104,11 @@ class ElasticSession:
     ``source_policy`` / ``destination_policy`` (and ``source_axis`` / ``destination_axis``)
     are the remesh policies applied when ranks are lost; ``deadline`` is how long a member
     may stay silent before it is suspected (a second deadline of silence confirms it);
-    ``timeout`` bounds every wait.
+    ``timeout`` bounds every wait. When the destination policy cannot give up a lost
+    position (every replica lost a rank, or ``fill-spares``), the recovery admits joiners
+    into it and fills them from any surviving holder, the training side included; it waits
+    up to ``spare_wait`` seconds (default ``timeout``) for enough joiners to ask, then
+    fails with the positions it could not fill.
     ``on_shrink(change)`` / ``on_grow(change)`` run on every member of a new generation once
     its group is built. ``backend`` builds each generation's group:
     :class:`~elastic.GlooGenerations` (default) or :class:`~elastic.NcclGenerations`.
@@ -137,6 +141,7 @@ class ElasticSession:
         deadline: float = DEFAULT_DEADLINE,
         heartbeat_interval: float = DEFAULT_INTERVAL,
         timeout: float = 60.0,
+        spare_wait: float | None = None,
         memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
         backend: Any = None,
         on_shrink: Callable[[Change], None] | None = None,
@@ -168,6 +173,7 @@ class ElasticSession:
             spec, membership=self.membership, heartbeat=self.heartbeat,
             builder=GroupBuilder(self.backend, host=host, port=port, rank=self.rank, timeout=timeout),
             timeout=timeout, deadline=deadline, device=self.device, on_change=self._changed,
+            spare_wait=timeout if spare_wait is None else spare_wait,
         )
         self.last_report: StepReport | None = None
         self._closed = False
@@ -221,6 +227,13 @@ class ElasticSession:
     def committed_step(self) -> int | None:
         """The step whose weights the destination holds (None: none yet)."""
         return self._recoverer.committed_step
+
+    @property
+    def holds_committed(self) -> bool:
+        """Whether the destination storages hold :attr:`committed_step`'s weights: False once
+        a step was aborted halfway (its storages half rewritten, a joiner's still empty)
+        until its retry commits."""
+        return self._recoverer.committed.valid
 
     @property
     def next_step(self) -> int:

@@ -97,6 +97,34 @@ def test_a_killed_rank_is_replaced_and_every_refit_is_verified(program):
     assert "all 2 refits committed and verified" in text.stdout
 
 
+def test_every_replica_losing_a_rank_is_refilled_by_spares_from_the_training_side(program):
+    # Ranks 5 and 7 hold the same tensor-parallel shard in both inference replicas: no replica
+    # can be dropped and no survivor holds that shard; only the training side does (issue 14
+    # case 2: this ended the job with "no intact replica remains").
+    result = run("apply", str(program), "--elastic", "--steps", "3", "--kill", "5@1", "--kill", "7@1",
+                 "--replace", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(result.stdout)
+    assert summary["ok"] and not summary["errors"]
+    assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
+    assert all(not s["mismatches"] and s["verified_bytes"] > 0 for s in summary["steps"])
+    (recovery,) = summary["recoveries"]  # one generation: the spares are admitted by the recovery
+    assert recovery["lost"] == [5, 7] and recovery["joined"] == [8, 9]
+    assert recovery["first_byte_s"] < 10
+    assert summary["destination"] == "serve_gen1"
+    assert {8, 9} <= set(summary["members"]) and not {5, 7} & set(summary["members"])
+
+
+def test_every_replica_losing_a_rank_without_spares_ends_with_the_positions_named(program):
+    begin = time.monotonic()
+    result = run("apply", str(program), "--elastic", "--steps", "2", "--kill", "5@1", "--kill", "7@1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "holds a lost rank (5 at dp 0, 7 at dp 1); no intact replica remains" in result.stdout
+    assert "start spare ranks that join (apply --elastic --replace" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+    assert time.monotonic() - begin < 120  # no wait for spares that were never started
+
+
 def test_a_lost_region_stops_every_survivor_with_the_lost_boxes(tmp_path):
     path = tmp_path / "no_replica.layout"
     path.write_text(PROGRAM.replace("mesh train [dp = 2, tp = 2]", "mesh train [tp = 4]"))

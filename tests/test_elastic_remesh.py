@@ -16,6 +16,8 @@ from elastic.remesh import (
     check_recoverable,
     data_parallel_axes,
     lost_regions,
+    needs_spares,
+    open_positions,
     remesh,
 )
 from layoutlang import LayoutError, LayoutNameError, LayoutValueError, Mesh, RuntimeFailure
@@ -132,6 +134,28 @@ def test_drop_replica_two_replicas_hit(program):
 def test_drop_replica_all_replicas_hit(program):
     with pytest.raises(LayoutValueError, match="no intact replica remains"):
         remesh(program.layouts["serve"], {8, 11, 12, 15}, "drop-replica")
+
+
+def test_spares_are_needed_only_when_the_policy_cannot_give_up_a_position(program):
+    serve = program.layouts["serve"]  # dp = 4 replicas of tp = 2 on ranks 8..15
+    assert not needs_spares(serve, {8, 11}, ("drop-replica", None))  # dp 2 and 3 remain
+    assert needs_spares(serve, {8, 11, 12, 15}, ("drop-replica", None))  # every replica hit
+    assert not needs_spares(serve, {0, 1}, ("drop-replica", None))  # not in the mesh
+    assert needs_spares(serve, {9}, ("fill-spares", None))
+    assert not needs_spares(serve, set(), ("fill-spares", None))
+
+
+def test_open_positions_follow_joiners_through_the_generations(program):
+    mesh = program.layouts["serve"].mesh
+    everyone = [*range(4), *range(8, 16)]
+    # generation 1 loses 9 and 12; generation 2 admits joiner 16 (into 9's place); generation 3
+    # loses the joiner again
+    history = [everyone, [r for r in everyone if r not in (9, 12)]]
+    assert open_positions(history, mesh) == [9, 12]
+    history.append([*history[1], 16])
+    assert open_positions(history, mesh) == [12]
+    history.append([r for r in history[2] if r != 16])
+    assert open_positions(history, mesh) == [9, 12]
 
 
 def test_drop_replica_without_data_parallel_axis(program):

@@ -221,9 +221,11 @@ def refit_job(
 
 
 def _joined(session: ElasticSession) -> dict:
-    """What the recovery plan gave a joiner: the weights of the last committed step, verified."""
-    rank, step = session.rank, session.committed_step  # a joiner is admitted after a committed step
-    if rank not in session.destination.mesh or step is None:
+    """What the recovery plan gave a joiner: the weights of the last committed step, verified
+    (none when it was admitted during the recovery from a step aborted halfway: that step's
+    retry fills it)."""
+    rank, step = session.rank, session.committed_step
+    if rank not in session.destination.mesh or step is None or not session.holds_committed:
         return {}
     v = verify(session.destination, rank, session.destinations, version=step)
     return {"step": step, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
@@ -248,6 +250,8 @@ def _job_arguments(options: ElasticOptions, namespace: str, joiners: Sequence[in
         "timeout": options.timeout, "source_policy": options.source_policy,
         "destination_policy": options.destination_policy, "source_axis": options.source_axis,
         "destination_axis": options.destination_axis,
+        # no replacement is started without --replace: a recovery that needs spares fails at once
+        "spare_wait": None if options.replace else 0.0,
     }
 
 
