@@ -225,6 +225,14 @@ def test_index_files_outside_the_folder_are_refused_unless_allowed(tmp_path: Pat
     assert set(SafetensorsCheckpoint(folder, allow_outside_paths=True).files) == {"w"}
 
 
+def test_a_loop_of_links_is_refused_naming_the_file(tmp_path: Path) -> None:
+    (tmp_path / "a.safetensors").symlink_to("b.safetensors")
+    (tmp_path / "b.safetensors").symlink_to("a.safetensors")
+    index = write_index(tmp_path, {"w": "a.safetensors"})
+    message = refusal(tmp_path)
+    assert str(index) in message and "'a.safetensors'" in message and "loop of symbolic links" in message
+
+
 def test_links_inside_the_folder_and_into_the_hub_cache_blobs_are_followed(tmp_path: Path) -> None:
     # inside: a link to another file of the folder
     folder = tmp_path / "plain"
@@ -330,6 +338,13 @@ def test_a_full_disk_leaves_no_partial_file_and_keeps_the_previous_one(
     assert "no partial file" in error.value.message
     assert sorted(os.listdir(tmp_path)) == ["rank00002.safetensors"]  # no temporary file left
     assert target.read_bytes() == before  # the earlier file, whole
+
+
+def test_a_written_file_has_the_permissions_a_plain_open_gives(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "rank00000.safetensors", {"w": torch.zeros(2)})
+    (tmp_path / "plain").write_bytes(b"")  # what open() makes under this process's umask
+    assert (tmp_path / "rank00000.safetensors").stat().st_mode == (tmp_path / "plain").stat().st_mode
+    assert sorted(os.listdir(tmp_path)) == ["plain", "rank00000.safetensors"]
 
 
 def test_an_unwritable_folder_is_a_path_mistake(tmp_path: Path) -> None:

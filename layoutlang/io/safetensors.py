@@ -299,7 +299,10 @@ def _leaves_folder(name: str, path: Path, root: Path, blobs: Path | None) -> str
         return "is an absolute path"
     if ".." in Path(name).parts:
         return "climbs out of the folder with '..'"
-    target = path.resolve()
+    try:
+        target = path.resolve()
+    except (OSError, RuntimeError):  # Python < 3.13 raises RuntimeError for a loop of links
+        return "is a loop of symbolic links"
     if target.is_relative_to(root) or (blobs is not None and target.parent == blobs):
         return None
     return f"is a symbolic link to {target}, outside the folder"

@@ -257,6 +257,7 @@ def write_safetensors(
         raise _write_error(target, exc) from None
     try:
         try:
+            os.fchmod(fd, _new_file_mode())  # mkstemp's 0600, made what open() would have given
             _write_all(fd, struct.pack("<Q", len(encoded)) + encoded)
             for blob in blobs:
                 _write_all(fd, blob.data)
@@ -279,6 +280,20 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+
+
+def _new_file_mode() -> int:
+    """The permissions ``open(path, "w")`` gives a new file: 0666 less the process's umask."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # Linux: read it without changing it
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere the only way to read it is to set it
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _sync_folder(folder: Path) -> None:
