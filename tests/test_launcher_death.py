@@ -143,3 +143,46 @@ def test_plain_apply_workers_end_when_the_launcher_is_killed(program, tmp_path):
 def test_elastic_workers_end_when_the_launcher_is_killed(program, tmp_path):
     gone, stderr, pid = kill_launcher_when_busy([str(program), "--elastic", "--steps", "100000"], 4, tmp_path)
     check_every_worker_left(gone, stderr, pid, [0, 1, 2, 3])
+
+
+STORE = """
+import sys, time
+from elastic.store import serve_store
+store = serve_store(timeout=30)
+print(store.port, flush=True)
+time.sleep(120)
+"""
+
+RANK = """
+import sys, time
+from layoutlang.cli.elastic_job import watch_store
+watch_store("127.0.0.1", int(sys.argv[1]), 3)
+print("watching", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_torchrun_rank_ends_when_the_store_is_gone():
+    """Under torchrun the store is the agent's: a rank of ``apply --elastic`` ends once it is
+    unreachable for 2 s (``watch_store``), instead of waiting out every timeout."""
+    store = subprocess.Popen([sys.executable, "-c", STORE], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    rank = None
+    try:
+        port = int(store.stdout.readline())
+        rank = subprocess.Popen(
+            [sys.executable, "-c", RANK, str(port)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert rank.stdout.readline().strip() == "watching"
+        store.kill()
+        killed = time.monotonic()
+        code = rank.wait(timeout=30)
+        seconds = time.monotonic() - killed
+        assert code == 75, rank.stderr.read()
+        assert f"layoutlang rank 3: the job's store at 127.0.0.1:{port} is gone; exiting" in rank.stderr.read()
+        assert seconds < 2.0 + 0.5 + GONE_WITHIN  # the grace, one period, the machine's load
+        print(f"rank gone {seconds:.2f} s after its store")
+    finally:
+        for process in (store, rank):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)

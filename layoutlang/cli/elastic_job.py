@@ -301,7 +301,9 @@ def watch_store(host: str, port: int, rank: int, *, period: float = 0.5, grace: 
     process (``os._exit``, whatever the main thread waits on). A rank whose store is gone can
     never agree on anything again: waiting would only hang it until its timeouts.
     """
-    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(period, 1.0)))
+    # A dead store fails a read at once (the connection is refused or reset); a slow one
+    # (an overloaded host) has 5 s per read before it counts as failing.
+    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
 
     def run() -> None:
         failing_since: float | None = None
