@@ -453,6 +453,23 @@ def test_apply_refuses_a_to_folder_it_cannot_use_before_any_worker(tmp_path: Pat
     assert (tmp_path / "ckpt" / "model.safetensors").exists()  # --overwrite never removes the source
 
 
+@pytest.mark.parametrize(
+    ("flags", "fragment"),
+    [
+        (["--overwrite"], "--overwrite replaces the files of a --to folder; give --to DIR"),
+        (["--allow-outside-paths"], "--allow-outside-paths is about the index of a --from checkpoint"),
+        (["--elastic", "--to", "out", "--overwrite"], "it does not take --to, --overwrite"),
+    ],
+)
+def test_the_switches_need_their_folder(
+    program: Path, flags: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from layoutlang.cli import main
+
+    assert main(["apply", str(program), *flags]) == ExitCode.BAD_INPUT  # in-process: refused before any worker
+    assert fragment in capsys.readouterr().err
+
+
 def test_a_disk_full_while_a_worker_writes_exits_1_and_leaves_no_partial_file(tmp_path: Path, program: Path) -> None:
     nan_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "out"
