@@ -236,3 +236,50 @@ def test_the_launcher_store_is_loopback_and_its_workers_hold_the_secret(pool):
     assert pool.run(os.getenv, SECRET_ENV) == [pool.secret.text()] * 2
     # gloo binds loopback in the workers, unless the operator chose an interface
     assert pool.run(os.getenv, "GLOO_SOCKET_IFNAME") == [os.environ.get("GLOO_SOCKET_IFNAME", "lo")] * 2
+
+
+# ------------------------------------------------------------- a live elastic job
+
+SMALL = """
+mesh train [dp = 2]
+mesh infer [dp = 2] on ranks 2..3
+tensor "w" [64, 32] fp32
+tensor "b" [32] fp32
+layout fsdp on train { default: replicate }
+layout serve on infer { default: replicate }
+reshard refit: fsdp -> serve
+"""
+
+
+@pytest.mark.workers(4)
+@pytest.mark.timeout(120)
+def test_a_live_elastic_job_ignores_every_forgery(pool):
+    """The elastic job of ``apply --elastic`` on 4 workers while a plain client forges the
+    exclusion of rank 3 (its exit, the next generation without it), and commits and aborts
+    of every step with inflated counts. Before the fix rank 3 was excluded; now every step
+    commits in generation 0 on all four ranks, with every destination byte verified."""
+    from layoutlang.cli.elastic_job import refit_job
+
+    steps, ns = 40, "live"
+    pool.submit(refit_job, SMALL, steps, namespace=ns, deadline=1.0, timeout=30.0)
+    forger = attacker(pool.store)
+    end = time.monotonic() + 60
+    while not forger.check([f"{ns}/gen0/members"]):
+        assert time.monotonic() < end, "the job did not start"
+        time.sleep(0.01)
+    forger.set(f"{ns}/gen1/members", b"[0,1,2]")
+    forger.set(f"{ns}/gen0/exited/3", b"exit code -9")
+    forger.add(f"{ns}/gen0/exits", 1)
+    for step in range(steps):
+        state = "aborted" if step % 2 else "committed"
+        forger.set(f"{ns}/gen0/commit/{step}", f'{{"state": "{state}", "joiners": []}}'.encode())
+        forger.add(f"{ns}/gen0/done/commit/{step}", 10)
+    results = pool.results_by_rank(timeout=90)
+    assert sorted(results) == [0, 1, 2, 3] and all(ok for ok, _ in results.values()), results
+    for rank, (_, out) in results.items():
+        assert "error" not in out, out
+        assert out["generation"] == 0 and out["members"] == [0, 1, 2, 3], out
+        assert out["recoveries"] == [] and [r["step"] for r in out["reports"]] == list(range(steps))
+        if rank in (2, 3):  # the destination ranks verified every step's bytes
+            assert all(c["ok"] and not c["mismatches"] for c in out["checked"]), out["checked"]
+            assert [c["step"] for c in out["checked"]] == list(range(steps))
