@@ -491,6 +491,11 @@ class Membership:
         """Write the signed record ``name`` of ``generation`` (e.g. where a joiner resumes)."""
         self.records.set(self.store, self.key(generation, name), value)
 
+    def read_record(self, generation: int, name: str) -> bytes | None:
+        """The authentic value of the record ``name`` of ``generation``; None when it is
+        unwritten (or forged)."""
+        return self.records.read(self.store, self.key(generation, name))
+
     def wait_record(self, generation: int, name: str, timeout: float, period: float = 0.02) -> bytes:
         """The authentic value of the record ``name`` of ``generation`` once written (a
         forgery is waited past); MembershipError after ``timeout`` seconds."""

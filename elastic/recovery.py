@@ -40,7 +40,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from layoutlang.errors import AgreementError, ExecutionError
+from layoutlang.errors import AgreementError, DataLossError, ExecutionError, LayoutError
 from layoutlang.io.torch_dtypes import torch_dtype
 from layoutlang.model import Layout
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
@@ -542,6 +542,9 @@ class Recoverer:
             self.heartbeat.set_generation(g)
             try:
                 self.enter(self.committed, noticed=noticed, reasons=reasons)
+            except (DataLossError, LayoutError) as err:
+                self.end(f"{type(err).__name__}: {err}")  # every member decides it alike
+                raise
             except ExecutionError as err:
                 if not recoverable(err):
                     raise
@@ -596,6 +599,12 @@ class Recoverer:
         self.membership.enter(g, members)
         self.heartbeat.set_generation(g)
         self._enter_or_recover(noticed)
+
+    def end(self, reason: str) -> None:
+        """Record that the job cannot go on (a decision every member makes alike from the
+        agreed members: data loss, a layout no policy can make), so that joiners still
+        asking to be admitted stop waiting for an admission that will never come."""
+        self.membership.set_record(0, "ended", reason.encode())
 
     def _write_resume(self, generation: int) -> None:
         """Tell the joiners of ``generation`` the members' committed state, which they enter
@@ -668,6 +677,11 @@ class Recoverer:
                     return requested, members
                 requested = latest + 1
                 self.membership.request_join(requested)
+            ended = self.membership.read_record(0, "ended")
+            if ended is not None:
+                raise MembershipError(
+                    f"rank {self.rank}: the job ended before admitting this rank ({ended.decode(errors='replace')})"
+                )
             if time.monotonic() > end:
                 raise MembershipError(f"rank {self.rank}: not admitted into any generation within {self.timeout:g} s")
             time.sleep(0.02)

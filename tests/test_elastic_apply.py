@@ -128,7 +128,11 @@ def test_every_replica_losing_a_rank_without_spares_ends_with_the_positions_name
 def test_a_lost_region_stops_every_survivor_with_the_lost_boxes(tmp_path):
     path = tmp_path / "no_replica.layout"
     path.write_text(PROGRAM.replace("mesh train [dp = 2, tp = 2]", "mesh train [tp = 4]"))
-    result = run("apply", str(path), "--elastic", "--steps", "3", "--kill", "1@1")
+    # A replacement waits to be admitted: the survivors' end record stops it at once, instead
+    # of after its whole admission timeout (120 s).
+    begin = time.monotonic()
+    result = run("apply", str(path), "--elastic", "--steps", "3", "--kill", "1@1", "--replace")
+    assert time.monotonic() - begin < 100
     assert result.returncode == 1, result.stdout + result.stderr
     assert "data lost: rank 1 held the only copies of" in result.stdout
     assert "embed[24:48, 0:32]" in result.stdout
