@@ -1,16 +1,34 @@
-"""``layoutlang plan``: a reshard's plan, its statistics and (``--explain``) its moves."""
+"""``layoutlang plan``: a reshard's plan, its statistics and (``--explain``) its moves.
+
+A plan whose two meshes hold more than :data:`MAX_PLAN_RANKS` ranks is refused before
+anything is compiled, and a step that runs longer than a couple of seconds says so on
+stderr (:class:`_Progress`), so a large plan is never minutes of silence.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
 
-from ..errors import ExitCode
+from ..errors import ExitCode, LayoutValueError
 from ..lang import load
+from ..model import Program
 from ..plan import POLICIES, Move, Plan, compile_plan
 from . import arguments
 from .report import plan_report
+
+#: ranks the two meshes of a plan may hold together (65,536). The planner compares every
+#: replica group of a tensor in one layout with every one in the other, so its time grows
+#: with the product of the two sides: one tensor sharded over 16,384 + 16,384 ranks takes
+#: 2.6 s to compile, four times as long at each doubling (10 s at this limit, hours at two
+#: meshes of MAX_MESH_RANKS). The largest scale target (a 2.4T model) has 1,024 + 1,024.
+MAX_PLAN_RANKS = 1 << 16
 
 HELP = "compile the plan of a reshard statement and print its statistics"
 DESCRIPTION = (
@@ -48,14 +66,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
 
 
+class _Progress:
+    """Says on stderr what a long ``plan`` is doing: a step still running after
+    :attr:`AFTER` seconds is named with its time, again every :attr:`EVERY` seconds, and
+    its end is reported. Quick plans print nothing, so outputs stay as they were. With
+    ``--json`` each line is a JSON object (``{"progress": ..., "seconds": ...}``)."""
+
+    AFTER = 2.0
+    EVERY = 10.0
+
+    def __init__(self, as_json: bool) -> None:
+        self._json = as_json
+
+    def _say(self, what: str, seconds: float, done: bool = False) -> None:
+        if self._json:
+            line = json.dumps({"progress": what, "seconds": round(seconds, 1), "done": done})
+        else:
+            line = f"layoutlang plan: {what}: {'done in' if done else 'running for'} {seconds:.0f} s"
+        print(line, file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        finished = threading.Event()
+        start = time.monotonic()
+        announced = False
+
+        def watch() -> None:  # the planner's C++ releases the GIL, so this runs while it works
+            nonlocal announced
+            wait = self.AFTER
+            while not finished.wait(wait):
+                announced = True
+                self._say(what, time.monotonic() - start)
+                wait = self.EVERY
+
+        watcher = threading.Thread(target=watch, name="plan-progress", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            finished.set()
+            watcher.join()
+            if announced:
+                self._say(what, time.monotonic() - start, done=True)
+
+
+def _check_size(program: Program, reshard: str | None) -> None:
+    """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it."""
+    statement = program.reshard(reshard)
+    source, destination = program.layout(statement.source).mesh, program.layout(statement.destination).mesh
+    ranks = len(set(source.ranks).union(destination.ranks))
+    if ranks > MAX_PLAN_RANKS:
+        raise LayoutValueError(
+            f"reshard '{statement.name}' is too large to plan: its meshes hold {ranks:,} ranks "
+            f"('{source.name}' {len(source.ranks):,}, '{destination.name}' {len(destination.ranks):,}); "
+            f"layoutlang plan compiles plans of at most {MAX_PLAN_RANKS:,} ranks",
+            statement.span,
+            "the planner's time grows with the product of the two meshes' ranks; plan the job at the scale it runs",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    program = load(args.file)
-    program.check()
-    plan = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy)
-    plan.validate()
+    progress = _Progress(args.json)
+    with progress.step(f"reading {args.file}"):
+        program = load(args.file)
+    _check_size(program, args.reshard)
+    with progress.step("checking the layouts"):
+        program.check()
+    with progress.step("compiling the plan"):
+        plan = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy)
+    with progress.step("validating the plan"):
+        plan.validate()
     baseline = None
     if not args.no_compare and args.policy != "broadcast":
-        baseline = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy="broadcast")
+        with progress.step("compiling the gather-and-broadcast baseline"):
+            baseline = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy="broadcast")
     if args.out:
         if args.out.endswith(".json"):
             with open(args.out, "w", encoding="utf-8") as f:
@@ -65,15 +149,17 @@ def run(args: argparse.Namespace) -> int:
                 f.write(plan.to_bytes())
     explained = list(itertools.islice(plan.moves(args.explain), args.limit)) if args.explain else []
     if args.json:
-        out = plan.to_json(moves=False)
-        if baseline is not None:
-            out["gather_and_broadcast"] = baseline.stats.to_json()
-            out["gather_and_broadcast"].pop("per_rank")
+        with progress.step("computing the statistics"):
+            out = plan.to_json(moves=False)
+            if baseline is not None:
+                out["gather_and_broadcast"] = baseline.stats.to_json()
+                out["gather_and_broadcast"].pop("per_rank")
         if args.explain:
             out["moves"] = [_explained(plan, m) for m in explained]
         print(json.dumps(out, indent=2))
         return ExitCode.OK
-    lines = plan_report(plan, baseline, per_rank=args.per_rank)
+    with progress.step("computing the statistics"):
+        lines = plan_report(plan, baseline, per_rank=args.per_rank)
     if args.explain:
         total = sum(1 for _ in plan.moves(args.explain)) if len(explained) == args.limit else len(explained)
         lines += ["", f"moves of {args.explain!r} ({total:,} in all):"]
