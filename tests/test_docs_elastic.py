@@ -120,6 +120,16 @@ def test_a_killed_rank_is_replaced_as_the_guide_shows():
 
 
 @pytest.mark.slow
+def test_every_replica_losing_a_rank_is_refilled_by_spares_as_the_guide_shows():
+    argv, expected = example("elastic-apply-two-replicas.out")
+    assert "--replace" in argv and argv.count("--kill") == 2
+    result = run(argv)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert steady(result.stdout) == steady(expected)
+    assert "generation 1 (lost 5, 9; joined 12, 13)" in result.stdout
+
+
+@pytest.mark.slow
 def test_a_lost_training_rank_stops_every_survivor_as_the_guide_shows():
     argv, expected = example("elastic-apply-loss.out")
     result = run(argv)
