@@ -1,0 +1,303 @@
+"""Input that must be refused quickly (issue 14, case 6): files that are not regular files,
+files over their size limit, programs of too many tokens, long lines, and plans too large.
+
+Each hostile input goes through the command line in a real process, as an operator would
+give it: the command must exit 2 (a user's mistake) within a bound, with a short message
+and no traceback. Before these limits, a FIFO blocked ``check`` forever, ``/dev/zero`` was
+read until MemoryError, an 8 MB one-line file took 172 s and printed 16 MB, and ``plan``
+of two meshes of 2^20 ranks ran for hours without a word.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size, _Progress
+from layoutlang.errors import (
+    SOURCE_WINDOW,
+    ExitCode,
+    LayoutIncludeError,
+    LayoutSyntaxError,
+    LayoutValueError,
+    ModelDescriptionError,
+    Span,
+)
+from layoutlang.io._files import MAX_JSON_BYTES, open_regular, read_json_object, read_limited
+from layoutlang.lang import elaborate, load, loads
+from layoutlang.lang.limits import MAX_MESH_RANKS, MAX_PROGRAM_BYTES, MAX_PROGRAM_TOKENS
+from layoutlang.lang.parser import TokenBudget
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+#: what a refused input may take end to end, the interpreter's start included (~0.3 s alone);
+#: generous for 2 loaded cores: the hangs and minutes this guards against are far above it
+QUICK_S = 20.0
+
+
+def cli(*args: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``layoutlang ARGS`` in a fresh process; its result and its wall time."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "layoutlang.cli", *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,  # a command that blocks fails here instead of hanging the suite
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    return result, time.monotonic() - start
+
+
+def assert_refused(result: subprocess.CompletedProcess[str], seconds: float, *phrases: str) -> None:
+    """Exit 2 within QUICK_S, no traceback, a message of at most a few KB naming ``phrases``."""
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert seconds < QUICK_S, f"took {seconds:.1f} s"
+    assert len(result.stderr) < 4096, f"a message of {len(result.stderr)} bytes"
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> Path:
+    path = tmp_path / "program.layout"
+    os.mkfifo(path)
+    return path
+
+
+# ------------------------------------------------------------ files that are not regular
+
+
+@pytest.mark.parametrize("command", ["check", "plan"])
+def test_a_fifo_program_is_refused_without_blocking(fifo, command):
+    result, seconds = cli(command, str(fifo))
+    assert_refused(result, seconds, str(fifo), "FIFO", "not a regular file")
+
+
+def test_dev_zero_as_a_program_is_refused():
+    result, seconds = cli("check", "/dev/zero")
+    assert_refused(result, seconds, "/dev/zero", "character device", "not a regular file")
+
+
+def test_a_folder_as_a_program_is_refused(tmp_path):
+    result, seconds = cli("check", str(tmp_path))
+    assert_refused(result, seconds, str(tmp_path), "a directory")
+
+
+def test_an_include_of_a_fifo_names_the_include(tmp_path, fifo):
+    main = tmp_path / "main.layout"
+    main.write_text(f'include "{fifo.name}"\n')
+    with pytest.raises(LayoutIncludeError, match=r"cannot include 'program.layout': .*FIFO") as info:
+        load(main)
+    assert info.value.span is not None and (info.value.span.line, info.value.span.column) == (1, 1)
+
+
+def test_a_fifo_config_in_a_model_folder_is_refused(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    program = tmp_path / "import.layout"
+    program.write_text('tensors from hf "model"\n')
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, str(model / "config.json"), "Hugging Face config is a FIFO")
+
+
+@pytest.mark.parametrize("statement", ['tensors from hf "/dev/zero"', 'tensors from hf_constants "/dev/zero" as cfg'])
+def test_dev_zero_as_a_config_is_refused(tmp_path, statement):
+    program = tmp_path / "import.layout"
+    program.write_text(statement + "\n")
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, "/dev/zero: Hugging Face config is a character device")
+
+
+def test_open_regular_refuses_a_fifo_at_once_and_opens_a_file(tmp_path, fifo):
+    # no writer ever opens the FIFO: a blocking open would wait here until the timeout
+    with pytest.raises(ModelDescriptionError, match="FIFO"):
+        open_regular(fifo, "safetensors file")
+    file = tmp_path / "data.bin"
+    file.write_bytes(b"\x01\x02\x03")
+    with open_regular(file, "safetensors file") as stream:
+        assert stream.read() == b"\x01\x02\x03"
+    with pytest.raises(LayoutSyntaxError) as info:
+        open_regular(tmp_path / "missing", "thing", display="shown", error=LayoutSyntaxError)
+    assert info.value.message == "shown: thing not found"
+
+
+# ------------------------------------------------------------------ sizes
+
+
+def test_read_limited_takes_the_limit_and_refuses_one_byte_more(tmp_path):
+    file = tmp_path / "blob"
+    file.write_bytes(b"x" * 1000)
+    assert read_limited(file, 1000, "blob") == b"x" * 1000
+    with pytest.raises(ModelDescriptionError, match=r"blob is larger than the limit of 999 bytes"):
+        read_limited(file, 999, "blob")
+
+
+def test_a_config_over_its_limit_is_refused(tmp_path):
+    # the default limit is 64 MiB; the same code with a small limit keeps the test small
+    assert MAX_JSON_BYTES == 64 << 20
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "padding": "x" * 5000}))
+    assert read_json_object(config, "Hugging Face config", limit=6000)["model_type"] == "llama"
+    with pytest.raises(ModelDescriptionError, match=r"config.json: Hugging Face config is larger than the limit"):
+        read_json_object(config, "Hugging Face config", limit=4096)
+
+
+def test_a_program_over_its_size_limit_is_refused(tmp_path):
+    program = tmp_path / "big.layout"
+    with program.open("w") as f:  # valid text: only its size is wrong
+        f.write("let a = 1\n")
+        f.write(("#" * 1023 + "\n") * (MAX_PROGRAM_BYTES // 1024))
+    assert program.stat().st_size > MAX_PROGRAM_BYTES
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, f"{program}: .layout file is larger than the limit of 16 MiB")
+
+
+def test_a_million_let_lines_are_refused(tmp_path):
+    program = tmp_path / "lets.layout"
+    program.write_text("".join(f"let c{i} = {i}\n" for i in range(10**6)))
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, "larger than the limit")
+
+
+def test_a_program_of_too_many_tokens_is_refused_at_the_first_token_past_the_limit(tmp_path):
+    # 4 tokens a line (let, name, =, number): the line holding token MAX_PROGRAM_TOKENS + 1 is refused
+    lines = MAX_PROGRAM_TOKENS // 4 + 100
+    program = tmp_path / "lets.layout"
+    program.write_text("".join(f"let c{i} = {i}\n" for i in range(lines)))
+    assert program.stat().st_size < MAX_PROGRAM_BYTES
+    result, seconds = cli("check", str(program))
+    first_refused_line = MAX_PROGRAM_TOKENS // 4 + 1
+    assert_refused(result, seconds, f"{program}:{first_refused_line}:1: error: the program is too long", "262,144")
+
+
+def test_the_token_limit_counts_every_file_of_a_program(tmp_path, monkeypatch):
+    # a program's budget of 1,000 tokens (the real one is MAX_PROGRAM_TOKENS: the same code,
+    # slower to fill); two files of 600 tokens each: each alone is fine, together they are not
+    monkeypatch.setattr(elaborate, "TokenBudget", lambda: TokenBudget(1000))
+    body = "".join(f"let {{p}}{i} = {i}\n" for i in range(150))
+    (tmp_path / "part.layout").write_text(body.replace("{p}", "b"))
+    (tmp_path / "alone.layout").write_text(body.replace("{p}", "a"))
+    main = tmp_path / "main.layout"
+    main.write_text(body.replace("{p}", "a") + 'include "part.layout"\n')
+    assert len(load(tmp_path / "alone.layout").constants) == 150
+    assert len(load(tmp_path / "part.layout").constants) == 150
+    with pytest.raises(LayoutSyntaxError, match="the program is too long") as info:
+        load(main)
+    # main.layout holds 602 tokens (the include's 2 with them), so part.layout's token 399 is the
+    # first past: line 100 holds its tokens 397 to 400 (let b99 = 99), and 399 is '=', column 9
+    span = info.value.span
+    assert span is not None and span.path.endswith("part.layout") and (span.line, span.column) == (100, 9)
+
+
+def test_an_8_mb_line_with_an_error_at_its_end_fails_quickly_with_a_short_message(tmp_path):
+    program = tmp_path / "oneline.layout"
+    program.write_text("let a = " + "1 + " * 2_000_000 + "+\n")  # 8 MB, 4M tokens
+    assert program.stat().st_size >= 8_000_000
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, "the program is too long")
+
+
+def test_an_8_mb_string_with_an_error_after_it_shows_a_window_of_the_line(tmp_path):
+    program = tmp_path / "longname.layout"
+    program.write_text('tensor "' + "a" * 8_000_000 + '" [4] fp32 oops\n')
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, "unexpected 'oops'", '" [4] fp32 oops')
+    source_line = next(line for line in result.stderr.splitlines() if line.lstrip().startswith("1 |"))
+    assert len(source_line) < SOURCE_WINDOW + 20 and "..." in source_line
+
+
+# ------------------------------------------------------------------ the window of a long line
+
+
+@pytest.mark.parametrize("column", [1, 7, 60, 5000, 9990, 10_001])
+def test_the_caret_marks_the_spans_first_character_in_a_bounded_window(column):
+    line = "".join(chr(ord("a") + i % 26) for i in range(10_000))
+    span = Span("f.layout", 3, column, 3, column + 4, line + "\n")
+    shown, marker = span.caret().split("\n")
+    gutter = shown.index("| ") + 2
+    assert len(shown) - gutter <= SOURCE_WINDOW + 6  # the window and its two "..." marks
+    position = marker.index("^")
+    assert marker[gutter:position] == " " * (position - gutter)
+    if column <= len(line):  # the character above the marker is the span's first one
+        assert shown[position] == line[column - 1]
+        assert len(marker) - position == min(4, len(line) - column + 1)
+    else:  # the end of the file: the marker follows the last character
+        assert shown[position - 1] == line[-1] and position == len(shown)
+    assert shown[gutter:].startswith("...") == (column > SOURCE_WINDOW // 3 + 1)
+
+
+def test_a_short_line_is_shown_whole():
+    span = Span("f.layout", 1, 5, 1, 8, "let abc = 1\n")
+    assert span.caret() == "    1 | let abc = 1\n      |     ^~~"
+
+
+# ------------------------------------------------------------------ plans too large
+
+
+def _two_meshes(tmp_path: Path, ranks: int) -> Path:
+    program = tmp_path / "wide.layout"
+    program.write_text(
+        f"mesh train [tp = {ranks}] on ranks 0..{ranks - 1}\n"
+        f"mesh infer [dp = {ranks}] on ranks {ranks}..{2 * ranks - 1}\n"
+        'tensor "w" [1024, 1024] bf16\n'
+        'layout tp on train { "w": tp = shard(0) }\n'
+        "layout dp on infer { default: replicate }\n"
+        "reshard tp -> dp\n"
+    )
+    return program
+
+
+def test_a_plan_of_two_meshes_of_the_most_ranks_is_refused_before_compiling(tmp_path):
+    program = _two_meshes(tmp_path, MAX_MESH_RANKS)
+    result, seconds = cli("plan", str(program))
+    assert_refused(
+        result, seconds, "too large to plan", "2,097,152 ranks", f"at most {MAX_PLAN_RANKS:,} ranks", ":6:1:"
+    )
+    check, seconds = cli("check", str(program))  # the program itself is valid, and checked quickly
+    assert check.returncode == ExitCode.OK and seconds < QUICK_S, check.stderr
+
+
+def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
+    ranks = MAX_PLAN_RANKS // 2 + 1  # two meshes of this many ranks: over the limit, unless they share them
+
+    def program(second_first_rank: int) -> str:
+        return (
+            f"mesh train [tp = {ranks}]\n"
+            f"mesh infer [dp = {ranks}] on ranks {second_first_rank}..{second_first_rank + ranks - 1}\n"
+            'tensor "w" [8] bf16\nlayout a on train { "w": tp = shard(0) }\n'
+            'layout b on infer { "w": dp = shard(0) }\nreshard a -> b\n'
+        )
+
+    _check_size(loads(program(0)), None)  # colocated: ranks in all, within the limit
+    with pytest.raises(LayoutValueError, match=f"holds? {2 * ranks:,} ranks"):
+        _check_size(loads(program(ranks)), None)
+
+
+def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
+    progress = _Progress(as_json=False)
+    progress.AFTER = progress.EVERY = 0.1
+    with progress.step("compiling the plan"):
+        time.sleep(0.35)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "layoutlang plan: compiling the plan: running for 0 s"
+    assert len(lines) >= 3 and lines[-1].startswith("layoutlang plan: compiling the plan: done in")
+    with progress.step("validating the plan"):
+        pass
+    assert capsys.readouterr().err == ""
+    as_json = _Progress(as_json=True)
+    as_json.AFTER = as_json.EVERY = 0.1
+    with as_json.step("validating the plan"):
+        time.sleep(0.15)
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert records[0]["progress"] == "validating the plan" and records[0]["done"] is False
+    assert records[-1]["done"] is True and records[-1]["seconds"] >= 0.1
