@@ -7,7 +7,6 @@ that moment. Each test uses its own namespace, so no key is shared between tests
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -41,7 +40,8 @@ pytestmark = pytest.mark.workers(SIZE, scope="module")
 
 
 @pytest.mark.timeout(30)
-def test_members_are_plain_json_and_one_writer_wins_in_one_process():
+def test_members_are_plain_json_and_one_writer_wins_in_one_process(monkeypatch):
+    monkeypatch.delenv("LAYOUTLANG_JOB_SECRET", raising=False)  # unsigned: the stored value is the list
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timedelta(seconds=5), wait_for_workers=False)
     assert encode_members([3, 1, 1, 0]) == b"[0,1,3]"
     assert decode_members(b"[0,1,3]") == [0, 1, 3]
@@ -127,7 +127,8 @@ def test_survivors_agree_when_several_propose_at_once(pool):
             assert r["excluded"] is None
         else:
             assert f"rank {rank} is excluded from generation 1" in r["excluded"]
-    assert json.loads(pool.store.get("agree/gen1/members")) == list(winner)
+    # the stored list is a signed record: read it as a member does (the launcher's secret)
+    assert Membership(pool.store, 0, namespace="agree").members_of(1) == list(winner)
 
 
 @pytest.mark.timeout(90)
@@ -179,7 +180,7 @@ def test_sigstopped_worker_is_excluded_then_regrown(pool):
         assert store.check([f"{ns}/{key}"]), key
     assert not store.check([f"{ns}/gen1/hb/3"])  # the excluded rank never beat in generation 1
     assert not store.check([f"{ns}/hb/0"]) and not store.check([f"{ns}/members"])
-    assert [json.loads(store.get(f"{ns}/gen{g}/members")) for g in range(3)] == [
+    assert [Membership(store, 0, namespace=ns).members_of(g) for g in range(3)] == [
         list(range(SIZE)),
         survivors,
         list(range(SIZE)),
