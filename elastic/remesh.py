@@ -36,8 +36,6 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
-import attrs
-
 from layoutlang.errors import (
     DataLossError,
     LayoutError,
@@ -196,7 +194,7 @@ def remesh(
             f"{where}: the new mesh '{new_mesh.name}' still holds lost rank(s) {still}"
         )
 
-    new = attrs.evolve(layout, name=new_name, mesh=new_mesh)  # the same tensors, rules and storages
+    new = layout.on_mesh(new_mesh, new_name)  # the same tensors, rules and storages
     if policy in ("fill-spares", "drop-replica"):
         # Every position left holds what it held: fill-spares keeps the positions (a spare
         # takes a lost rank's), drop-replica removes coordinates of an axis that replicates
