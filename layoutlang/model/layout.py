@@ -70,6 +70,9 @@ def _storage_rules(storages: Iterable[StorageRule]) -> tuple[StorageRule, ...]:
 class _Resolved:
     """A layout resolved tensor by tensor, and compiled for the C++ core."""
 
+    #: what the core was compiled from, besides the mesh (specs, tensors, storages)
+    _core_arguments: tuple[list, list, list]
+
     def __init__(self, layout: Layout, like: _Resolved | None = None):
         self.layout = layout
         if like is not None:
