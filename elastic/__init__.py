@@ -15,6 +15,7 @@ and layoutlang's recovery plans. ``layoutlang apply --elastic`` is
 from layoutlang.errors import DataLossError, MembershipError
 from layoutlang.plan.loss import check_recoverable, lost_regions
 
+from .auth import JobSecret
 from .groups import ElasticGroup, GlooGenerations, GlooTransport, abandon, admit, build_group
 from .membership import (
     ExcludedError,
@@ -46,6 +47,7 @@ __all__ = [
     "GlooGenerations",
     "GlooTransport",
     "Heartbeat",
+    "JobSecret",
     "MemberFailure",
     "Membership",
     "MembershipError",
