@@ -37,6 +37,7 @@ import attrs
 from .core import _core
 
 __all__ = [
+    "MESSAGE_LIMIT",
     "SOURCE_WINDOW",
     "AgreementError",
     "CudaError",
@@ -63,6 +64,18 @@ __all__ = [
 
 #: the most characters of a source line an error shows (a window around the offending text)
 SOURCE_WINDOW = 120
+#: the most characters of a message or hint a user's mistake prints: a message quoting the
+#: input (a name, a pattern) could otherwise be megabytes
+MESSAGE_LIMIT = 2000
+
+
+def _bounded(text: str) -> str:
+    """``text``, its middle cut to ``...`` past MESSAGE_LIMIT characters (head and tail both
+    say something: what is wrong, and what was expected)."""
+    if len(text) <= MESSAGE_LIMIT:
+        return text
+    half = (MESSAGE_LIMIT - 3) // 2
+    return f"{text[:half]}...{text[len(text) - half :]}"
 
 
 class ExitCode(enum.IntEnum):
@@ -144,19 +157,21 @@ class LayoutError(ValueError):
         return self
 
     def __str__(self) -> str:
-        head = f"{self.span}: error: {self.message}" if self.span else f"error: {self.message}"
+        message = _bounded(self.message)
+        head = f"{self.span}: error: {message}" if self.span else f"error: {message}"
         parts = [head]
         if self.span is not None and self.span.source_line:
             parts.append(self.span.caret())
         if self.span is not None:
             parts.extend(f"  included from {where}" for where in self.span.included_from)
         if self.hint:
-            parts.append(f"  hint: {self.hint}")
+            parts.append(f"  hint: {_bounded(self.hint)}")
         return "\n".join(parts)
 
     def to_json(self) -> dict[str, Any]:
-        """One JSON-ready object, as the command line prints with ``--json``."""
-        out: dict[str, Any] = {"error": self.kind, "message": self.message}
+        """One JSON-ready object, as the command line prints with ``--json`` (the message
+        and hint bounded as in ``str()``)."""
+        out: dict[str, Any] = {"error": self.kind, "message": _bounded(self.message)}
         if self.span is not None:
             out.update(
                 file=self.span.path,
@@ -170,7 +185,7 @@ class LayoutError(ValueError):
                     {"file": s.path, "line": s.line, "column": s.column} for s in self.span.included_from
                 ]
         if self.hint:
-            out["hint"] = self.hint
+            out["hint"] = _bounded(self.hint)
         return out
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size, _Progress
 from layoutlang.errors import (
+    MESSAGE_LIMIT,
     SOURCE_WINDOW,
     ExitCode,
     LayoutIncludeError,
@@ -31,7 +32,7 @@ from layoutlang.errors import (
 )
 from layoutlang.io._files import MAX_JSON_BYTES, open_regular, read_json_object, read_limited
 from layoutlang.lang import elaborate, load, loads
-from layoutlang.lang.limits import MAX_MESH_RANKS, MAX_PROGRAM_BYTES, MAX_PROGRAM_TOKENS
+from layoutlang.lang.limits import MAX_EMBEDDED_EXPRESSION, MAX_MESH_RANKS, MAX_PROGRAM_BYTES, MAX_PROGRAM_TOKENS
 from layoutlang.lang.parser import TokenBudget
 
 pytestmark = pytest.mark.timeout(120)
@@ -303,3 +304,43 @@ def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert records[0]["progress"] == "validating the plan" and records[0]["done"] is False
     assert records[-1]["done"] is True and records[-1]["seconds"] >= 0.1
+
+
+# ------------------------------------------------------------------ text quoted in messages
+
+
+def _storage_named(name: str) -> str:
+    return (
+        f'mesh m [tp = 2]\ntensor "w" [4] fp32\nlayout a on m {{\n  "w": tp = shard(0)\n  storage "{name}" = "w"\n}}\n'
+    )
+
+
+def test_an_expression_in_a_name_longer_than_its_limit_is_refused_at_its_place():
+    fits = "5" + " " * (MAX_EMBEDDED_EXPRESSION - 3) + "+2"  # MAX_EMBEDDED_EXPRESSION characters
+    program = loads(_storage_named("s{" + fits + "}"), "long.layout")
+    assert program.layout("a").resolved.storages[0].name == "s7"
+    with pytest.raises(LayoutSyntaxError, match=f"holds at most {MAX_EMBEDDED_EXPRESSION:,}") as info:
+        loads(_storage_named("s{ " + fits + "}"), "long.layout").check()
+    assert info.value.span is not None and (info.value.span.line, info.value.span.column) == (5, 14)
+    assert len(str(info.value)) < 1000
+
+
+def test_an_expression_in_a_name_that_nests_too_deeply_is_a_syntax_error():
+    depth = MAX_EMBEDDED_EXPRESSION // 2 - 1
+    nested = "-" * (MAX_EMBEDDED_EXPRESSION - 1) + "1"  # 1,023 unary minuses: a tree that deep
+    with pytest.raises(LayoutSyntaxError, match="nests too deeply"):
+        loads(_storage_named("s{" + nested + "}")).check()
+    program = loads(_storage_named("s{" + "(" * depth + "7" + ")" * depth + "}"))
+    assert program.layout("a").resolved.storages[0].name == "s7"
+
+
+def test_a_message_quoting_megabytes_of_input_is_bounded(tmp_path):
+    program = tmp_path / "longname.layout"
+    program.write_text(
+        'mesh m [tp = 2]\ntensor "w" [4] fp32\nlayout a on ' + "m" * 8_000_000 + ' { "w": tp = shard(0) }\n'
+    )
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, "unknown mesh 'mmmm", "...")
+    as_json, _ = cli("check", "--json", str(program))
+    error = json.loads(as_json.stderr.splitlines()[0])
+    assert error["error"] == "name" and len(error["message"]) <= MESSAGE_LIMIT and error["line"] == 3

@@ -16,6 +16,7 @@ from __future__ import annotations
 __all__ = [
     "INT32_MAX",
     "INT64_MAX",
+    "MAX_EMBEDDED_EXPRESSION",
     "MAX_GENERATED_TENSORS",
     "MAX_MESH_RANKS",
     "MAX_PROGRAM_BYTES",
@@ -32,3 +33,6 @@ INT32_MAX = (1 << 31) - 1
 MAX_PROGRAM_BYTES = 16 << 20
 #: tokens (names, numbers, strings, symbols; not comments) of a program's files together
 MAX_PROGRAM_TOKENS = 1 << 18
+#: characters of an expression embedded in a name (``"layers.{l % 4}"``): it is parsed on its
+#: own, outside the program's token count
+MAX_EMBEDDED_EXPRESSION = 1024

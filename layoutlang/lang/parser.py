@@ -44,7 +44,7 @@ from lark.tree import Meta
 from .._text import elide
 from ..errors import LayoutError, LayoutSyntaxError, Span
 from . import ast
-from .limits import MAX_PROGRAM_TOKENS
+from .limits import MAX_EMBEDDED_EXPRESSION, MAX_PROGRAM_TOKENS
 
 __all__ = ["STATEMENT_KEYWORDS", "TokenBudget", "parse", "parse_expression"]
 
@@ -721,14 +721,35 @@ def parse_expression(text: str, span: Span) -> ast.Expr:
 
     Positions in the result point into the enclosing file: ``span`` is where ``text`` starts.
     """
+    if len(text) > MAX_EMBEDDED_EXPRESSION:
+        raise LayoutSyntaxError(
+            f"the expression '{elide(text, _SHOWN_TOKEN)}' is {len(text):,} characters long; an expression in a"
+            f" name holds at most {MAX_EMBEDDED_EXPRESSION:,}",
+            attrs.evolve(span, end_line=span.line, end_column=span.column + 1),
+            "compute it in a 'let' constant and name the constant",
+        )
     try:
         tree = _parser().parse(text, start="expr")
     except LarkError as err:
         column = span.column + max(0, (getattr(err, "column", 1) or 1) - 1)
         raise LayoutSyntaxError(
-            f"cannot read the expression '{text}'",
+            f"cannot read the expression '{elide(text, _SHOWN_TOKEN)}'",
             attrs.evolve(span, column=column, end_line=span.line, end_column=column + 1),
             "expressions use integers, names, + - * // %, min, max, cdiv and parentheses",
         ) from None
     lines = [""] * (span.line - 1) + [span.source_line]
-    return _Builder(span.path, lines, span.line - 1, span.column - 1, span.included_from).transform(tree)
+    builder = _Builder(span.path, lines, span.line - 1, span.column - 1, span.included_from)
+    try:
+        return builder.transform(tree)
+    except VisitError as err:
+        if isinstance(err.orig_exc, LayoutError):
+            raise err.orig_exc from None
+        if not isinstance(err.orig_exc, RecursionError):
+            raise
+    except RecursionError:
+        pass
+    raise LayoutSyntaxError(
+        "the expression nests too deeply to be read",
+        attrs.evolve(span, end_line=span.line, end_column=span.column + 1),
+        "split it with 'let' constants",
+    )
