@@ -516,24 +516,312 @@ class Builder {
   }
 
   // ---------------------------------------------------------------- buckets
-  // First fit: a move goes to the first bucket where both of its ranks still have room for
-  // its bytes of staging, so ranks that do not share moves fill their buckets independently.
-  // A move that reads what an earlier stage of its tensor wrote (a relay, a broadcast after
-  // its gather) never goes to an earlier bucket than those writes.
+  // Buckets are the schedule: every rank runs its buckets in order, and a bucket takes as
+  // long as its busiest port. Filling buckets first come, first served (tensor by tensor)
+  // packs each rank's work into its first buckets, so a rank with a few slow network bytes
+  // and one with many fast NVLink bytes do their work in different buckets instead of side
+  // by side, and each pair of ranks exchanges a message in almost every bucket. So:
+  //
+  //  - broadcast tensors keep first fit, tensor by tensor (their whole-tensor scratch
+  //    buffers live from the gather to the extraction: keeping a tensor's phases close
+  //    keeps that memory bounded);
+  //  - the moves of resharded tensors are grouped by (stage, sending rank, receiving rank),
+  //    in plan order, and cut into chunks of about a quarter of what the busiest port of
+  //    their kind carries per bucket (at least 1 MiB, at most 1/16 of the budget), so a
+  //    pair of ranks exchanges a few large messages instead of one per bucket;
+  //  - the number of buckets K is what the rank with the most staging needs (its bytes over
+  //    15/16 of the budget), and every chunk, largest first, goes to the bucket in which the
+  //    fuller of the two ports it uses (the sender's send side, the receiver's receive
+  //    side, of its kind) carries the least so far, among the buckets where both ranks have
+  //    room. Every port's work is so spread over the K buckets, and a bucket lasts about as
+  //    long as every other.
+  //
+  // A relay never goes to an earlier bucket than the network move that delivered its region
+  // to its sending rank (it follows that move in the plan); any other move that reads what
+  // an earlier stage wrote, not before the latest write of an earlier stage of its tensor
+  // into its sending rank.
   void assign_buckets() {
     const std::size_t n = plan_.move_region.size();
+    const std::size_t R = net_send_.size();
     plan_.move_bucket.assign(n, 0);
-    std::vector<std::vector<int64_t>> fill(net_send_.size());  // per rank, per bucket
-    std::vector<int32_t> open(net_send_.size(), 0);            // first bucket not yet full
+    if (n == 0) {
+      plan_.num_buckets = 0;
+      return;
+    }
+    if (n >= UINT32_MAX) throw CoreValueError("argument", "a plan holds fewer than 2^32 moves");
+    const int64_t budget = options_.bucket_bytes;
+    std::vector<char> broadcast(n, 0);
+    uint8_t last_stage = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      broadcast[i] = policies_[plan_.region_tensor[plan_.move_region[i]]] == kBroadcast;
+      if (!broadcast[i]) last_stage = std::max(last_stage, plan_.move_stage[i]);
+    }
+    // The buckets the rank with the most reshard staging needs, and every port's bytes.
+    std::vector<int64_t> per_rank(R, 0), per_port(4 * R, 0);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (broadcast[i] || plan_.move_kind[i] == kLocal) continue;
+      const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
+      const std::size_t port = plan_.move_kind[i] == kNetwork ? 0 : 2;
+      per_rank[plan_.move_src[i]] += bytes;
+      per_rank[plan_.move_dst[i]] += bytes;
+      per_port[4 * static_cast<std::size_t>(plan_.move_src[i]) + port] += bytes;
+      per_port[4 * static_cast<std::size_t>(plan_.move_dst[i]) + port + 1] += bytes;
+    }
+    const int64_t most = *std::max_element(per_rank.begin(), per_rank.end());
+    const int64_t usable = std::max<int64_t>(1, budget - budget / 16);
+    // staging per rank and bucket (send and receive sides together), and per port
+    Loads staging(R, static_cast<std::size_t>((most + usable - 1) / usable) + 1);
+    const int32_t last_broadcast = first_fit_broadcast(broadcast, staging);
+    const auto buckets = static_cast<int32_t>(std::max<int64_t>(last_broadcast + 1, (most + usable - 1) / usable));
+    Loads ports[4] = {Loads(R, static_cast<std::size_t>(buckets)), Loads(R, static_cast<std::size_t>(buckets)),
+                      Loads(R, static_cast<std::size_t>(buckets)), Loads(R, static_cast<std::size_t>(buckets))};
+    staging.reserve(static_cast<std::size_t>(buckets));
+    int64_t caps[2] = {0, 0};  // network, NVLink
+    for (std::size_t r = 0; r < R; ++r) {
+      caps[0] = std::max({caps[0], per_port[4 * r], per_port[4 * r + 1]});
+      caps[1] = std::max({caps[1], per_port[4 * r + 2], per_port[4 * r + 3]});
+    }
+    for (int64_t& cap : caps) {
+      cap = std::clamp<int64_t>(cap / buckets / 4, std::min<int64_t>(int64_t{1} << 20, budget / 16), budget / 16);
+      cap = std::max<int64_t>(cap, 1);
+    }
+    std::vector<int32_t> earliest(n, 0);
+    std::vector<uint32_t> order, sorted;
+    std::vector<Chunk> chunks;
+    for (uint8_t stage = 0; stage <= last_stage; ++stage) {
+      if (stage > 0) earliest_buckets(stage, broadcast, earliest);
+      order.clear();
+      int32_t latest = 0;
+      for (std::size_t i = 0; i < n; ++i) {
+        if (broadcast[i] || plan_.move_stage[i] != stage) continue;
+        if (plan_.move_kind[i] == kLocal) {
+          plan_.move_bucket[i] = earliest[i];  // a copy needs no staging: as early as it may run
+        } else {
+          order.push_back(static_cast<uint32_t>(i));
+          latest = std::max(latest, earliest[i]);
+        }
+      }
+      if (order.empty()) continue;
+      group_by_pair(order, sorted, latest > 0 ? &earliest : nullptr);
+      chunks.clear();
+      int32_t pair_src = -1, pair_dst = -1;
+      for (std::size_t k = 0; k < order.size(); ++k) {
+        const uint32_t i = order[k];
+        const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
+        const int32_t src = plan_.move_src[i], dst = plan_.move_dst[i];
+        const bool same_pair = src == pair_src && dst == pair_dst;
+        if (!same_pair || chunks.back().bytes + bytes > caps[plan_.move_kind[i] == kNetwork ? 0 : 1]) {
+          chunks.push_back(Chunk{k, k, 0, 0});
+          pair_src = src;
+          pair_dst = dst;
+        }
+        Chunk& c = chunks.back();
+        c.end = k + 1;
+        c.bytes += bytes;
+        c.earliest = std::max(c.earliest, earliest[i]);
+      }
+      // Largest first, by powers of two (then by pair and plan order): what is placed last
+      // is small and fills the gaps. A counting sort: millions of chunks.
+      {
+        auto size_class = [](int64_t bytes) { return 63 - __builtin_clzll(static_cast<unsigned long long>(bytes | 1)); };
+        std::size_t start[65] = {0};
+        for (const Chunk& c : chunks) ++start[64 - size_class(c.bytes)];
+        for (std::size_t k = 1; k < 65; ++k) start[k] += start[k - 1];
+        std::vector<Chunk> by_size(chunks.size());
+        for (const Chunk& c : chunks) by_size[start[63 - size_class(c.bytes)]++] = c;
+        chunks.swap(by_size);
+      }
+      for (const Chunk& c : chunks) {
+        const std::size_t first = order[c.begin];
+        const int64_t s = plan_.move_src[first], d = plan_.move_dst[first];
+        const int network = plan_.move_kind[first] == kNetwork ? 0 : 2;
+        Loads& out = ports[network];
+        Loads& in = ports[network + 1];
+        // The bucket where the fuller of the chunk's two ports carries least so far, among
+        // those where both ranks have room (the first of equals).
+        int32_t best = -1;
+        int64_t best_cost = INT64_MAX;
+        const int64_t* stage_s = staging.row(s);
+        const int64_t* stage_d = staging.row(d);
+        const int64_t* out_s = out.row(s);
+        const int64_t* in_d = in.row(d);
+        const int64_t room = budget - c.bytes;
+        for (int32_t b = c.earliest; b < buckets; ++b) {
+          if (stage_s[b] > room || stage_d[b] > room) continue;
+          const int64_t cost = std::max(out_s[b], in_d[b]);
+          if (cost < best_cost) {
+            best = b;
+            best_cost = cost;
+            if (cost == 0) break;
+          }
+        }
+        if (best < 0) {  // no room in the K buckets: the first bucket after them with room
+          best = std::max(buckets, c.earliest);
+          while (staging.at(s, best) + c.bytes > budget || staging.at(d, best) + c.bytes > budget) ++best;
+        }
+        staging.add(s, best, c.bytes);
+        staging.add(d, best, c.bytes);
+        out.add(s, best, c.bytes);
+        in.add(d, best, c.bytes);
+        for (std::size_t k = c.begin; k < c.end; ++k) plan_.move_bucket[order[k]] = best;
+      }
+    }
+    int32_t top = 0;
+    for (int32_t b : plan_.move_bucket) top = std::max(top, b);
+    plan_.num_buckets = top + 1;
+  }
+
+  // Sorts `order` by sending rank, then receiving rank (then earliest bucket, if given),
+  // keeping plan order among equals: a counting sort by sending rank, then one inside each
+  // sending rank's moves by receiving rank (a few thousand moves: it stays in cache).
+  void group_by_pair(std::vector<uint32_t>& order, std::vector<uint32_t>& scratch,
+                     const std::vector<int32_t>* earliest) const {
+    const std::size_t R = net_send_.size();
+    std::vector<std::size_t> start(R + 1, 0);
+    for (uint32_t i : order) ++start[static_cast<std::size_t>(plan_.move_src[i]) + 1];
+    for (std::size_t r = 0; r < R; ++r) start[r + 1] += start[r];
+    scratch.resize(order.size());
+    {
+      std::vector<std::size_t> at(start.begin(), start.end() - 1);
+      for (uint32_t i : order) scratch[at[static_cast<std::size_t>(plan_.move_src[i])]++] = i;
+    }
+    std::vector<std::size_t> count(R + 1, 0);
+    std::vector<int32_t> touched;
+    for (std::size_t r = 0; r < R; ++r) {
+      const std::size_t a = start[r], b = start[r + 1];
+      if (b - a < 2) {
+        std::copy(scratch.begin() + static_cast<std::ptrdiff_t>(a), scratch.begin() + static_cast<std::ptrdiff_t>(b),
+                  order.begin() + static_cast<std::ptrdiff_t>(a));
+        continue;
+      }
+      touched.clear();
+      for (std::size_t k = a; k < b; ++k) {
+        const int32_t d = plan_.move_dst[scratch[k]];
+        if (count[static_cast<std::size_t>(d)]++ == 0) touched.push_back(d);
+      }
+      std::sort(touched.begin(), touched.end());
+      std::size_t at = a;
+      for (int32_t d : touched) {
+        const std::size_t c = count[static_cast<std::size_t>(d)];
+        count[static_cast<std::size_t>(d)] = at;  // now: where the next move to d goes
+        at += c;
+      }
+      for (std::size_t k = a; k < b; ++k) order[count[static_cast<std::size_t>(plan_.move_dst[scratch[k]])]++] = scratch[k];
+      for (int32_t d : touched) count[static_cast<std::size_t>(d)] = 0;
+      if (earliest == nullptr) continue;
+      // within each pair, by earliest bucket (relays: few moves per pair)
+      std::size_t run = a;
+      while (run < b) {
+        std::size_t end = run + 1;
+        while (end < b && plan_.move_dst[order[end]] == plan_.move_dst[order[run]]) ++end;
+        std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(run), order.begin() + static_cast<std::ptrdiff_t>(end),
+                         [&](uint32_t x, uint32_t y) { return (*earliest)[x] < (*earliest)[y]; });
+        run = end;
+      }
+    }
+  }
+
+  // Per rank and bucket, bytes: one row of `width` buckets per rank, widened on demand.
+  class Loads {
+   public:
+    Loads(std::size_t ranks, std::size_t width) : ranks_(ranks), width_(std::max<std::size_t>(width, 1)),
+                                                   of_(ranks_ * width_, 0) {}
+    int64_t at(int64_t rank, int32_t bucket) const {
+      const auto b = static_cast<std::size_t>(bucket);
+      return b < width_ ? of_[static_cast<std::size_t>(rank) * width_ + b] : 0;
+    }
+    const int64_t* row(int64_t rank) const { return of_.data() + static_cast<std::size_t>(rank) * width_; }
+    void add(int64_t rank, int32_t bucket, int64_t bytes) {
+      if (static_cast<std::size_t>(bucket) >= width_) reserve(std::max(width_ * 2, static_cast<std::size_t>(bucket) + 1));
+      of_[static_cast<std::size_t>(rank) * width_ + static_cast<std::size_t>(bucket)] += bytes;
+    }
+    // At least `width` buckets per row (rows read up to there through row()).
+    void reserve(std::size_t width) {
+      if (width <= width_) return;
+      std::vector<int64_t> wider(ranks_ * width, 0);
+      for (std::size_t r = 0; r < ranks_; ++r) {
+        std::copy_n(of_.begin() + static_cast<std::ptrdiff_t>(r * width_), width_,
+                    wider.begin() + static_cast<std::ptrdiff_t>(r * width));
+      }
+      of_.swap(wider);
+      width_ = width;
+    }
+
+   private:
+    std::size_t ranks_, width_;
+    std::vector<int64_t> of_;
+  };
+
+  // Consecutive moves (in `order`) of one pair of ranks that share a bucket.
+  struct Chunk {
+    std::size_t begin, end;
+    int64_t bytes;
+    int32_t earliest;
+  };
+
+  // For every resharded move of `stage` that reads what an earlier stage wrote: a relay
+  // follows the network move that delivered its region to its sending rank, and goes no
+  // earlier than that move's bucket; any other, no earlier than the latest bucket of a move
+  // of an earlier stage of its tensor into its sending rank. Moves of one tensor are
+  // contiguous, as built.
+  void earliest_buckets(uint8_t stage, const std::vector<char>& broadcast, std::vector<int32_t>& earliest) {
+    const std::size_t n = plan_.move_region.size();
+    std::vector<int32_t> written(net_send_.size(), -1);
+    std::vector<int64_t> touched;
+    std::size_t begin = 0;
+    while (begin < n) {
+      const int32_t tensor = plan_.region_tensor[plan_.move_region[begin]];
+      std::size_t end = begin;
+      while (end < n && plan_.region_tensor[plan_.move_region[end]] == tensor) ++end;
+      if (broadcast[begin]) {
+        begin = end;
+        continue;
+      }
+      bool resolved = true;
+      std::size_t feeder = n;  // the last move of an earlier stage
+      for (std::size_t i = begin; i < end; ++i) {
+        if (plan_.move_stage[i] < stage) {
+          feeder = i;
+        } else if (plan_.move_stage[i] == stage && plan_.move_src_space[i] != kSource) {
+          if (feeder < n && plan_.move_region[feeder] == plan_.move_region[i] && plan_.move_dst[feeder] == plan_.move_src[i]) {
+            earliest[i] = plan_.move_bucket[feeder];
+          } else {
+            resolved = false;
+          }
+        }
+      }
+      if (!resolved) {  // a read of an earlier stage that does not follow its write
+        for (std::size_t i = begin; i < end; ++i) {
+          if (plan_.move_stage[i] >= stage) continue;
+          int32_t& w = written[plan_.move_dst[i]];
+          if (w < 0) touched.push_back(plan_.move_dst[i]);
+          w = std::max(w, plan_.move_bucket[i]);
+        }
+        for (std::size_t i = begin; i < end; ++i) {
+          if (plan_.move_stage[i] == stage && plan_.move_src_space[i] != kSource) {
+            earliest[i] = std::max(0, written[plan_.move_src[i]]);
+          }
+        }
+        for (int64_t r : touched) written[r] = -1;
+        touched.clear();
+      }
+      begin = end;
+    }
+  }
+
+  // First fit for the moves of broadcast tensors, tensor by tensor: a move goes to the first
+  // bucket where both of its ranks still have room for its bytes of staging; a move that
+  // reads what an earlier stage of its tensor wrote never goes to an earlier bucket than
+  // those writes. Returns the last bucket used (0 when none).
+  int32_t first_fit_broadcast(const std::vector<char>& broadcast, Loads& staging) {
+    const std::size_t n = plan_.move_region.size();
+    std::vector<int32_t> open(net_send_.size(), 0);  // first bucket not yet full
     int32_t stage_max[4] = {0, 0, 0, 0};
     int32_t tensor = -1;
     int32_t last = 0;
     const int64_t budget = options_.bucket_bytes;
-    auto used = [&](int64_t rank, int32_t bucket) -> int64_t {
-      const auto& f = fill[rank];
-      return static_cast<std::size_t>(bucket) < f.size() ? f[bucket] : 0;
-    };
     for (std::size_t i = 0; i < n; ++i) {
+      if (!broadcast[i]) continue;
       const int32_t region = plan_.move_region[i];
       if (plan_.region_tensor[region] != tensor) {
         tensor = plan_.region_tensor[region];
@@ -546,21 +834,19 @@ class Builder {
       if (plan_.move_kind[i] != kLocal) {  // a copy on one rank needs no staging
         const int64_t bytes = plan_.region_bytes[region];
         bucket = std::max({bucket, open[s], open[d]});
-        while (used(s, bucket) + bytes > budget || used(d, bucket) + bytes > budget) ++bucket;
+        while (staging.at(s, bucket) + bytes > budget || staging.at(d, bucket) + bytes > budget) ++bucket;
         for (int64_t r : {s, d}) {
-          auto& f = fill[r];
-          if (f.size() <= static_cast<std::size_t>(bucket)) f.resize(static_cast<std::size_t>(bucket) + 1, 0);
-          f[bucket] += bytes;
+          staging.add(r, bucket, bytes);
           // A bucket with less than 1/64 of the budget left counts as full: searching it again
           // for every later move would cost more than the space is worth.
-          while (static_cast<std::size_t>(open[r]) < f.size() && f[open[r]] > budget - budget / 64) ++open[r];
+          while (staging.at(r, open[r]) > budget - budget / 64) ++open[r];
         }
       }
       stage_max[stage] = std::max(stage_max[stage], bucket);
       plan_.move_bucket[i] = bucket;
       last = std::max(last, bucket);
     }
-    plan_.num_buckets = n == 0 ? 0 : last + 1;
+    return last;
   }
 
   std::vector<const LayoutCore*> srcs_;

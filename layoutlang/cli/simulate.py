@@ -45,7 +45,7 @@ def simulation_report(sim: Simulation) -> list[str]:
         # a simulation estimates every plan unpipelined or none ("-" if one was left out)
         unpipelined = human_time(e.sequential_time) if e.sequential_time is not None else "-"
         rows.append(
-            [e.policy, human_time(e.time), f"{sim.ratio(e):.2f}x"]
+            [e.policy, human_time(e.time), f"{sim.ratio(e):.2f}x", f"{sim.port_ratio(e):.2f}x"]
             + ([unpipelined] if sequential else [])
             + [
                 human_bytes(e.bytes["network"]),
@@ -57,17 +57,18 @@ def simulation_report(sim: Simulation) -> list[str]:
             ]
         )
     rows.append(
-        ["lower bound", human_time(sim.bound.time), "1.00x"] + [""] * (6 if sequential else 5) + [sim.bound.binding]
+        ["lower bound", human_time(sim.bound.time), "1.00x", ""] + [""] * (6 if sequential else 5) + [sim.bound.binding]
     )
-    header = ["policy", "time", "/ bound"] + (["unpipelined"] if sequential else [])
+    header = ["policy", "time", "/ bound", "/ port"] + (["unpipelined"] if sequential else [])
     header += ["network", "NVLink", "local", "messages", "steps", "bound by"]
     lines += table(rows, header, right=set(range(1, len(header) - 1)))
     lines.append("")
     lines.append(f"lower bound: {sim.bound.describe(t)}")
-    lines.append("busiest port over the whole refit (the time if no step waited for another port):")
+    lines.append("busiest port over the whole refit (the time if no step waited for another port; '/ port' above):")
     for e in sim.estimates:
         port, rank, seconds = e.busiest_port
-        lines.append(f"  {e.policy}: {human_time(seconds)}, the {port} port of rank {rank}")
+        ratio = seconds / sim.bound.time if sim.bound.time else math.inf
+        lines.append(f"  {e.policy}: {human_time(seconds)} ({ratio:.2f}x the bound), the {port} port of rank {rank}")
     by_policy = {e.policy: e for e in sim.estimates}
     if "reshard" in by_policy and "gather-and-broadcast" in by_policy:
         r, b = by_policy["reshard"], by_policy["gather-and-broadcast"]

@@ -604,9 +604,18 @@ class Simulation:
     bound: LowerBound
 
     def ratio(self, estimate: Estimate) -> float:
+        """``estimate``'s time over the lower bound: how far the plan is from any plan's best."""
         if self.bound.time == 0:
             return 1.0 if estimate.time == 0 else math.inf
         return estimate.time / self.bound.time
+
+    def port_ratio(self, estimate: Estimate) -> float:
+        """``estimate``'s time over its busiest port's seconds: what the schedule adds to the
+        plan's routing (1.0 when no step waits for a port other than the busiest)."""
+        busiest = estimate.busiest_port[2]
+        if busiest == 0:
+            return 1.0 if estimate.time == 0 else math.inf
+        return estimate.time / busiest
 
     def to_json(self) -> dict[str, Any]:
         t = self.topology
@@ -626,7 +635,10 @@ class Simulation:
             },
             "bucket_bytes": self.bucket_bytes,
             "schedule": "phase p of bucket k runs in step k + p",
-            "policies": [dict(e.to_json(), ratio_to_lower_bound=self.ratio(e)) for e in self.estimates],
+            "policies": [
+                dict(e.to_json(), ratio_to_lower_bound=self.ratio(e), ratio_to_busiest_port=self.port_ratio(e))
+                for e in self.estimates
+            ],
             "lower_bound": self.bound.to_json(),
         }
 
