@@ -550,16 +550,18 @@ class Builder {
     }
     if (n >= UINT32_MAX) throw CoreValueError("argument", "a plan holds fewer than 2^32 moves");
     const int64_t budget = options_.bucket_bytes;
-    std::vector<char> broadcast(n, 0);
+    // Plans of hundreds of millions of moves: no column beside the plan's own but the order
+    // of one stage's moves. A move's earliest bucket waits in its bucket column until the
+    // move is placed.
+    auto broadcast = [&](std::size_t i) { return policies_[plan_.region_tensor[plan_.move_region[i]]] == kBroadcast; };
     uint8_t last_stage = 0;
     for (std::size_t i = 0; i < n; ++i) {
-      broadcast[i] = policies_[plan_.region_tensor[plan_.move_region[i]]] == kBroadcast;
-      if (!broadcast[i]) last_stage = std::max(last_stage, plan_.move_stage[i]);
+      if (!broadcast(i)) last_stage = std::max(last_stage, plan_.move_stage[i]);
     }
     // The buckets the rank with the most reshard staging needs, and every port's bytes.
     std::vector<int64_t> per_rank(R, 0), per_port(4 * R, 0);
     for (std::size_t i = 0; i < n; ++i) {
-      if (broadcast[i] || plan_.move_kind[i] == kLocal) continue;
+      if (plan_.move_kind[i] == kLocal || broadcast(i)) continue;
       const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
       const std::size_t port = plan_.move_kind[i] == kNetwork ? 0 : 2;
       per_rank[plan_.move_src[i]] += bytes;
@@ -571,7 +573,7 @@ class Builder {
     const int64_t usable = std::max<int64_t>(1, budget - budget / 16);
     // staging per rank and bucket (send and receive sides together), and per port
     Loads staging(R, static_cast<std::size_t>((most + usable - 1) / usable) + 1);
-    const int32_t last_broadcast = first_fit_broadcast(broadcast, staging);
+    const int32_t last_broadcast = first_fit_broadcast(staging);
     const auto buckets = static_cast<int32_t>(std::max<int64_t>(last_broadcast + 1, (most + usable - 1) / usable));
     Loads ports[4] = {Loads(R, static_cast<std::size_t>(buckets)), Loads(R, static_cast<std::size_t>(buckets)),
                       Loads(R, static_cast<std::size_t>(buckets)), Loads(R, static_cast<std::size_t>(buckets))};
@@ -585,24 +587,32 @@ class Builder {
       cap = std::clamp<int64_t>(cap / buckets / 4, std::min<int64_t>(int64_t{1} << 20, budget / 16), budget / 16);
       cap = std::max<int64_t>(cap, 1);
     }
-    std::vector<int32_t> earliest(n, 0);
-    std::vector<uint32_t> order, sorted;
+    std::vector<int32_t>& earliest = plan_.move_bucket;  // until placed (a local copy: for good)
+    std::vector<uint32_t> order;
     std::vector<Chunk> chunks;
     for (uint8_t stage = 0; stage <= last_stage; ++stage) {
-      if (stage > 0) earliest_buckets(stage, broadcast, earliest);
-      order.clear();
+      if (stage > 0) earliest_buckets(stage, earliest);
+      // The stage's staged moves by sending rank (a counting sort), then by receiving rank.
+      std::vector<std::size_t> start(R + 1, 0);
       int32_t latest = 0;
+      auto staged = [&](std::size_t i) {
+        return plan_.move_stage[i] == stage && plan_.move_kind[i] != kLocal && !broadcast(i);
+      };
       for (std::size_t i = 0; i < n; ++i) {
-        if (broadcast[i] || plan_.move_stage[i] != stage) continue;
-        if (plan_.move_kind[i] == kLocal) {
-          plan_.move_bucket[i] = earliest[i];  // a copy needs no staging: as early as it may run
-        } else {
-          order.push_back(static_cast<uint32_t>(i));
-          latest = std::max(latest, earliest[i]);
+        if (!staged(i)) continue;
+        ++start[static_cast<std::size_t>(plan_.move_src[i]) + 1];
+        latest = std::max(latest, earliest[i]);
+      }
+      for (std::size_t r = 0; r < R; ++r) start[r + 1] += start[r];
+      if (start[R] == 0) continue;
+      order.assign(start[R], 0);
+      {
+        std::vector<std::size_t> at(start.begin(), start.end() - 1);
+        for (std::size_t i = 0; i < n; ++i) {
+          if (staged(i)) order[at[static_cast<std::size_t>(plan_.move_src[i])]++] = static_cast<uint32_t>(i);
         }
       }
-      if (order.empty()) continue;
-      group_by_pair(order, sorted, latest > 0 ? &earliest : nullptr);
+      group_by_receiver(order, start, latest > 0);
       chunks.clear();
       int32_t pair_src = -1, pair_dst = -1;
       for (std::size_t k = 0; k < order.size(); ++k) {
@@ -671,32 +681,22 @@ class Builder {
     plan_.num_buckets = top + 1;
   }
 
-  // Sorts `order` by sending rank, then receiving rank (then earliest bucket, if given),
-  // keeping plan order among equals: a counting sort by sending rank, then one inside each
-  // sending rank's moves by receiving rank (a few thousand moves: it stays in cache).
-  void group_by_pair(std::vector<uint32_t>& order, std::vector<uint32_t>& scratch,
-                     const std::vector<int32_t>* earliest) const {
+  // Sorts each sending rank's moves (order[start[r]:start[r + 1]], in plan order) by
+  // receiving rank (then by earliest bucket, from the bucket column, when `by_earliest`),
+  // keeping plan order among equals: a counting sort inside each sending rank's moves (a
+  // few hundred thousand at most: it stays in cache).
+  void group_by_receiver(std::vector<uint32_t>& order, const std::vector<std::size_t>& start, bool by_earliest) const {
     const std::size_t R = net_send_.size();
-    std::vector<std::size_t> start(R + 1, 0);
-    for (uint32_t i : order) ++start[static_cast<std::size_t>(plan_.move_src[i]) + 1];
-    for (std::size_t r = 0; r < R; ++r) start[r + 1] += start[r];
-    scratch.resize(order.size());
-    {
-      std::vector<std::size_t> at(start.begin(), start.end() - 1);
-      for (uint32_t i : order) scratch[at[static_cast<std::size_t>(plan_.move_src[i])]++] = i;
-    }
     std::vector<std::size_t> count(R + 1, 0);
     std::vector<int32_t> touched;
+    std::vector<uint32_t> scratch;
     for (std::size_t r = 0; r < R; ++r) {
       const std::size_t a = start[r], b = start[r + 1];
-      if (b - a < 2) {
-        std::copy(scratch.begin() + static_cast<std::ptrdiff_t>(a), scratch.begin() + static_cast<std::ptrdiff_t>(b),
-                  order.begin() + static_cast<std::ptrdiff_t>(a));
-        continue;
-      }
+      if (b - a < 2) continue;
+      scratch.assign(order.begin() + static_cast<std::ptrdiff_t>(a), order.begin() + static_cast<std::ptrdiff_t>(b));
       touched.clear();
-      for (std::size_t k = a; k < b; ++k) {
-        const int32_t d = plan_.move_dst[scratch[k]];
+      for (uint32_t i : scratch) {
+        const int32_t d = plan_.move_dst[i];
         if (count[static_cast<std::size_t>(d)]++ == 0) touched.push_back(d);
       }
       std::sort(touched.begin(), touched.end());
@@ -706,16 +706,15 @@ class Builder {
         count[static_cast<std::size_t>(d)] = at;  // now: where the next move to d goes
         at += c;
       }
-      for (std::size_t k = a; k < b; ++k) order[count[static_cast<std::size_t>(plan_.move_dst[scratch[k]])]++] = scratch[k];
+      for (uint32_t i : scratch) order[count[static_cast<std::size_t>(plan_.move_dst[i])]++] = i;
       for (int32_t d : touched) count[static_cast<std::size_t>(d)] = 0;
-      if (earliest == nullptr) continue;
-      // within each pair, by earliest bucket (relays: few moves per pair)
-      std::size_t run = a;
+      if (!by_earliest) continue;
+      std::size_t run = a;  // within each pair, by earliest bucket (relays: few moves per pair)
       while (run < b) {
         std::size_t end = run + 1;
         while (end < b && plan_.move_dst[order[end]] == plan_.move_dst[order[run]]) ++end;
         std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(run), order.begin() + static_cast<std::ptrdiff_t>(end),
-                         [&](uint32_t x, uint32_t y) { return (*earliest)[x] < (*earliest)[y]; });
+                         [&](uint32_t x, uint32_t y) { return plan_.move_bucket[x] < plan_.move_bucket[y]; });
         run = end;
       }
     }
@@ -764,7 +763,7 @@ class Builder {
   // earlier than that move's bucket; any other, no earlier than the latest bucket of a move
   // of an earlier stage of its tensor into its sending rank. Moves of one tensor are
   // contiguous, as built.
-  void earliest_buckets(uint8_t stage, const std::vector<char>& broadcast, std::vector<int32_t>& earliest) {
+  void earliest_buckets(uint8_t stage, std::vector<int32_t>& earliest) {
     const std::size_t n = plan_.move_region.size();
     std::vector<int32_t> written(net_send_.size(), -1);
     std::vector<int64_t> touched;
@@ -773,7 +772,7 @@ class Builder {
       const int32_t tensor = plan_.region_tensor[plan_.move_region[begin]];
       std::size_t end = begin;
       while (end < n && plan_.region_tensor[plan_.move_region[end]] == tensor) ++end;
-      if (broadcast[begin]) {
+      if (policies_[tensor] == kBroadcast) {
         begin = end;
         continue;
       }
@@ -813,7 +812,7 @@ class Builder {
   // bucket where both of its ranks still have room for its bytes of staging; a move that
   // reads what an earlier stage of its tensor wrote never goes to an earlier bucket than
   // those writes. Returns the last bucket used (0 when none).
-  int32_t first_fit_broadcast(const std::vector<char>& broadcast, Loads& staging) {
+  int32_t first_fit_broadcast(Loads& staging) {
     const std::size_t n = plan_.move_region.size();
     std::vector<int32_t> open(net_send_.size(), 0);  // first bucket not yet full
     int32_t stage_max[4] = {0, 0, 0, 0};
@@ -821,8 +820,8 @@ class Builder {
     int32_t last = 0;
     const int64_t budget = options_.bucket_bytes;
     for (std::size_t i = 0; i < n; ++i) {
-      if (!broadcast[i]) continue;
       const int32_t region = plan_.move_region[i];
+      if (policies_[plan_.region_tensor[region]] != kBroadcast) continue;
       if (plan_.region_tensor[region] != tensor) {
         tensor = plan_.region_tensor[region];
         std::fill(std::begin(stage_max), std::end(stage_max), 0);

@@ -47,6 +47,12 @@ as many buckets as there are phases in flight (2 for a reshard plan, 4 with broa
 tensors). :attr:`Estimate.sequential_time` gives the other extreme, every phase of every
 bucket one after the other.
 
+Two ratios say where an estimate's time goes: :meth:`Simulation.ratio` (the time over the
+lower bound, below) and :meth:`Simulation.port_ratio` (the time over the plan's busiest
+port, :attr:`Estimate.busiest_port`). The busiest port over the bound is the routing's
+share of a gap (which ranks send and receive what); the time over the busiest port is the
+schedule's (steps waiting for ports other than the busiest).
+
 The model leaves out: contention inside the network fabric (it assumes a non-blocking
 fat tree: a NIC is the only bottleneck on a network path), contention between NVLink,
 NIC and copy traffic for the same HBM, the GPU time of packing regions into messages, and
