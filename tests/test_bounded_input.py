@@ -32,7 +32,14 @@ from layoutlang.errors import (
 )
 from layoutlang.io._files import MAX_JSON_BYTES, open_regular, read_json_object, read_limited
 from layoutlang.lang import elaborate, load, loads
-from layoutlang.lang.limits import MAX_EMBEDDED_EXPRESSION, MAX_MESH_RANKS, MAX_PROGRAM_BYTES, MAX_PROGRAM_TOKENS
+from layoutlang.lang import tensors as lang_tensors
+from layoutlang.lang.limits import (
+    MAX_EMBEDDED_EXPRESSION,
+    MAX_MESH_RANKS,
+    MAX_PROGRAM_BYTES,
+    MAX_PROGRAM_TENSORS,
+    MAX_PROGRAM_TOKENS,
+)
 from layoutlang.lang.parser import TokenBudget
 
 pytestmark = pytest.mark.timeout(120)
@@ -344,3 +351,17 @@ def test_a_message_quoting_megabytes_of_input_is_bounded(tmp_path):
     as_json, _ = cli("check", "--json", str(program))
     error = json.loads(as_json.stderr.splitlines()[0])
     assert error["error"] == "name" and len(error["message"]) <= MESSAGE_LIMIT and error["line"] == 3
+
+
+def test_a_program_holds_at_most_max_program_tensors(monkeypatch):
+    # the real limit, 2^20, is the same code and takes seconds to fill
+    assert MAX_PROGRAM_TENSORS == 1 << 20
+    monkeypatch.setattr(lang_tensors, "MAX_PROGRAM_TENSORS", 100)
+    assert len(loads('tensor "a{l}" [4] fp32 for l in 0..59\ntensor "b{l}" [4] fp32 for l in 0..39\n').tensors) == 100
+    with pytest.raises(
+        LayoutValueError, match=r"would hold 110 tensors \(60 declared before this statement, 50 by it\)"
+    ):
+        loads('tensor "a{l}" [4] fp32 for l in 0..59\ntensor "b{l}" [4] fp32 for l in 0..49\n')
+    with pytest.raises(LayoutValueError, match="at most 100") as info:
+        loads('tensor "a{l}" [4] fp32 for l in 0..99\ntensor "b" [4] fp32\n')
+    assert info.value.span is not None and info.value.span.line == 2

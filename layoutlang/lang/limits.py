@@ -20,6 +20,7 @@ __all__ = [
     "MAX_GENERATED_TENSORS",
     "MAX_MESH_RANKS",
     "MAX_PROGRAM_BYTES",
+    "MAX_PROGRAM_TENSORS",
     "MAX_PROGRAM_TOKENS",
 ]
 
@@ -27,6 +28,9 @@ __all__ = [
 MAX_MESH_RANKS = 1 << 20
 #: tensors one ``tensor ... for`` statement may generate
 MAX_GENERATED_TENSORS = 1 << 20
+#: tensors of a program, all statements together (about 6 s to generate; the largest
+#: benchmark, a 2.4T model with per-expert tensors, declares 144,189)
+MAX_PROGRAM_TENSORS = 1 << 20
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 #: bytes of one ``.layout`` file (a program or an include)
