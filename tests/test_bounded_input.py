@@ -365,3 +365,19 @@ def test_a_program_holds_at_most_max_program_tensors(monkeypatch):
     with pytest.raises(LayoutValueError, match="at most 100") as info:
         loads('tensor "a{l}" [4] fp32 for l in 0..99\ntensor "b" [4] fp32\n')
     assert info.value.span is not None and info.value.span.line == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "Hugging Face config nests too deeply to be read"),
+        ('{"num_hidden_layers": ' + "9" * 5000 + "}", "Hugging Face config cannot be read: Exceeds the limit"),
+    ],
+)
+def test_json_python_cannot_hold_is_a_model_description_error(tmp_path, text, reason):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    with pytest.raises(ModelDescriptionError) as info:
+        read_json_object(config, "Hugging Face config")
+    assert info.value.message.startswith(f"{config}: {reason}")
+    assert "set_int_max_str_digits" not in info.value.message
