@@ -57,9 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one policy for every tensor, overriding the statement's rules",
     )
     parser.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
-    parser.add_argument(
-        "--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline"
-    )
+    parser.add_argument("--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline")
     parser.add_argument(
         "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
     )
@@ -170,7 +168,6 @@ def run(args: argparse.Namespace) -> int:
         lines += ["", f"plan written to {args.out}"]
     print("\n".join(lines))
     return ExitCode.OK
-
 
 
 def _explained(plan: Plan, move: Move) -> str:

@@ -413,8 +413,15 @@ class _Builder(Transformer[Token, Any]):
         parts = tuple((p.name, p.span) for p in found)
         transposed = tuple(p.transposed for p in found) if any(p.transposed for p in found) else ()
         return ast.StorageDecl(
-            _unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta),
-            (stack.name, stack.span) if stack is not None else None, transposed,
+            _unquote(name),
+            self._tok(name),
+            shape,
+            parts,
+            along,
+            blocks,
+            self._meta(meta),
+            (stack.name, stack.span) if stack is not None else None,
+            transposed,
             view.shape if view is not None else None,
         )
 
