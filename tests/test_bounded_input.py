@@ -128,6 +128,15 @@ def test_dev_zero_as_a_config_is_refused(tmp_path, statement):
     assert_refused(result, seconds, "/dev/zero: Hugging Face config is a character device")
 
 
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_a_fifo_or_a_device_as_a_safetensors_file_is_refused(tmp_path, fifo, target):
+    path = str(fifo) if target == "fifo" else target
+    program = tmp_path / "import.layout"
+    program.write_text(f'tensors from safetensors "{path}"\n')
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, f"{path}: safetensors file is", "not a regular file")
+
+
 def test_open_regular_refuses_a_fifo_at_once_and_opens_a_file(tmp_path, fifo):
     # no writer ever opens the FIFO: a blocking open would wait here until the timeout
     with pytest.raises(ModelDescriptionError, match="FIFO"):
