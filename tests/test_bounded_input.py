@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size, _Progress
+from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size
+from layoutlang.cli.progress import Progress
 from layoutlang.errors import (
     MESSAGE_LIMIT,
     SOURCE_WINDOW,
@@ -303,8 +304,9 @@ def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
 
 
 def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
-    progress = _Progress(as_json=False)
-    progress.AFTER = progress.EVERY = 0.1
+    progress = Progress("plan", as_json=False)
+    assert progress.after == Progress.AFTER_OTHERWISE  # pytest's stderr is no terminal
+    progress.after = progress.every = 0.1
     with progress.step("compiling the plan"):
         time.sleep(0.35)
     lines = capsys.readouterr().err.splitlines()
@@ -313,8 +315,8 @@ def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
     with progress.step("validating the plan"):
         pass
     assert capsys.readouterr().err == ""
-    as_json = _Progress(as_json=True)
-    as_json.AFTER = as_json.EVERY = 0.1
+    as_json = Progress("check", as_json=True)
+    as_json.after = as_json.every = 0.1
     with as_json.step("validating the plan"):
         time.sleep(0.15)
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]

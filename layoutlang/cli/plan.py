@@ -2,25 +2,21 @@
 
 A plan whose two meshes hold more than :data:`MAX_PLAN_RANKS` ranks is refused before
 anything is compiled, and a step that runs longer than a couple of seconds says so on
-stderr (:class:`_Progress`), so a large plan is never minutes of silence.
+stderr (:class:`~.progress.Progress`), so a large plan is never minutes of silence.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import sys
-import threading
-import time
-from collections.abc import Iterator
 
 from ..errors import ExitCode, LayoutValueError
 from ..lang import load
 from ..model import Program
 from ..plan import POLICIES, Move, Plan, compile_plan
 from . import arguments
+from .progress import Progress
 from .report import plan_report
 
 #: ranks the two meshes of a plan may hold together (65,536). The planner compares every
@@ -64,50 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
 
 
-class _Progress:
-    """Says on stderr what a long ``plan`` is doing: a step still running after
-    :attr:`AFTER` seconds is named with its time, again every :attr:`EVERY` seconds, and
-    its end is reported. Quick plans print nothing, so outputs stay as they were. With
-    ``--json`` each line is a JSON object (``{"progress": ..., "seconds": ...}``)."""
-
-    AFTER = 2.0
-    EVERY = 10.0
-
-    def __init__(self, as_json: bool) -> None:
-        self._json = as_json
-
-    def _say(self, what: str, seconds: float, done: bool = False) -> None:
-        if self._json:
-            line = json.dumps({"progress": what, "seconds": round(seconds, 1), "done": done})
-        else:
-            line = f"layoutlang plan: {what}: {'done in' if done else 'running for'} {seconds:.0f} s"
-        print(line, file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def step(self, what: str) -> Iterator[None]:
-        finished = threading.Event()
-        start = time.monotonic()
-        announced = False
-
-        def watch() -> None:  # the planner's C++ releases the GIL, so this runs while it works
-            nonlocal announced
-            wait = self.AFTER
-            while not finished.wait(wait):
-                announced = True
-                self._say(what, time.monotonic() - start)
-                wait = self.EVERY
-
-        watcher = threading.Thread(target=watch, name="plan-progress", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            finished.set()
-            watcher.join()
-            if announced:
-                self._say(what, time.monotonic() - start, done=True)
-
-
 def _check_size(program: Program, reshard: str | None) -> None:
     """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it."""
     statement = program.reshard(reshard)
@@ -124,7 +76,7 @@ def _check_size(program: Program, reshard: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    progress = _Progress(args.json)
+    progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
         program = load(args.file)
     _check_size(program, args.reshard)
