@@ -36,6 +36,7 @@ from layoutlang.lang import elaborate, load, loads
 from layoutlang.lang import tensors as lang_tensors
 from layoutlang.lang.limits import (
     MAX_EMBEDDED_EXPRESSION,
+    MAX_INCLUDE_DEPTH,
     MAX_MESH_RANKS,
     MAX_PROGRAM_BYTES,
     MAX_PROGRAM_TENSORS,
@@ -392,3 +393,20 @@ def test_json_python_cannot_hold_is_a_model_description_error(tmp_path, text, re
         read_json_object(config, "Hugging Face config")
     assert info.value.message.startswith(f"{config}: {reason}")
     assert "set_int_max_str_digits" not in info.value.message
+
+
+def test_includes_nest_at_most_max_include_depth_files_deep(tmp_path):
+    def chain(files: int) -> Path:
+        folder = tmp_path / f"chain{files}"
+        folder.mkdir()
+        for i in range(files):
+            last = i == files - 1
+            (folder / f"f{i}.layout").write_text("let a = 1\n" if last else f'include "f{i + 1}.layout"\n')
+        return folder / "f0.layout"
+
+    assert load(chain(MAX_INCLUDE_DEPTH)).constants["a"] == 1
+    with pytest.raises(LayoutIncludeError, match=f"nest more than {MAX_INCLUDE_DEPTH} files deep") as info:
+        load(chain(MAX_INCLUDE_DEPTH + 1))
+    span = info.value.span
+    assert span is not None and span.path.endswith(f"f{MAX_INCLUDE_DEPTH - 1}.layout")
+    assert len(span.included_from) == MAX_INCLUDE_DEPTH - 1

@@ -23,7 +23,7 @@ import attrs
 from ..errors import LayoutError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
 from ..io._files import read_limited
 from . import ast
-from .limits import MAX_PROGRAM_BYTES
+from .limits import MAX_INCLUDE_DEPTH, MAX_PROGRAM_BYTES
 
 __all__ = ["PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
 
@@ -133,6 +133,12 @@ class Includes:
         if real in self._chain:
             chain = [os.path.basename(p) for p in self._chain[self._chain.index(real) :]] + [os.path.basename(real)]
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
+        if len(self._chain) >= MAX_INCLUDE_DEPTH and real not in self._read:
+            raise LayoutIncludeError(
+                f"cannot include '{node.path}': includes nest more than {MAX_INCLUDE_DEPTH} files deep"
+                f" (from {os.path.basename(self._chain[0])})",
+                node.span,
+            )
         if real in self._read:
             return None
         if os.path.isdir(real):

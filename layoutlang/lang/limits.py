@@ -18,6 +18,7 @@ __all__ = [
     "INT64_MAX",
     "MAX_EMBEDDED_EXPRESSION",
     "MAX_GENERATED_TENSORS",
+    "MAX_INCLUDE_DEPTH",
     "MAX_MESH_RANKS",
     "MAX_PROGRAM_BYTES",
     "MAX_PROGRAM_TENSORS",
@@ -40,3 +41,6 @@ MAX_PROGRAM_TOKENS = 1 << 18
 #: characters of an expression embedded in a name (``"layers.{l % 4}"``): it is parsed on its
 #: own, outside the program's token count
 MAX_EMBEDDED_EXPRESSION = 1024
+#: files of one chain of includes (a includes b includes c ...); each file is read once, so
+#: this bounds the reader's recursion, not the number of files
+MAX_INCLUDE_DEPTH = 64
