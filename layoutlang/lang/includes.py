@@ -133,14 +133,14 @@ class Includes:
         if real in self._chain:
             chain = [os.path.basename(p) for p in self._chain[self._chain.index(real) :]] + [os.path.basename(real)]
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
-        if len(self._chain) >= MAX_INCLUDE_DEPTH and real not in self._read:
+        if real in self._read:
+            return None
+        if len(self._chain) >= MAX_INCLUDE_DEPTH:  # the reader recurses once per file of the chain
             raise LayoutIncludeError(
                 f"cannot include '{node.path}': includes nest more than {MAX_INCLUDE_DEPTH} files deep"
                 f" (from {os.path.basename(self._chain[0])})",
                 node.span,
             )
-        if real in self._read:
-            return None
         if os.path.isdir(real):
             raise LayoutIncludeError(f"cannot include '{node.path}': it is a directory ({display})", node.span)
         if not os.path.exists(real):
