@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size
+from layoutlang.cli.plan import MAX_PLAN_RANKS, check_plan_size
 from layoutlang.cli.progress import Progress
 from layoutlang.errors import (
     MESSAGE_LIMIT,
@@ -299,9 +299,9 @@ def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
             'layout b on infer { "w": dp = shard(0) }\nreshard a -> b\n'
         )
 
-    _check_size(loads(program(0)), None)  # colocated: ranks in all, within the limit
+    check_plan_size(loads(program(0)), None)  # colocated: ranks in all, within the limit
     with pytest.raises(LayoutValueError, match=f"holds? {2 * ranks:,} ranks"):
-        _check_size(loads(program(ranks)), None)
+        check_plan_size(loads(program(ranks)), None)
 
 
 def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):

@@ -26,6 +26,8 @@ from .report import plan_report
 #: meshes of MAX_MESH_RANKS). The largest scale target (a 2.4T model) has 1,024 + 1,024.
 MAX_PLAN_RANKS = 1 << 16
 
+__all__ = ["MAX_PLAN_RANKS", "add_arguments", "check_plan_size", "run"]
+
 HELP = "compile the plan of a reshard statement and print its statistics"
 DESCRIPTION = (
     "Compile the plan that turns the source layout of a reshard statement into "
@@ -60,8 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
 
 
-def _check_size(program: Program, reshard: str | None) -> None:
-    """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it."""
+def check_plan_size(program: Program, reshard: str | None) -> None:
+    """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it
+    (any command that compiles a program's plan may call it first)."""
     statement = program.reshard(reshard)
     source, destination = program.layout(statement.source).mesh, program.layout(statement.destination).mesh
     ranks = len(set(source.ranks).union(destination.ranks))
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
         program = load(args.file)
-    _check_size(program, args.reshard)
+    check_plan_size(program, args.reshard)
     with progress.step("checking the layouts"):
         program.check()
     with progress.step("compiling the plan"):
