@@ -288,6 +288,15 @@ def test_a_plan_of_two_meshes_of_the_most_ranks_is_refused_before_compiling(tmp_
     assert check.returncode == ExitCode.OK and seconds < QUICK_S, check.stderr
 
 
+@pytest.mark.parametrize("elastic", [(), ("--elastic",)], ids=["plain", "elastic"])
+def test_apply_refuses_more_local_workers_than_one_machine_runs_before_starting_any(tmp_path, elastic):
+    from layoutlang.cli.apply import MAX_LOCAL_WORKERS
+
+    program = _two_meshes(tmp_path, 512)  # 1,024 ranks: 1,024 processes importing torch
+    result, seconds = cli("apply", str(program), *elastic)
+    assert_refused(result, seconds, "needs 1,024 worker processes", f"at most {MAX_LOCAL_WORKERS} on one machine")
+
+
 def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
     ranks = MAX_PLAN_RANKS // 2 + 1  # two meshes of this many ranks: over the limit, unless they share them
 
