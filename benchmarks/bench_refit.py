@@ -90,7 +90,10 @@ WORLD = 8
 MiB = 2**20
 GiB = 2**30
 REFIT_METHODS = ("reshard", "broadcast", "dcp")
+RAW = "raw"  # the reshard plan's messages sent with plain isend/irecv: the wire speed of this machine
+RAW_TARGET = 0.8  # reshard must take at most 1 / 0.8 of raw point-to-point's time
 DTENSOR_METHODS = ("dtensor", "dtensor-ll")
+ALL_METHODS = ("reshard", RAW, *REFIT_METHODS[1:], *DTENSOR_METHODS)
 TARGETS = {"broadcast": 3.0, "dcp": 2.0}  # reshard must be at least this many times faster
 
 # ----------------------------------------------------------------------------- workers
@@ -200,6 +203,7 @@ def setup(text: str, path: str, memory_budget: int, dt_size: int, timeout: float
     }
     plan = resharders["reshard"].plan
     src, dst = plan.source, plan.destination
+    _STATE["raw_steps"] = _raw_steps(plan, rank)
     sources = resharders["reshard"].allocate("source")
     if rank in src.mesh:
         fill_synthetic(src, rank, sources)
@@ -246,6 +250,41 @@ def setup(text: str, path: str, memory_budget: int, dt_size: int, timeout: float
     }
 
 
+def _raw_steps(plan, rank: int) -> list[tuple[int, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]]:
+    """The reshard plan's messages on ``rank``, step by step (layoutlang.runtime.schedule):
+    (tag, sends, receives), each message a view of a buffer allocated and touched once here,
+    one per peer and direction (sized for that peer's largest message), so that the timed
+    runs move bytes and nothing else."""
+    from layoutlang.runtime.agreement import AGREEMENT_TAG
+    from layoutlang.runtime.schedule import schedule
+
+    steps = schedule(plan, rank)
+    sizes: dict[tuple[str, int], int] = {}
+    for step in steps:
+        for way, messages in (("send", step.sends), ("recv", step.recvs)):
+            for peer, message in messages.items():
+                sizes[(way, peer)] = max(sizes.get((way, peer), 0), message.nbytes)
+    buffers = {key: torch.ones(n, dtype=torch.uint8) for key, n in sizes.items()}  # ones: pages touched
+    return [
+        (
+            (step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the executor's tag
+            [(peer, buffers[("send", peer)][: m.wire_bytes]) for peer, m in step.sends.items()],
+            [(peer, buffers[("recv", peer)][: m.wire_bytes]) for peer, m in step.recvs.items()],
+        )
+        for step in steps
+    ]
+
+
+def _raw_run() -> None:
+    """The reshard plan's messages with plain torch.distributed isend/irecv, step by step as
+    the executor posts them (every receive and send of a step at once, then wait)."""
+    for tag, sends, recvs in _STATE["raw_steps"]:
+        ops = [dist.P2POp(dist.irecv, buf, peer, None, tag) for peer, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, peer, None, tag) for peer, buf in sends]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -273,6 +312,8 @@ def run_method(method: str, checkpoint: str | None, independent: bool) -> dict[s
         resharder = _STATE["resharders"][method]
         resharder.run(_STATE["sources"], destinations)
         report = resharder.last_report
+    elif method == RAW:
+        _raw_run()
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -382,6 +423,7 @@ def _summarize(method: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
         kinds = ("local", "domain", "network")
         summary["sent"] = {k: sum(r["report"]["sent"][k] for r in best_run) for k in kinds}
         summary["received"] = {k: sum(r["report"]["received"][k] for r in best_run) for k in kinds}
+        summary["network_and_domain_bytes"] = summary["sent"]["domain"] + summary["sent"]["network"]
         summary["executor_seconds"] = max(r["report"]["seconds"] for r in best_run)
         summary["peak_staging_per_rank"] = [
             max(run[k]["report"]["peak_staging_bytes"] for run in runs) for k in range(WORLD)
@@ -396,21 +438,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="dims / 8 and one timed run: a smoke test")
     parser.add_argument("--layout", default=str(HERE / "refit_1g.layout"), help="the program (8 ranks, 0..7)")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs after the warm-up (default 3; --quick 1)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs after the warm-up (default 5; --quick 1)")
     parser.add_argument("--memory-budget", type=int, default=256 * MiB,
                         help="Resharder memory_budget in bytes (default 256 MiB: buckets of 128 MiB)")
     parser.add_argument("--dtensor-size", type=int, default=None, help="rows = cols of the one-mesh tensors (8192)")
     parser.add_argument(
-        "--only", default=None, help="comma-separated methods: " + ",".join(REFIT_METHODS + DTENSOR_METHODS)
+        "--only", default=None, help="comma-separated methods: " + ",".join(ALL_METHODS)
     )
     parser.add_argument("--tmp", default=None, help="folder for the DCP checkpoint (default: the system temp dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a worker task may take")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
-    runs = args.runs if args.runs is not None else (1 if args.quick else 3)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 5)
     dt_size = args.dtensor_size or (1024 if args.quick else 8192)
-    methods = [m for m in REFIT_METHODS + DTENSOR_METHODS if args.only is None or m in args.only.split(",")]
+    methods = [m for m in ALL_METHODS if args.only is None or m in args.only.split(",")]
     path = Path(args.layout)
     text = path.read_text("utf-8")
     if args.quick:
@@ -497,10 +539,17 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def _verdict(summary: dict[str, Any]) -> str:
+    if not summary["checked_ranks"]:
+        return "-"  # raw p2p moves the plan's bytes, not the weights: nothing to compare
+    return "yes" if summary["verified"] else "NO"
+
+
 def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: int, dt_logical: int) -> bool:
     failed = False
     labels = {
         "reshard": "(a) layoutlang reshard",
+        RAW: "(a') raw isend/irecv, same messages",
         "broadcast": "(b) layoutlang gather-and-broadcast",
         "dcp": "(c) DCP save + load",
         "dtensor": "(d) DTensor.redistribute",
@@ -524,7 +573,7 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
         rss = max(s["rss_growth_per_rank"])
         print(f"{labels[method]:<37} {s['best_seconds']:8.3f} {'(' + format(s['median_seconds'], '.3f') + ')':>9} "
               f"{s['cpu_seconds']:7.2f}  "
-              f"{moved:<44} {_size(rss):>20}  {'yes' if s['verified'] else 'NO'}")
+              f"{moved:<44} {_size(rss):>20}  {_verdict(s)}")
         if not s["verified"]:
             failed = True
     print()
@@ -550,6 +599,14 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
     print()
     print("targets")
     a = summaries.get("reshard")
+    if a and RAW in summaries:
+        raw = summaries[RAW]
+        best, median = raw["best_seconds"] / a["best_seconds"], raw["median_seconds"] / a["median_seconds"]
+        rate = a["network_and_domain_bytes"] / a["best_seconds"] / 1e9
+        raw_rate = a["network_and_domain_bytes"] / raw["best_seconds"] / 1e9
+        verdict = "met" if min(best, median) >= RAW_TARGET else "MISSED"
+        print(f"  reshard vs raw p2p: raw/reshard {best:.2f}x best, {median:.2f}x median (target >= {RAW_TARGET:g}x "
+              f"both): {verdict}  [{rate:.2f} GB/s against {raw_rate:.2f} GB/s of messages between ranks]")
     if a:
         for other, target in TARGETS.items():
             if other in summaries:

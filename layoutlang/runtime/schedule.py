@@ -60,6 +60,12 @@ class Message:
         self.offsets.append(self.nbytes)
         self.nbytes += -(-piece.nbytes // _ALIGN) * _ALIGN
 
+    @property
+    def wire_bytes(self) -> int:
+        """The bytes that travel: the regions at their offsets, without the last one's padding
+        (so a message of one region is that region's bytes, whether it is staged or not)."""
+        return self.offsets[-1] + self.pieces[-1].nbytes if self.pieces else 0
+
 
 @attrs.define
 class Step:
