@@ -90,6 +90,10 @@ class Executor:
         self._padding = _padding_regions(plan.destination, rank, self.destination_storages)
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
+        # Staging memory, kept between steps and runs: two arenas, step n stages in arena
+        # n % 2, so that the next step is packed while this one is in flight. A new buffer
+        # at every step cost more than the copies themselves (its pages faulted in anew).
+        self._arenas = (_Arena(), _Arena())
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
@@ -218,17 +222,18 @@ class Executor:
                 in_parts[name][region].zero_()
         self._announce(-1, destinations, on_complete)
         start = time.perf_counter()
+        staging = self._staging(spaces, in_place=not _overlapping(per_source, destinations), device=device)
         packed_next: dict[int, torch.Tensor] | None = None
         for n, step in enumerate(self.steps):
-            sends = packed_next if packed_next is not None else self._pack(step, spaces)
-            recvs = {peer: torch.empty(m.nbytes, dtype=torch.uint8, device=device) for peer, m in step.recvs.items()}
+            sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
+            recvs = self._receive_buffers(n, spaces, staging)
             pending = self._post(step, sends, recvs)
             self._copy_locally(step, spaces, tally)
-            packed_next = self._pack_ahead(n, spaces)
-            tally.staged(sends, recvs, packed_next)
+            packed_next = self._pack_ahead(n, spaces, staging)
             pending.wait(self.timeout)
-            self._unpack(step, recvs, spaces, tally)
+            self._unpack(n, recvs, spaces, tally, staging)
             tally.sent_messages(step, self._kind)
+            tally.staged(staging.arena_bytes + spaces.scratch_bytes())
             for name in self._scratch_last_use.get(n, ()):  # whole tensors: free them early
                 spaces.scratch.pop(name, None)
             self._announce(n, destinations, on_complete)
@@ -237,6 +242,50 @@ class Executor:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return tally.report(self.rank, time.perf_counter() - start, len(self.steps))
+
+    def _staging(self, spaces: _Spaces, *, in_place: bool, device: torch.device) -> _Staging:
+        """Which messages of this run travel in place (a message of one region that is
+        contiguous in its storage, in the wire's dtype: sent from, or received into, the
+        storage itself) and where the others are staged: arena ``n % 2`` for step ``n``,
+        grown (once, not per run) to the largest staged step of its parity.
+
+        ``in_place`` is False when destination storages share memory with source storages
+        (one buffer handed as both): a receive written in place could then overwrite bytes
+        a send of the same step has not read yet, so every message is staged, as before.
+        """
+        direct: set[tuple[int, str, int]] = set()
+        need = [0, 0]
+        for n, step in enumerate(self.steps):
+            staged = 0
+            for way, messages in (("send", step.sends), ("recv", step.recvs)):
+                for peer, message in messages.items():
+                    if in_place and len(message.pieces) == 1 and spaces.contiguous(message.pieces[0]):
+                        direct.add((n, way, peer))
+                    else:
+                        staged += message.nbytes
+            need[n % 2] = max(need[n % 2], staged)
+        # A CPU arena that an NCCL transport copies to the GPU is pinned: the copy then runs at
+        # the link's speed and does not stage once more in CUDA's own bounce buffer.
+        moved_on = getattr(self.transport, "device", None)
+        pin = device.type == "cpu" and moved_on is not None and moved_on.type == "cuda" and torch.cuda.is_available()
+        for arena, nbytes in zip(self._arenas, need):
+            arena.reserve(nbytes, device, pin)
+        return _Staging(self._arenas, direct)
+
+    def _receive_buffers(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor]:
+        """Where step ``n``'s messages arrive: the region itself (in place), or the step's arena
+        after its staged sends."""
+        step = self.steps[n]
+        out = {}
+        offset = sum(m.nbytes for peer, m in step.sends.items() if (n, "send", peer) not in staging.direct)
+        buffer = staging.arena(n)
+        for peer, message in step.recvs.items():
+            if (n, "recv", peer) in staging.direct:
+                out[peer] = _wire(spaces.region(message.pieces[0]))
+            else:
+                out[peer] = buffer[offset : offset + message.wire_bytes]
+                offset += message.nbytes
+        return out
 
     def _check_and_agree(
         self,
@@ -287,21 +336,25 @@ class Executor:
         tally.sent["local"] += nbytes
         tally.received["local"] += nbytes
 
-    def _pack_ahead(self, n: int, spaces: _Spaces) -> dict[int, torch.Tensor] | None:
-        """Pipelining: the next step's messages, packed while step ``n`` is in flight, when
-        they do not read what step ``n`` is about to receive (None otherwise)."""
+    def _pack_ahead(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor] | None:
+        """Pipelining: the next step's messages, packed (into the other arena) while step ``n``
+        is in flight, when they do not read what step ``n`` is about to receive (None otherwise)."""
         if n + 1 < len(self.steps) and self.steps[n + 1].sends_read_only_sources:
-            return self._pack(self.steps[n + 1], spaces)
+            return self._pack(n + 1, spaces, staging)
         return None
 
-    def _unpack(self, step: Step, recvs: Mapping[int, torch.Tensor], spaces: _Spaces, tally: _Tally) -> None:
-        """Copy every received region out of its message into its place (casting on arrival)."""
-        for peer, message in step.recvs.items():
+    def _unpack(
+        self, n: int, recvs: Mapping[int, torch.Tensor], spaces: _Spaces, tally: _Tally, staging: _Staging
+    ) -> None:
+        """Copy every staged region out of its message into its place (casting on arrival);
+        a message received in place is already there."""
+        for peer, message in self.steps[n].recvs.items():
             buf = recvs[peer]
             nbytes = 0
             for piece, offset in zip(message.pieces, message.offsets):
-                staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
-                spaces.region(piece).copy_(staged)
+                if (n, "recv", peer) not in staging.direct:
+                    staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                    spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
             tally.received[self._kind(peer)] += nbytes
 
@@ -317,14 +370,21 @@ class Executor:
         same = self.plan.domain_size and peer // self.plan.domain_size == self.rank // self.plan.domain_size
         return "domain" if same else "network"
 
-    def _pack(self, step: Step, spaces: _Spaces) -> dict[int, torch.Tensor]:
-        """One staging buffer per peer the step sends to, each region at its offset."""
+    def _pack(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor]:
+        """Step ``n``'s message to each peer: the region itself (in place), or its regions
+        copied at their offsets into the step's arena."""
         out = {}
-        for peer, message in step.sends.items():
-            buf = torch.empty(message.nbytes, dtype=torch.uint8, device=spaces.device)
-            for piece, offset in zip(message.pieces, message.offsets):
-                buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(spaces.view(piece))
+        buffer = staging.arena(n)
+        offset = 0
+        for peer, message in self.steps[n].sends.items():
+            if (n, "send", peer) in staging.direct:
+                out[peer] = _wire(spaces.view(message.pieces[0]))
+                continue
+            buf = buffer[offset : offset + message.wire_bytes]
+            for piece, at in zip(message.pieces, message.offsets):
+                buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(spaces.view(piece))
             out[peer] = buf
+            offset += message.nbytes
         return out
 
 
@@ -356,6 +416,23 @@ class _Spaces:
         """The region a piece writes, in the logical tensor's order (a view of its storage)."""
         return _oriented(self.target(piece)[piece.index], piece)
 
+    def contiguous(self, piece: Piece) -> bool:
+        """Whether the piece's region is one run of its storage's memory in the order and
+        dtype of the wire, so that it can be sent or received without a staging copy."""
+        if piece.transposed:
+            return False
+        if piece.space == _SCRATCH:  # whole tensors, made in the logical dtype, contiguous
+            shape: tuple[int, ...] = self._shapes[piece.tensor]
+        else:
+            storage = self._storages[piece.key][piece.storage]
+            if storage.dtype != piece.dtype or not storage.is_contiguous():
+                return False
+            shape = tuple(storage.shape)
+        return _contiguous_region(shape, piece.index)
+
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.scratch.values())
+
     def target(self, piece: Piece) -> torch.Tensor:
         """The storage a piece is written into."""
         if piece.space == _SCRATCH and piece.storage not in self.scratch:
@@ -372,16 +449,8 @@ class _Tally:
     messages: int = 0
     peak: int = 0
 
-    def staged(
-        self,
-        sends: Mapping[int, torch.Tensor],
-        recvs: Mapping[int, torch.Tensor],
-        packed_next: Mapping[int, torch.Tensor] | None,
-    ) -> None:
-        """Staging memory live during a step: its messages, and the next step's packed ahead."""
-        live = sum(b.numel() for b in sends.values()) + sum(b.numel() for b in recvs.values())
-        if packed_next is not None:
-            live += sum(b.numel() for b in packed_next.values())
+    def staged(self, live: int) -> None:
+        """Staging memory live during a step: both arenas and the scratch buffers."""
         self.peak = max(self.peak, live)
 
     def sent_messages(self, step: Step, kind: Callable[[int], str]) -> None:
@@ -391,6 +460,79 @@ class _Tally:
 
     def report(self, rank: int, seconds: float, steps: int) -> RunReport:
         return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
+
+
+class _Arena:
+    """One staging buffer an Executor keeps: steps take views of it, and it grows only when a
+    run stages more than it holds (so after the first run nothing is allocated)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reserve(self, nbytes: int, device: torch.device, pin: bool) -> None:
+        buffer = self.buffer
+        if buffer is not None and buffer.numel() >= nbytes and buffer.device == device and buffer.is_pinned() >= pin:
+            return
+        self.buffer = None  # the old one goes first: both at once could exceed the budget
+        if nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+@attrs.frozen
+class _Staging:
+    """One run's staging: the arenas, and the messages (step, "send" or "recv", peer) that
+    travel in place."""
+
+    arenas: tuple[_Arena, _Arena]
+    direct: set[tuple[int, str, int]]
+
+    def arena(self, n: int) -> torch.Tensor:
+        buffer = self.arenas[n % 2].buffer
+        return buffer if buffer is not None else _EMPTY
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arenas)
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _contiguous_region(shape: Sequence[int], index: Sequence[slice | int]) -> bool:
+    """Whether ``storage[index]`` of a contiguous storage of ``shape`` is one run of memory:
+    every dim after some dim is whole, and every dim before it holds one index."""
+    items = list(index) + [slice(0, n) for n in shape[len(index) :]]
+    sizes = [1 if isinstance(item, int) else item.stop - item.start for item in items]
+    k = len(shape)  # the dims from k on are whole
+    while k > 0 and sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    return all(size == 1 for size in sizes[: max(0, k - 1)])
+
+
+def _wire(region: torch.Tensor) -> torch.Tensor:
+    """A contiguous region as the 1-D uint8 buffer a transport moves (the same memory)."""
+    return region.reshape(-1).view(torch.uint8)
+
+
+def _overlapping(
+    sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
+) -> bool:
+    """Whether any destination storage shares memory with any source storage."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        base = t.untyped_storage()
+        return (base.data_ptr(), base.data_ptr() + base.nbytes())
+
+    held = [span(t) for given in sources for t in given.values() if t.numel()]
+    for t in destinations.values():
+        if t.numel():
+            start, stop = span(t)
+            if any(start < s_stop and s_start < stop for s_start, s_stop in held):
+                return True
+    return False
 
 
 def _parts_shapes(layout: Layout, rank: int, held: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

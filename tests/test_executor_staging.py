@@ -1,0 +1,220 @@
+"""The executor's staging: arenas kept between steps and runs, messages sent and received in
+place, peak staging memory with scratch buffers.
+
+The multi-rank cases run every rank in a thread of this process over the NCCL transport on
+``NcclMock`` (a fabric that really moves bytes between its communicators: tests/test_nccl_mock.py),
+so the buffers the executor posts can be recorded and compared with the storages' memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import layoutlang
+from layoutlang.core import _core
+from layoutlang.io.weights import fill_synthetic, verify
+from layoutlang.runtime import Resharder
+from layoutlang.runtime.agreement import AGREEMENT_TAG
+from layoutlang.transport.nccl import NcclTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+N = _core.nccl
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+KiB = 1024
+
+
+class RecordingTransport(NcclTransport):
+    """The NCCL transport, recording ("send" or "recv", peer, data_ptr, bytes) of every buffer
+    the executor's steps post (not the agreement's messages)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.posted: list[tuple[str, int, int, int]] = []
+
+    def exchange(self, sends, recvs, tag):
+        for way, buffers in (("send", sends), ("recv", recvs)) if tag != AGREEMENT_TAG else ():
+            for peer, buf in buffers:
+                self.posted.append((way, peer, buf.data_ptr(), buf.numel()))
+        return super().exchange(sends, recvs, tag)
+
+
+def _participants(program):
+    statement = program.reshard()
+    ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
+    return sorted(ranks)
+
+
+def _on_every_rank(program, job, **resharder_kwargs):
+    """Run ``job(rank, resharder, transport)`` on every rank of the program's reshard, each in a
+    thread with its own Resharder over the mocked NCCL fabric; returns the results by rank."""
+    nccl = N.NcclMock()
+    cuda = N.CudaMock(nccl)
+    participants = _participants(program)
+    store = dist.HashStore()
+    results: dict[int, object] = {}
+    errors: dict[int, BaseException] = {}
+
+    def one(r):
+        try:
+            transport = RecordingTransport.from_store(r, participants, store, api=nccl, cuda=cuda, timeout=20)
+            resharder = Resharder(program, rank=r, transport=transport, timeout=20, **resharder_kwargs)
+            results[r] = job(r, resharder, transport)
+            transport.communicator.destroy()
+        except BaseException as err:  # reported below, with its rank
+            errors[r] = err
+
+    threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in participants]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(results) == len(participants)
+    return results
+
+
+def _inside(ptr: int, nbytes: int, tensors) -> bool:
+    """Whether [ptr, ptr + nbytes) lies in the memory of one of ``tensors``."""
+    for t in tensors:
+        start = t.data_ptr()
+        if start <= ptr and ptr + nbytes <= start + t.numel() * t.element_size():
+            return True
+    return False
+
+
+# ----------------------------------------------------------------------- reuse
+
+
+def test_repeated_runs_with_new_weights_are_bit_exact_and_allocate_no_staging_again():
+    # refit.layout has fused storages (several regions per message: staged) and small buckets
+    program = layoutlang.load(EXAMPLES / "refit.layout")
+
+    def job(r, resharder, transport):
+        plan = resharder.plan
+        sources = resharder.allocate("source")
+        destinations = resharder.allocate("destination")
+        arenas = []
+        checks = []
+        for version in range(3):  # each run's weights differ: a stale byte from a reused buffer shows
+            if r in plan.source.mesh:
+                fill_synthetic(plan.source, r, sources, version=version)
+            for t in destinations.values():
+                t.fill_(-7)
+            resharder.run(sources, destinations)
+            arenas.append(tuple(a.buffer.data_ptr() if a.buffer is not None else 0
+                                for a in resharder.executor._arenas))
+            if r in plan.destination.mesh:
+                checks.append(verify(plan.destination, r, destinations, version=version))
+        return arenas, checks, resharder.last_report
+
+    results = _on_every_rank(program, job, memory_budget=64 * KiB)
+    staged_somewhere = False
+    for r, (arenas, checks, report) in results.items():
+        assert all(c.ok for c in checks), (r, [c.mismatches for c in checks])
+        # the same arenas in every run: allocated in the first, reused after
+        assert arenas[0] == arenas[1] == arenas[2], r
+        staged_somewhere |= any(arenas[0])
+        assert report.peak_staging_bytes <= 64 * KiB, r
+    assert staged_somewhere  # the case does exercise the arenas
+
+
+# ----------------------------------------------------------------------- in place
+
+
+def test_single_region_messages_are_sent_from_and_received_into_the_storages():
+    # tp_to_dp: each message is one contiguous block of rows: a source shard, or the rows of
+    # the destination's whole tensor (also when relayed from a destination to a domain peer)
+    program = layoutlang.load(EXAMPLES / "tp_to_dp.layout")
+
+    def job(r, resharder, transport):
+        plan = resharder.plan
+        sources = resharder.allocate("source")
+        if r in plan.source.mesh:
+            fill_synthetic(plan.source, r, sources)
+        destinations = resharder.run(sources)
+        check = verify(plan.destination, r, destinations) if r in plan.destination.mesh else None
+        return transport.posted, sources, destinations, check, resharder.last_report
+
+    results = _on_every_rank(program, job)
+    moved = 0
+    for r, (posted, sources, destinations, check, report) in results.items():
+        assert check is None or check.ok, check.mismatches
+        for way, peer, ptr, nbytes in posted:
+            storages = list(sources.values()) + list(destinations.values()) if way == "send" else destinations.values()
+            assert _inside(ptr, nbytes, storages), (r, way, peer)
+            moved += nbytes
+        assert report.peak_staging_bytes == 0, r  # no arena: nothing was staged
+    assert moved == 2 * sum(rep.sent["domain"] + rep.sent["network"] for *_, rep in results.values())
+
+
+def test_cast_destinations_are_staged_and_converted():
+    # a destination in another dtype cannot take the wire's bytes in place
+    program = layoutlang.load(EXAMPLES / "tp_to_dp.layout")
+
+    def job(r, resharder, transport):
+        plan = resharder.plan
+        sources = resharder.allocate("source")
+        if r in plan.source.mesh:
+            fill_synthetic(plan.source, r, sources)
+        destinations = resharder.allocate("destination", dtype=torch.float32)
+        resharder.run(sources, destinations, cast=True)
+        check = verify(plan.destination, r, destinations) if r in plan.destination.mesh else None
+        recvs = [p for p in transport.posted if p[0] == "recv"]
+        return recvs, destinations, check
+
+    for r, (recvs, destinations, check) in _on_every_rank(program, job).items():
+        assert check is None or check.ok, check.mismatches
+        assert not any(_inside(ptr, n, destinations.values()) for _, _, ptr, n in recvs), r
+
+
+def test_a_destination_that_is_its_own_source_is_staged():
+    # two ranks swap their halves of "w", each holding ONE buffer handed as both source and
+    # destination: a receive in place would overwrite rows the send of the same step reads
+    program = layoutlang.loads(
+        'mesh m1 [tp = 2] on ranks 0..1\nmesh m2 [tp = 2] on ranks [1, 0]\ntensor "w" [64, 256] fp32\n'
+        'layout a on m1 { "w": tp = shard(0) }\nlayout b on m2 { "w": tp = shard(0) }\nreshard a -> b\n'
+    )
+
+    def job(r, resharder, transport):
+        plan = resharder.plan
+        buffer = resharder.allocate("source")["w"]
+        fill_synthetic(plan.source, r, {"w": buffer})
+        resharder.run({"w": buffer}, {"w": buffer})
+        return verify(plan.destination, r, {"w": buffer})
+
+    for r, check in _on_every_rank(program, job).items():
+        assert check.ok, (r, check.mismatches)
+
+
+# ----------------------------------------------------------------------- accounting
+
+
+def test_peak_staging_counts_the_scratch_buffers_of_the_broadcast_policy():
+    program = layoutlang.load(EXAMPLES / "tp_to_dp.layout")
+    whole = 1024 * 1024 * 2  # "w" [1024, 1024] bf16, gathered whole on a training rank
+
+    def job(r, resharder, transport):
+        plan = resharder.plan
+        sources = resharder.allocate("source")
+        if r in plan.source.mesh:
+            fill_synthetic(plan.source, r, sources)
+        destinations = resharder.run(sources)
+        check = verify(plan.destination, r, destinations) if r in plan.destination.mesh else None
+        arenas = sum(a.nbytes for a in resharder.executor._arenas)
+        scratch = any(p.space == 2 for step in resharder.executor.steps for p in step.pieces())
+        return check, resharder.last_report.peak_staging_bytes, arenas, scratch
+
+    results = _on_every_rank(program, job, policy="broadcast")
+    gatherers = [r for r, (_, _, _, scratch) in results.items() if scratch]
+    assert gatherers
+    for r, (check, peak, arenas, scratch) in results.items():
+        assert check is None or check.ok, check.mismatches
+        assert peak >= arenas
+        if scratch:
+            assert peak >= whole + arenas, (r, peak, arenas)
