@@ -64,8 +64,8 @@ class Executor:
         self.timeout = timeout
         self.steps = schedule(plan, rank)
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
-        # Scratch buffers (whole tensors) are freed after their last use.
-        self._scratch_last_use = self._last_use(_SCRATCH)
+        # Scratch memory (the broadcast policy's gathered tensors) as the regions moves write.
+        self._scratch = _ScratchRegions(self.steps)
         # Storage name -> local shape, per source layout (one, unless this is a recovery plan).
         self.sources_storages: list[dict[str, tuple[int, ...]]] = [
             layout.storages_on(rank) if rank in layout.mesh else {} for layout in plan.sources
@@ -212,7 +212,7 @@ class Executor:
         spaces = _Spaces(
             [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
             _as_parts(destinations, self._destination_parts_shapes),
-            self._shapes,
+            self._scratch,
             device,
         )
         tally = _Tally()
@@ -222,7 +222,9 @@ class Executor:
                 in_parts[name][region].zero_()
         self._announce(-1, destinations, on_complete)
         start = time.perf_counter()
-        staging = self._staging(spaces, in_place=not _overlapping(per_source, destinations), device=device)
+        in_place = not _overlapping(per_source, destinations)
+        spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
+        staging = self._staging(spaces, in_place=in_place, device=device)
         packed_next: dict[int, torch.Tensor] | None = None
         for n, step in enumerate(self.steps):
             sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
@@ -232,10 +234,10 @@ class Executor:
             packed_next = self._pack_ahead(n, spaces, staging)
             pending.wait(self.timeout)
             self._unpack(n, recvs, spaces, tally, staging)
+            self._copy_out_of_scratch(n, spaces)
             tally.sent_messages(step, self._kind)
             tally.staged(staging.arena_bytes + spaces.scratch_bytes())
-            for name in self._scratch_last_use.get(n, ()):  # whole tensors: free them early
-                spaces.scratch.pop(name, None)
+            spaces.free(self._scratch.free_after.get(n, ()))
             self._announce(n, destinations, on_complete)
             if progress is not None:
                 progress(n + 1, len(self.steps))
@@ -326,15 +328,32 @@ class Executor:
         )
 
     def _copy_locally(self, step: Step, spaces: _Spaces, tally: _Tally) -> None:
-        """The step's local copies, done while its messages are in flight."""
+        """The step's local copies, done while its messages are in flight. A copy out of
+        scratch was already done, region by region, in the steps that wrote its regions
+        (:meth:`_copy_out_of_scratch`); a copy of a source region into scratch only names
+        the source's memory, where it lies, as that scratch region."""
         nbytes = 0
         for read, write in step.copies:
-            target, value = spaces.region(write), spaces.view(read)
+            nbytes += read.nbytes
+            if read.space == _SCRATCH:
+                continue
+            value = spaces.view(read)
+            aliased = spaces.alias_sources and read.space == _SOURCE and value.dtype == write.dtype
+            if write.space == _SCRATCH and aliased:
+                spaces.bind(write, value)
+                continue
+            target = spaces.region(write)
             if not _same_memory(target, value):  # a storage that is its own source stays put
                 target.copy_(value)
-            nbytes += read.nbytes
         tally.sent["local"] += nbytes
         tally.received["local"] += nbytes
+
+    def _copy_out_of_scratch(self, n: int, spaces: _Spaces) -> None:
+        """Every local copy out of a scratch region written in step ``n``, as soon as it is
+        written: the region is then freed after its last send, instead of living until the
+        plan's copy (a gathered tensor's regions arrive over many buckets)."""
+        for read, write, region, within in self._scratch.copies_after.get(n, ()):
+            spaces.region(write)[_slices(within, read)].copy_(spaces.scratch[region.id][_slices(within, region)])
 
     def _pack_ahead(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor] | None:
         """Pipelining: the next step's messages, packed (into the other arena) while step ``n``
@@ -382,7 +401,12 @@ class Executor:
                 continue
             buf = buffer[offset : offset + message.wire_bytes]
             for piece, at in zip(message.pieces, message.offsets):
-                buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(spaces.view(piece))
+                staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                if piece.space == _SCRATCH:  # from the regions that hold it
+                    for where, value in spaces.parts(piece):
+                        staged[where].copy_(value)
+                else:
+                    staged.copy_(spaces.view(piece))
             out[peer] = buf
             offset += message.nbytes
         return out
@@ -390,54 +414,164 @@ class Executor:
 
 class _Spaces:
     """This rank's storages in a run, by space: the source storages of each source layout,
-    the destination storages, and scratch buffers (whole tensors, made on first use)."""
+    the destination storages, and scratch memory: one buffer per region a move writes
+    (made on first use, freed after its last read), or the source region it copies."""
 
     def __init__(
         self,
         sources: Sequence[Mapping[str, torch.Tensor]],
         destinations: Mapping[str, torch.Tensor],
-        shapes: Sequence[tuple[int, ...]],
+        scratch: _ScratchRegions,
         device: torch.device,
     ):
         self.device = device
-        self.scratch: dict[str, torch.Tensor] = {}
-        self._shapes = shapes
+        self.regions = scratch
+        self.scratch: dict[int, torch.Tensor] = {}  # region id -> its elements, in the tensor's order
+        self._bound: set[int] = set()  # regions that are views of a source: they cost nothing
+        self.alias_sources = False
         self._storages: dict[tuple[int, int], Mapping[str, torch.Tensor]] = {
             (_SOURCE, k): given for k, given in enumerate(sources)
         }
         self._storages[(_DESTINATION, 0)] = destinations
-        self._storages[(_SCRATCH, 0)] = self.scratch
 
     def view(self, piece: Piece) -> torch.Tensor:
         """The region a piece reads, in the logical tensor's order (a view of its storage)."""
+        if piece.space == _SCRATCH:
+            parts = self.parts(piece)
+            if len(parts) != 1 or parts[0][1].shape != torch.Size(piece.sizes):
+                raise AssertionError(f"scratch {piece.storage}{piece.index} is not one region")  # see contiguous()
+            return parts[0][1]
         return _oriented(self._storages[piece.key][piece.storage][piece.index], piece)
 
     def region(self, piece: Piece) -> torch.Tensor:
         """The region a piece writes, in the logical tensor's order (a view of its storage)."""
-        return _oriented(self.target(piece)[piece.index], piece)
+        if piece.space == _SCRATCH:
+            region = self.regions.written[id(piece)]
+            if region.id not in self.scratch:
+                self.scratch[region.id] = torch.empty(piece.sizes, dtype=piece.dtype, device=self.device)
+            return self.scratch[region.id]
+        return _oriented(self._storages[piece.key][piece.storage][piece.index], piece)
+
+    def bind(self, piece: Piece, value: torch.Tensor) -> None:
+        """Scratch region ``piece`` is ``value`` (a source region it copies: read in place)."""
+        region = self.regions.written[id(piece)]
+        self.scratch[region.id] = value
+        self._bound.add(region.id)
+
+    def parts(self, piece: Piece) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+        """A scratch read as (where in the piece, the elements) of each region it overlaps."""
+        return [
+            (_slices(within, piece), self.scratch[region.id][_slices(within, region)])
+            for region, within in self.regions.read[id(piece)]
+        ]
+
+    def free(self, regions: Iterable[int]) -> None:
+        for rid in regions:
+            self.scratch.pop(rid, None)
+            self._bound.discard(rid)
 
     def contiguous(self, piece: Piece) -> bool:
         """Whether the piece's region is one run of its storage's memory in the order and
         dtype of the wire, so that it can be sent or received without a staging copy."""
         if piece.transposed:
             return False
-        if piece.space == _SCRATCH:  # whole tensors, made in the logical dtype, contiguous
-            shape: tuple[int, ...] = self._shapes[piece.tensor]
-        else:
-            storage = self._storages[piece.key][piece.storage]
-            if storage.dtype != piece.dtype or not storage.is_contiguous():
+        if piece.space == _SCRATCH:
+            if id(piece) in self.regions.written:  # a region written: a buffer of its own
+                return True
+            # a read: in place when it lies in one region, received (a fresh, contiguous
+            # buffer) or a source region that is itself contiguous (read where it lies)
+            overlaps = self.regions.read[id(piece)]
+            if len(overlaps) != 1:
                 return False
-            shape = tuple(storage.shape)
-        return _contiguous_region(shape, piece.index)
+            region, within = overlaps[0]
+            copied = self.regions.copied_from.get(region.id)
+            if not region.received and not (self.alias_sources and copied is not None and self.contiguous(copied)):
+                return False
+            sizes = tuple(stop - start for start, stop in region.box)
+            return _contiguous_region(sizes, _slices(within, region))
+        storage = self._storages[piece.key][piece.storage]
+        if storage.dtype != piece.dtype or not storage.is_contiguous():
+            return False
+        return _contiguous_region(tuple(storage.shape), piece.index)
 
     def scratch_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.scratch.values())
+        return sum(t.numel() * t.element_size() for rid, t in self.scratch.items() if rid not in self._bound)
 
-    def target(self, piece: Piece) -> torch.Tensor:
-        """The storage a piece is written into."""
-        if piece.space == _SCRATCH and piece.storage not in self.scratch:
-            self.scratch[piece.storage] = torch.empty(self._shapes[piece.tensor], dtype=piece.dtype, device=self.device)
-        return self._storages[piece.key][piece.storage]
+
+_Box = tuple[tuple[int, int], ...]  # one (start, stop) per dim of a logical tensor
+
+
+@attrs.frozen
+class _Region:
+    """A region of a scratch tensor that one move writes, in step ``step``."""
+
+    id: int
+    storage: str
+    step: int
+    box: _Box
+    received: bool  # written by a receive (else by a local copy)
+
+
+class _ScratchRegions:
+    """Scratch memory of one rank's schedule as the regions its moves write, rather than
+    whole tensors: the broadcast policy gathers a tensor whole on a rank, but most of what a
+    rank receives into scratch it only forwards, and a region is freed after its last read.
+    Copies out of scratch (into a destination) are done in the step that writes each region.
+
+    Pieces are keyed by identity: the schedule's Piece objects live as long as the Executor.
+    """
+
+    def __init__(self, steps: Sequence[Step]):
+        self.written: dict[int, _Region] = {}
+        self.read: dict[int, list[tuple[_Region, _Box]]] = {}
+        self.copies_after: dict[int, list[tuple[Piece, Piece, _Region, _Box]]] = defaultdict(list)
+        self.copied_from: dict[int, Piece] = {}  # region id -> the source region a copy writes into it
+        by_storage: dict[str, list[_Region]] = defaultdict(list)
+        for n, step in enumerate(steps):
+            writes = [(w, False) for _, w in step.copies] + [(p, True) for m in step.recvs.values() for p in m.pieces]
+            for piece, received in writes:
+                if piece.space == _SCRATCH:
+                    region = _Region(len(self.written), piece.storage, n, _box_of(piece), received)
+                    self.written[id(piece)] = region
+                    by_storage[piece.storage].append(region)
+            for read, write in step.copies:
+                if write.space == _SCRATCH and read.space == _SOURCE:
+                    self.copied_from[self.written[id(write)].id] = read
+        last = {region.id: region.step for region in self.written.values()}
+        for n, step in enumerate(steps):
+            reads = [(r, w) for r, w in step.copies] + [(p, None) for m in step.sends.values() for p in m.pieces]
+            for piece, copied_to in reads:
+                if piece.space != _SCRATCH:
+                    continue
+                box = _box_of(piece)
+                overlaps = [
+                    (r, within) for r in by_storage[piece.storage] if (within := _intersect(r.box, box)) is not None
+                ]
+                self.read[id(piece)] = overlaps
+                for region, within in overlaps:
+                    if copied_to is not None:
+                        self.copies_after[region.step].append((piece, copied_to, region, within))
+                    else:
+                        last[region.id] = max(last[region.id], n)
+        self.free_after: dict[int, list[int]] = defaultdict(list)
+        for rid, n in last.items():
+            self.free_after[n].append(rid)
+
+
+def _box_of(piece: Piece) -> _Box:
+    """A scratch piece's box: scratch holds whole tensors, so its index is one slice per dim."""
+    return tuple((item.start, item.stop) for item in piece.index if isinstance(item, slice))
+
+
+def _intersect(a: _Box, b: _Box) -> _Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def _slices(box: _Box, within: _Region | Piece) -> tuple[slice, ...]:
+    """``box`` as slices of the elements of ``within`` (a region, or a piece's region)."""
+    origin = within.box if isinstance(within, _Region) else _box_of(within)
+    return tuple(slice(start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
 
 
 @attrs.define
