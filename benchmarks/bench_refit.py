@@ -251,25 +251,26 @@ def setup(text: str, path: str, memory_budget: int, dt_size: int, timeout: float
 
 
 def _raw_steps(plan, rank: int) -> list[tuple[int, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]]:
-    """The reshard plan's messages on ``rank``, step by step (layoutlang.runtime.schedule):
-    (tag, sends, receives), each message a view of a buffer allocated and touched once here,
-    one per peer and direction (sized for that peer's largest message), so that the timed
-    runs move bytes and nothing else."""
+    """The reshard plan's messages on ``rank``, step by step (layoutlang.runtime.schedule), as
+    the executor posts them (each message's transfers, Message.transfers): (tag, sends,
+    receives), each transfer a view of a buffer allocated and touched once here (one per
+    position in a step's transfers, sized for the largest), so that the timed runs move bytes
+    and nothing else."""
     from layoutlang.runtime.agreement import AGREEMENT_TAG
     from layoutlang.runtime.schedule import schedule
 
     steps = schedule(plan, rank)
     sizes: dict[tuple[str, int], int] = {}
     for step in steps:
-        for way, messages in (("send", step.sends), ("recv", step.recvs)):
-            for peer, message in messages.items():
-                sizes[(way, peer)] = max(sizes.get((way, peer), 0), message.nbytes)
+        for way, transfers in (("send", step.send_transfers), ("recv", step.recv_transfers)):
+            for k, transfer in enumerate(transfers):
+                sizes[(way, k)] = max(sizes.get((way, k), 0), transfer.wire_bytes)
     buffers = {key: torch.ones(n, dtype=torch.uint8) for key, n in sizes.items()}  # ones: pages touched
     return [
         (
             (step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the executor's tag
-            [(peer, buffers[("send", peer)][: m.wire_bytes]) for peer, m in step.sends.items()],
-            [(peer, buffers[("recv", peer)][: m.wire_bytes]) for peer, m in step.recvs.items()],
+            [(t.peer, buffers[("send", k)][: t.wire_bytes]) for k, t in enumerate(step.send_transfers)],
+            [(t.peer, buffers[("recv", k)][: t.wire_bytes]) for k, t in enumerate(step.recv_transfers)],
         )
         for step in steps
     ]

@@ -16,6 +16,7 @@ from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 from ..plan import KINDS, Plan
 from ..transport import Pending, Transport
+from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
 from .schedule import _DESTINATION, _SCRATCH, _SOURCE, Piece, Step, schedule
 
@@ -225,7 +226,7 @@ class Executor:
         in_place = not _overlapping(per_source, destinations)
         spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
         staging = self._staging(spaces, in_place=in_place, device=device)
-        packed_next: dict[int, torch.Tensor] | None = None
+        packed_next: list[tuple[int, torch.Tensor]] | None = None
         for n, step in enumerate(self.steps):
             sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
             recvs = self._receive_buffers(n, spaces, staging)
@@ -249,7 +250,8 @@ class Executor:
         """Which messages of this run travel in place (a message of one region that is
         contiguous in its storage, in the wire's dtype: sent from, or received into, the
         storage itself) and where the others are staged: arena ``n % 2`` for step ``n``,
-        grown (once, not per run) to the largest staged step of its parity.
+        grown (once, not per run) to the largest staged step of its parity. A message's
+        transfers (:meth:`~.schedule.Message.transfers`) are decided one by one.
 
         ``in_place`` is False when destination storages share memory with source storages
         (one buffer handed as both): a receive written in place could then overwrite bytes
@@ -259,12 +261,12 @@ class Executor:
         need = [0, 0]
         for n, step in enumerate(self.steps):
             staged = 0
-            for way, messages in (("send", step.sends), ("recv", step.recvs)):
-                for peer, message in messages.items():
-                    if in_place and len(message.pieces) == 1 and spaces.contiguous(message.pieces[0]):
-                        direct.add((n, way, peer))
+            for way, transfers in (("send", step.send_transfers), ("recv", step.recv_transfers)):
+                for k, transfer in enumerate(transfers):
+                    if in_place and len(transfer.pieces) == 1 and spaces.contiguous(transfer.pieces[0]):
+                        direct.add((n, way, k))
                     else:
-                        staged += message.nbytes
+                        staged += transfer.nbytes
             need[n % 2] = max(need[n % 2], staged)
         # A CPU arena that an NCCL transport copies to the GPU is pinned: the copy then runs at
         # the link's speed and does not stage once more in CUDA's own bounce buffer.
@@ -274,19 +276,19 @@ class Executor:
             arena.reserve(nbytes, device, pin)
         return _Staging(self._arenas, direct)
 
-    def _receive_buffers(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor]:
-        """Where step ``n``'s messages arrive: the region itself (in place), or the step's arena
-        after its staged sends."""
+    def _receive_buffers(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
+        """Where step ``n``'s transfers arrive: the region itself (in place), or the step's
+        arena after its staged sends."""
         step = self.steps[n]
-        out = {}
-        offset = sum(m.nbytes for peer, m in step.sends.items() if (n, "send", peer) not in staging.direct)
+        out = []
+        offset = sum(t.nbytes for k, t in enumerate(step.send_transfers) if (n, "send", k) not in staging.direct)
         buffer = staging.arena(n)
-        for peer, message in step.recvs.items():
-            if (n, "recv", peer) in staging.direct:
-                out[peer] = _wire(spaces.region(message.pieces[0]))
+        for k, transfer in enumerate(step.recv_transfers):
+            if (n, "recv", k) in staging.direct:
+                out.append((transfer.peer, _wire(spaces.region(transfer.pieces[0]))))
             else:
-                out[peer] = buffer[offset : offset + message.wire_bytes]
-                offset += message.nbytes
+                out.append((transfer.peer, buffer[offset : offset + transfer.wire_bytes]))
+                offset += transfer.nbytes
         return out
 
     def _check_and_agree(
@@ -319,11 +321,12 @@ class Executor:
         )
         return per_source
 
-    def _post(self, step: Step, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> Pending:
-        """Post the step's receives and sends at once."""
+    def _post(self, step: Step, sends: Buffers, recvs: Buffers) -> Pending:
+        """Post the step's receives and sends at once (a peer's transfers in order: transports
+        match the messages between two ranks with one tag in the order they are posted)."""
         return self.transport.exchange(
-            list(sends.items()),
-            list(recvs.items()),
+            sends,
+            recvs,
             tag=(step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the same on both ends
         )
 
@@ -355,23 +358,20 @@ class Executor:
         for read, write, region, within in self._scratch.copies_after.get(n, ()):
             spaces.region(write)[_slices(within, read)].copy_(spaces.scratch[region.id][_slices(within, region)])
 
-    def _pack_ahead(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor] | None:
+    def _pack_ahead(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]] | None:
         """Pipelining: the next step's messages, packed (into the other arena) while step ``n``
         is in flight, when they do not read what step ``n`` is about to receive (None otherwise)."""
         if n + 1 < len(self.steps) and self.steps[n + 1].sends_read_only_sources:
             return self._pack(n + 1, spaces, staging)
         return None
 
-    def _unpack(
-        self, n: int, recvs: Mapping[int, torch.Tensor], spaces: _Spaces, tally: _Tally, staging: _Staging
-    ) -> None:
-        """Copy every staged region out of its message into its place (casting on arrival);
-        a message received in place is already there."""
-        for peer, message in self.steps[n].recvs.items():
-            buf = recvs[peer]
+    def _unpack(self, n: int, recvs: Buffers, spaces: _Spaces, tally: _Tally, staging: _Staging) -> None:
+        """Copy every staged region out of its transfer into its place (casting on arrival);
+        a transfer received in place is already there."""
+        for k, (transfer, (peer, buf)) in enumerate(zip(self.steps[n].recv_transfers, recvs)):
             nbytes = 0
-            for piece, offset in zip(message.pieces, message.offsets):
-                if (n, "recv", peer) not in staging.direct:
+            for piece, offset in zip(transfer.pieces, transfer.offsets):
+                if (n, "recv", k) not in staging.direct:
                     staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
                     spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
@@ -389,26 +389,26 @@ class Executor:
         same = self.plan.domain_size and peer // self.plan.domain_size == self.rank // self.plan.domain_size
         return "domain" if same else "network"
 
-    def _pack(self, n: int, spaces: _Spaces, staging: _Staging) -> dict[int, torch.Tensor]:
-        """Step ``n``'s message to each peer: the region itself (in place), or its regions
-        copied at their offsets into the step's arena."""
-        out = {}
+    def _pack(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
+        """Step ``n``'s transfers: the region itself (in place), or its regions copied at their
+        offsets into the step's arena."""
+        out = []
         buffer = staging.arena(n)
         offset = 0
-        for peer, message in self.steps[n].sends.items():
-            if (n, "send", peer) in staging.direct:
-                out[peer] = _wire(spaces.view(message.pieces[0]))
+        for k, transfer in enumerate(self.steps[n].send_transfers):
+            if (n, "send", k) in staging.direct:
+                out.append((transfer.peer, _wire(spaces.view(transfer.pieces[0]))))
                 continue
-            buf = buffer[offset : offset + message.wire_bytes]
-            for piece, at in zip(message.pieces, message.offsets):
+            buf = buffer[offset : offset + transfer.wire_bytes]
+            for piece, at in zip(transfer.pieces, transfer.offsets):
                 staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
                 if piece.space == _SCRATCH:  # from the regions that hold it
                     for where, value in spaces.parts(piece):
                         staged[where].copy_(value)
                 else:
                     staged.copy_(spaces.view(piece))
-            out[peer] = buf
-            offset += message.nbytes
+            out.append((transfer.peer, buf))
+            offset += transfer.nbytes
         return out
 
 
@@ -618,8 +618,8 @@ class _Arena:
 
 @attrs.frozen
 class _Staging:
-    """One run's staging: the arenas, and the messages (step, "send" or "recv", peer) that
-    travel in place."""
+    """One run's staging: the arenas, and the transfers (step, "send" or "recv", index in the
+    step's transfers that way) that travel in place."""
 
     arenas: tuple[_Arena, _Arena]
     direct: set[tuple[int, str, int]]
