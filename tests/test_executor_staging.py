@@ -194,6 +194,19 @@ def test_a_destination_that_is_its_own_source_is_staged():
         assert check.ok, (r, check.mismatches)
 
 
+def test_a_region_whose_size_one_dim_has_any_stride_is_sent_from_its_own_memory():
+    # the local tensor of distribute_tensor(...).t(): (6, 1) with strides (1, 6), which torch
+    # calls contiguous; a row of it, (1, 1) with strides (1, 6), is one element
+    from layoutlang.runtime.executor import _wire
+
+    full = torch.arange(54, dtype=torch.float32).view(9, 6)
+    region = full[8:9].t()[1:2, 0:1]
+    wire = _wire(region)
+    assert wire.data_ptr() == region.data_ptr() and wire.numel() == 4
+    assert wire.view(torch.float32).item() == full[8, 1].item()
+    assert _wire(torch.tensor(3.0)).view(torch.float32).item() == 3.0
+
+
 # ----------------------------------------------------------------------- over gloo
 
 # Large regions (>= OWN_TRANSFER_BYTES) travel as transfers of their own, several to one peer

@@ -649,7 +649,9 @@ def _contiguous_region(shape: Sequence[int], index: Sequence[slice | int]) -> bo
 
 def _wire(region: torch.Tensor) -> torch.Tensor:
     """A contiguous region as the 1-D uint8 buffer a transport moves (the same memory)."""
-    return region.reshape(-1).view(torch.uint8)
+    # as_strided, not reshape: torch calls a tensor with a dim of size 1 contiguous whatever
+    # that dim's stride, and reshape may keep the stride ((1, 1) with strides (1, 6) -> (1,) with 6)
+    return region.as_strided((region.numel(),), (1,)).view(torch.uint8)
 
 
 def _overlapping(
