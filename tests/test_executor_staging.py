@@ -207,6 +207,19 @@ def test_a_region_whose_size_one_dim_has_any_stride_is_sent_from_its_own_memory(
     assert _wire(torch.tensor(3.0)).view(torch.float32).item() == 3.0
 
 
+def test_overlap_of_storages_is_found_among_thousands_of_them():
+    # the check that turns in-place transfers off runs at every run: a sweep, not all pairs
+    from layoutlang.runtime.executor import _overlapping
+
+    flat = torch.empty(4096 * 16)
+    sources = {f"s{i}": flat[i * 16 : (i + 1) * 16] for i in range(0, 4096, 2)}  # every other slab
+    apart = {f"d{i}": flat[i * 16 : (i + 1) * 16] for i in range(1, 4096, 2)}  # the slabs between
+    assert not _overlapping([sources], apart)
+    assert _overlapping([sources], {**apart, "x": flat[100:101]})  # inside slab 6
+    assert _overlapping([sources], {"y": flat[20:44]})  # across slabs 1 and 2
+    assert not _overlapping([sources], {"z": torch.empty(16)})
+
+
 # ----------------------------------------------------------------------- over gloo
 
 # Large regions (>= OWN_TRANSFER_BYTES) travel as transfers of their own, several to one peer

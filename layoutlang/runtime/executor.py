@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -657,16 +659,21 @@ def _wire(region: torch.Tensor) -> torch.Tensor:
 def _overlapping(
     sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
 ) -> bool:
-    """Whether any destination storage shares memory with any source storage."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        base = t.untyped_storage()
-        return (base.data_ptr(), base.data_ptr() + base.nbytes())
+    """Whether any destination storage shares memory with any source storage (a sweep over
+    the sorted spans of their memory: a rank may hold thousands of storages)."""
 
-    held = [span(t) for given in sources for t in given.values() if t.numel()]
+    def span(t: torch.Tensor) -> tuple[int, int]:  # the bytes a (possibly strided) view can touch
+        extent = sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride())) + 1
+        return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
+
+    held = sorted(span(t) for given in sources for t in given.values() if t.numel())
+    starts = [start for start, _ in held]
+    reach = list(itertools.accumulate((stop for _, stop in held), max))  # furthest end so far
     for t in destinations.values():
         if t.numel():
             start, stop = span(t)
-            if any(start < s_stop and s_start < stop for s_start, s_stop in held):
+            k = bisect.bisect_left(starts, stop)  # the source spans that start before this one ends
+            if k and reach[k - 1] > start:
                 return True
     return False
 
