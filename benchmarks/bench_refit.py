@@ -11,6 +11,12 @@ of 2 ranks):
     Both Resharders get ``memory_budget`` 256 MiB (``--memory-budget``; the Resharder's
     default is 512 MiB), so the plans run in several buckets of 128 MiB, below the size
     of the largest tensors (500 MiB embedding, 172 MiB MLP projections).
+``raw``
+    the wire speed of this machine: the reshard plan's messages, as the executor posts them
+    (``layoutlang.runtime.schedule``: per step, each peer's transfers), sent with plain
+    ``torch.distributed`` isend/irecv by the same processes from buffers allocated and
+    touched at setup; nothing is packed, copied or checked. The target: reshard within
+    1 / 0.8 of its time (raw/reshard >= 0.8, best and median).
 ``broadcast``
     the same ``Resharder`` with ``policy="broadcast"``: every tensor is gathered whole on a
     training rank and broadcast whole to every inference rank (the common refit).
@@ -31,7 +37,7 @@ Timing: before each run every worker resets its destinations to NaN and its peak
 all 8 workers meet at a barrier; a rank's time runs from the barrier to the end of its own
 part (for DCP: save on the training ranks, a barrier, load on the inference ranks); the time
 of a run is the maximum over ranks. Each method has one warm-up run, then ``--runs`` timed
-runs (3 by default), taken round-robin over the methods (a, b, c, d, a, b, c, d, ...) so that
+runs (5 by default), taken round-robin over the methods (a, b, c, d, a, b, c, d, ...) so that
 load from other processes on the machine does not fall on one method only; the table shows
 the best run (and the median); the load average is printed with every run. Every run of every
 method is verified: each destination storage is compared bit for bit with the synthetic
@@ -39,8 +45,11 @@ truth (after the warm-up, box by box with ``layoutlang.io.weights.verify``).
 
 Memory: peak RSS growth per rank during a run: the kernel's high-water mark is reset
 (``/proc/self/clear_refs``), then ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` after the
-run minus the RSS at the reset. For layoutlang also ``RunReport.peak_staging_bytes`` (the
-staging buffers in flight), checked against the Resharder's ``memory_budget``.
+run minus the RSS at the reset, the largest over the runs (the warm-up included, where the
+executor's staging arenas are allocated), checked per rank against ``memory_budget`` plus
+the rank's own storages (sources and destinations). For layoutlang also
+``RunReport.peak_staging_bytes`` (both arenas and the live scratch), checked against the
+Resharder's ``memory_budget``.
 
 CPU: user + system seconds of every rank during its timed part (all threads), summed over
 ranks; on a shared machine it is steadier than wall time. It leaves out the kernel's
@@ -90,7 +99,10 @@ WORLD = 8
 MiB = 2**20
 GiB = 2**30
 REFIT_METHODS = ("reshard", "broadcast", "dcp")
+RAW = "raw"  # the reshard plan's messages sent with plain isend/irecv: the wire speed of this machine
+RAW_TARGET = 0.8  # reshard must take at most 1 / 0.8 of raw point-to-point's time
 DTENSOR_METHODS = ("dtensor", "dtensor-ll")
+ALL_METHODS = ("reshard", RAW, *REFIT_METHODS[1:], *DTENSOR_METHODS)
 TARGETS = {"broadcast": 3.0, "dcp": 2.0}  # reshard must be at least this many times faster
 
 # ----------------------------------------------------------------------------- workers
@@ -200,6 +212,7 @@ def setup(text: str, path: str, memory_budget: int, dt_size: int, timeout: float
     }
     plan = resharders["reshard"].plan
     src, dst = plan.source, plan.destination
+    _STATE["raw_steps"] = _raw_steps(plan, rank)
     sources = resharders["reshard"].allocate("source")
     if rank in src.mesh:
         fill_synthetic(src, rank, sources)
@@ -246,6 +259,39 @@ def setup(text: str, path: str, memory_budget: int, dt_size: int, timeout: float
     }
 
 
+def _raw_steps(plan, rank: int) -> list[tuple[int, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]]:
+    """The reshard plan's messages on ``rank``, step by step (layoutlang.runtime.schedule), as
+    the executor posts them (each message's transfers, Message.transfers): (tag, sends,
+    receives), each transfer a view of one buffer allocated and touched once here (as large
+    as the largest step), so that the timed runs move bytes and nothing else."""
+    from layoutlang.runtime.agreement import AGREEMENT_TAG
+    from layoutlang.runtime.schedule import schedule
+
+    steps = schedule(plan, rank)
+    transfers = [[*step.send_transfers, *step.recv_transfers] for step in steps]
+    # one buffer for every step (a step's transfers side by side), touched once: ones
+    buffer = torch.ones(max((sum(t.wire_bytes for t in ts) for ts in transfers), default=0), dtype=torch.uint8)
+    out = []
+    for step in steps:
+        views, offset = [], 0
+        for t in (*step.send_transfers, *step.recv_transfers):
+            views.append((t.peer, buffer[offset : offset + t.wire_bytes]))
+            offset += t.wire_bytes
+        sends = len(step.send_transfers)
+        out.append(((step.bucket * 4 + step.stage) % AGREEMENT_TAG, views[:sends], views[sends:]))  # the executor's tag
+    return out
+
+
+def _raw_run() -> None:
+    """The reshard plan's messages with plain torch.distributed isend/irecv, step by step as
+    the executor posts them (every receive and send of a step at once, then wait)."""
+    for tag, sends, recvs in _STATE["raw_steps"]:
+        ops = [dist.P2POp(dist.irecv, buf, peer, None, tag) for peer, buf in recvs]
+        ops += [dist.P2POp(dist.isend, buf, peer, None, tag) for peer, buf in sends]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -273,6 +319,8 @@ def run_method(method: str, checkpoint: str | None, independent: bool) -> dict[s
         resharder = _STATE["resharders"][method]
         resharder.run(_STATE["sources"], destinations)
         report = resharder.last_report
+    elif method == RAW:
+        _raw_run()
     elif method == "dcp":
         import torch.distributed.checkpoint as dcp
 
@@ -382,6 +430,7 @@ def _summarize(method: str, runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
         kinds = ("local", "domain", "network")
         summary["sent"] = {k: sum(r["report"]["sent"][k] for r in best_run) for k in kinds}
         summary["received"] = {k: sum(r["report"]["received"][k] for r in best_run) for k in kinds}
+        summary["network_and_domain_bytes"] = summary["sent"]["domain"] + summary["sent"]["network"]
         summary["executor_seconds"] = max(r["report"]["seconds"] for r in best_run)
         summary["peak_staging_per_rank"] = [
             max(run[k]["report"]["peak_staging_bytes"] for run in runs) for k in range(WORLD)
@@ -396,21 +445,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="dims / 8 and one timed run: a smoke test")
     parser.add_argument("--layout", default=str(HERE / "refit_1g.layout"), help="the program (8 ranks, 0..7)")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs after the warm-up (default 3; --quick 1)")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs after the warm-up (default 5; --quick 1)")
     parser.add_argument("--memory-budget", type=int, default=256 * MiB,
                         help="Resharder memory_budget in bytes (default 256 MiB: buckets of 128 MiB)")
     parser.add_argument("--dtensor-size", type=int, default=None, help="rows = cols of the one-mesh tensors (8192)")
     parser.add_argument(
-        "--only", default=None, help="comma-separated methods: " + ",".join(REFIT_METHODS + DTENSOR_METHODS)
+        "--only", default=None, help="comma-separated methods: " + ",".join(ALL_METHODS)
     )
     parser.add_argument("--tmp", default=None, help="folder for the DCP checkpoint (default: the system temp dir)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds a worker task may take")
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args(argv)
 
-    runs = args.runs if args.runs is not None else (1 if args.quick else 3)
+    runs = args.runs if args.runs is not None else (1 if args.quick else 5)
     dt_size = args.dtensor_size or (1024 if args.quick else 8192)
-    methods = [m for m in REFIT_METHODS + DTENSOR_METHODS if args.only is None or m in args.only.split(",")]
+    methods = [m for m in ALL_METHODS if args.only is None or m in args.only.split(",")]
     path = Path(args.layout)
     text = path.read_text("utf-8")
     if args.quick:
@@ -449,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint_root = tempfile.mkdtemp(prefix="bench_refit_dcp_", dir=args.tmp)
     summaries: dict[str, dict[str, Any]] = {}
+    infos: list[dict[str, Any]] = []
     failed = False
     started = time.perf_counter()
     try:
@@ -474,9 +524,9 @@ def main(argv: list[str] | None = None) -> int:
                     collected[method].append(result)
                     t = max(r["seconds"] for r in result)
                     ok = all(not r["mismatches"] for r in result)
+                    verdict = "not checked" if method == RAW else "verified" if ok else "VERIFICATION FAILED"
                     print(f"  {method:<10} {'warm-up' if n == 0 else f'run {n}':<8} {t:8.3f} s  "
-                          f"{'verified' if ok else 'VERIFICATION FAILED'}  (load average {os.getloadavg()[0]:.1f})",
-                          flush=True)
+                          f"{verdict}  (load average {os.getloadavg()[0]:.1f})", flush=True)
             for method in methods:
                 summaries[method] = _summarize(method, collected[method])
                 if method == "dcp":
@@ -488,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(checkpoint_root, ignore_errors=True)
 
     if summaries:
-        failed |= _print_results(summaries, args.memory_budget, logical, 4 * dt_size * dt_size * 4)
+        own = [i["source_bytes"] + i["destination_bytes"] for i in infos] if infos else None
+        failed |= _print_results(summaries, args.memory_budget, logical, 4 * dt_size * dt_size * 4, own)
     if args.json:
         Path(args.json).write_text(json.dumps({"summaries": summaries, "memory_budget": args.memory_budget,
                                                "logical_bytes": logical, "quick": args.quick,
@@ -497,10 +548,19 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: int, dt_logical: int) -> bool:
+def _verdict(summary: dict[str, Any]) -> str:
+    if not summary["checked_ranks"]:
+        return "-"  # raw p2p moves the plan's bytes, not the weights: nothing to compare
+    return "yes" if summary["verified"] else "NO"
+
+
+def _print_results(
+    summaries: dict[str, dict[str, Any]], budget: int, logical: int, dt_logical: int, own: list[int] | None
+) -> bool:
     failed = False
     labels = {
         "reshard": "(a) layoutlang reshard",
+        RAW: "(a') raw isend/irecv, same messages",
         "broadcast": "(b) layoutlang gather-and-broadcast",
         "dcp": "(c) DCP save + load",
         "dtensor": "(d) DTensor.redistribute",
@@ -524,7 +584,7 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
         rss = max(s["rss_growth_per_rank"])
         print(f"{labels[method]:<37} {s['best_seconds']:8.3f} {'(' + format(s['median_seconds'], '.3f') + ')':>9} "
               f"{s['cpu_seconds']:7.2f}  "
-              f"{moved:<44} {_size(rss):>20}  {'yes' if s['verified'] else 'NO'}")
+              f"{moved:<44} {_size(rss):>20}  {_verdict(s)}")
         if not s["verified"]:
             failed = True
     print()
@@ -550,6 +610,14 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
     print()
     print("targets")
     a = summaries.get("reshard")
+    if a and RAW in summaries:
+        raw = summaries[RAW]
+        best, median = raw["best_seconds"] / a["best_seconds"], raw["median_seconds"] / a["median_seconds"]
+        rate = a["network_and_domain_bytes"] / a["best_seconds"] / 1e9
+        raw_rate = a["network_and_domain_bytes"] / raw["best_seconds"] / 1e9
+        verdict = "met" if min(best, median) >= RAW_TARGET else "MISSED"
+        print(f"  reshard vs raw p2p: raw/reshard {best:.2f}x best, {median:.2f}x median (target >= {RAW_TARGET:g}x "
+              f"both): {verdict}  [{rate:.2f} GB/s against {raw_rate:.2f} GB/s of messages between ranks]")
     if a:
         for other, target in TARGETS.items():
             if other in summaries:
@@ -564,6 +632,17 @@ def _print_results(summaries: dict[str, dict[str, Any]], budget: int, logical: i
                 peak = max(summaries[method]["peak_staging_per_rank"])
                 verdict = "met" if peak <= budget else "MISSED"
                 print(f"  {method} peak staging {_size(peak)} <= memory_budget {_size(budget)}: {verdict}")
+    if own is not None:
+        # a run may hold the memory budget (staging, scratch) and, at most, a rank's own storages
+        # again (a copy of what it holds); the storages themselves were allocated at setup
+        for method in ("reshard", "broadcast"):
+            if method in summaries:
+                growth = summaries[method]["rss_growth_per_rank"]
+                over = [k for k in range(WORLD) if growth[k] > budget + own[k]]
+                verdict = "met" if not over else f"MISSED on ranks {over}"
+                print(f"  {method} peak RSS growth per rank <= memory_budget + the rank's own storages: {verdict}")
+                print("    growth MiB: " + " ".join(f"{g / MiB:6.0f}" for g in growth))
+                print("    bound  MiB: " + " ".join(f"{(budget + o) / MiB:6.0f}" for o in own))
     if "dtensor" in summaries and "dtensor-ll" in summaries:
         ratio = summaries["dtensor"]["best_seconds"] / summaries["dtensor-ll"]["best_seconds"]
         print(f"  one mesh: layoutlang redistribute vs DTensor.redistribute: {ratio:.2f}x "

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from layoutlang.cli.plan import MAX_PLAN_RANKS, _check_size, _Progress
+from layoutlang.cli.plan import MAX_PLAN_RANKS, check_plan_size
+from layoutlang.cli.progress import Progress
 from layoutlang.errors import (
     MESSAGE_LIMIT,
     SOURCE_WINDOW,
@@ -32,7 +33,15 @@ from layoutlang.errors import (
 )
 from layoutlang.io._files import MAX_JSON_BYTES, open_regular, read_json_object, read_limited
 from layoutlang.lang import elaborate, load, loads
-from layoutlang.lang.limits import MAX_EMBEDDED_EXPRESSION, MAX_MESH_RANKS, MAX_PROGRAM_BYTES, MAX_PROGRAM_TOKENS
+from layoutlang.lang import tensors as lang_tensors
+from layoutlang.lang.limits import (
+    MAX_EMBEDDED_EXPRESSION,
+    MAX_INCLUDE_DEPTH,
+    MAX_MESH_RANKS,
+    MAX_PROGRAM_BYTES,
+    MAX_PROGRAM_TENSORS,
+    MAX_PROGRAM_TOKENS,
+)
 from layoutlang.lang.parser import TokenBudget
 
 pytestmark = pytest.mark.timeout(120)
@@ -119,6 +128,15 @@ def test_dev_zero_as_a_config_is_refused(tmp_path, statement):
     program.write_text(statement + "\n")
     result, seconds = cli("check", str(program))
     assert_refused(result, seconds, "/dev/zero: Hugging Face config is a character device")
+
+
+@pytest.mark.parametrize("target", ["fifo", "/dev/zero"])
+def test_a_fifo_or_a_device_as_a_safetensors_file_is_refused(tmp_path, fifo, target):
+    path = str(fifo) if target == "fifo" else target
+    program = tmp_path / "import.layout"
+    program.write_text(f'tensors from safetensors "{path}"\n')
+    result, seconds = cli("check", str(program))
+    assert_refused(result, seconds, f"{path}: safetensors file is", "not a regular file")
 
 
 def test_open_regular_refuses_a_fifo_at_once_and_opens_a_file(tmp_path, fifo):
@@ -270,6 +288,15 @@ def test_a_plan_of_two_meshes_of_the_most_ranks_is_refused_before_compiling(tmp_
     assert check.returncode == ExitCode.OK and seconds < QUICK_S, check.stderr
 
 
+@pytest.mark.parametrize("elastic", [(), ("--elastic",)], ids=["plain", "elastic"])
+def test_apply_refuses_more_local_workers_than_one_machine_runs_before_starting_any(tmp_path, elastic):
+    from layoutlang.cli.apply import MAX_LOCAL_WORKERS
+
+    program = _two_meshes(tmp_path, 512)  # 1,024 ranks: 1,024 processes importing torch
+    result, seconds = cli("apply", str(program), *elastic)
+    assert_refused(result, seconds, "needs 1,024 worker processes", f"at most {MAX_LOCAL_WORKERS} on one machine")
+
+
 def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
     ranks = MAX_PLAN_RANKS // 2 + 1  # two meshes of this many ranks: over the limit, unless they share them
 
@@ -281,14 +308,15 @@ def test_the_rank_limit_counts_the_ranks_both_meshes_share_once():
             'layout b on infer { "w": dp = shard(0) }\nreshard a -> b\n'
         )
 
-    _check_size(loads(program(0)), None)  # colocated: ranks in all, within the limit
+    check_plan_size(loads(program(0)), None)  # colocated: ranks in all, within the limit
     with pytest.raises(LayoutValueError, match=f"holds? {2 * ranks:,} ranks"):
-        _check_size(loads(program(ranks)), None)
+        check_plan_size(loads(program(ranks)), None)
 
 
 def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
-    progress = _Progress(as_json=False)
-    progress.AFTER = progress.EVERY = 0.1
+    progress = Progress("plan", as_json=False)
+    assert progress.after == Progress.AFTER_OTHERWISE  # pytest's stderr is no terminal
+    progress.after = progress.every = 0.1
     with progress.step("compiling the plan"):
         time.sleep(0.35)
     lines = capsys.readouterr().err.splitlines()
@@ -297,8 +325,8 @@ def test_a_long_step_says_what_it_does_and_a_short_one_is_silent(capsys):
     with progress.step("validating the plan"):
         pass
     assert capsys.readouterr().err == ""
-    as_json = _Progress(as_json=True)
-    as_json.AFTER = as_json.EVERY = 0.1
+    as_json = Progress("check", as_json=True)
+    as_json.after = as_json.every = 0.1
     with as_json.step("validating the plan"):
         time.sleep(0.15)
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
@@ -344,3 +372,50 @@ def test_a_message_quoting_megabytes_of_input_is_bounded(tmp_path):
     as_json, _ = cli("check", "--json", str(program))
     error = json.loads(as_json.stderr.splitlines()[0])
     assert error["error"] == "name" and len(error["message"]) <= MESSAGE_LIMIT and error["line"] == 3
+
+
+def test_a_program_holds_at_most_max_program_tensors(monkeypatch):
+    # the real limit, 2^20, is the same code and takes seconds to fill
+    assert MAX_PROGRAM_TENSORS == 1 << 20
+    monkeypatch.setattr(lang_tensors, "MAX_PROGRAM_TENSORS", 100)
+    assert len(loads('tensor "a{l}" [4] fp32 for l in 0..59\ntensor "b{l}" [4] fp32 for l in 0..39\n').tensors) == 100
+    with pytest.raises(
+        LayoutValueError, match=r"would hold 110 tensors \(60 declared before this statement, 50 by it\)"
+    ):
+        loads('tensor "a{l}" [4] fp32 for l in 0..59\ntensor "b{l}" [4] fp32 for l in 0..49\n')
+    with pytest.raises(LayoutValueError, match="at most 100") as info:
+        loads('tensor "a{l}" [4] fp32 for l in 0..99\ntensor "b" [4] fp32\n')
+    assert info.value.span is not None and info.value.span.line == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "Hugging Face config nests too deeply to be read"),
+        ('{"num_hidden_layers": ' + "9" * 5000 + "}", "Hugging Face config cannot be read: Exceeds the limit"),
+    ],
+)
+def test_json_python_cannot_hold_is_a_model_description_error(tmp_path, text, reason):
+    config = tmp_path / "config.json"
+    config.write_text(text)
+    with pytest.raises(ModelDescriptionError) as info:
+        read_json_object(config, "Hugging Face config")
+    assert info.value.message.startswith(f"{config}: {reason}")
+    assert "set_int_max_str_digits" not in info.value.message
+
+
+def test_includes_nest_at_most_max_include_depth_files_deep(tmp_path):
+    def chain(files: int) -> Path:
+        folder = tmp_path / f"chain{files}"
+        folder.mkdir()
+        for i in range(files):
+            last = i == files - 1
+            (folder / f"f{i}.layout").write_text("let a = 1\n" if last else f'include "f{i + 1}.layout"\n')
+        return folder / "f0.layout"
+
+    assert load(chain(MAX_INCLUDE_DEPTH)).constants["a"] == 1
+    with pytest.raises(LayoutIncludeError, match=f"nest more than {MAX_INCLUDE_DEPTH} files deep") as info:
+        load(chain(MAX_INCLUDE_DEPTH + 1))
+    span = info.value.span
+    assert span is not None and span.path.endswith(f"f{MAX_INCLUDE_DEPTH - 1}.layout")
+    assert len(span.included_from) == MAX_INCLUDE_DEPTH - 1

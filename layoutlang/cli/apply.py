@@ -19,6 +19,7 @@ from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype
 from ..plan import POLICIES
 from . import arguments
+from .torchrun import environment_is_torchrun
 
 HELP = "run a refit for real and verify every destination byte"
 DESCRIPTION = (
@@ -247,6 +248,27 @@ def _rank_at_step(text: str) -> tuple[int, int]:
     return int(rank), int(step)
 
 
+#: The most worker processes the local launcher starts (one per rank, all on this machine,
+#: each importing torch: a few hundred MB apiece); a larger job runs under torchrun.
+MAX_LOCAL_WORKERS = 64
+
+
+def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> None:
+    """Refuse, before torch is imported and any process starts, a local launch of more
+    workers than one machine runs (ranks 0 to the reshard's highest, and the replacements)."""
+    if environment_is_torchrun():
+        return  # torchrun starts the processes, wherever it was told to
+    statement = (program := load(args.file)).reshard(args.reshard)
+    ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
+    processes = max(ranks) + 1 + replacements
+    if processes > MAX_LOCAL_WORKERS:
+        raise LayoutValueError(
+            f"{args.file}: the reshard needs {processes:,} worker processes (one per rank); the local launcher "
+            f"starts at most {MAX_LOCAL_WORKERS} on one machine",
+            hint="run it under torchrun, one process per rank across the hosts (the refit tutorial's step 7)",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.elastic:
         return _apply_elastic(args)
@@ -270,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
             # under torchrun every process checks here, before any joins the job: none has written yet
             prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir)
 
+    _check_local_workers(args)
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
     from .launch import WorkerError
@@ -289,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         transport=args.transport,
     )
-    if job.environment_is_torchrun():
+    if environment_is_torchrun():
         reports = job.run_torchrun(options, args.device)
         if reports is None:
             return ExitCode.OK
@@ -318,9 +341,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _apply_elastic(args: argparse.Namespace) -> int:
+    _check_local_workers(args, len(args.kill) + len(args.stop) if args.replace else 0)
     # The jobs import torch: here, so that the other commands start without it.
     from . import elastic_job as job
-    from .apply_job import environment_is_torchrun, participants_of
+    from .apply_job import participants_of
 
     refused = [
         flag

@@ -356,7 +356,3 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     out["peak_rss_growth_bytes"] = max((r.get("peak_rss_growth_bytes", 0) for r in active), default=0)
     out["ok"] = all(not v["mismatches"] for v in out["runs"].values())
     return out
-
-
-def environment_is_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))

@@ -1,4 +1,9 @@
-"""``layoutlang check``: parse, elaborate and resolve programs; report every mistake."""
+"""``layoutlang check``: parse, elaborate and resolve programs; report every mistake.
+
+Reading or checking a file that takes more than a couple of seconds (a program of a
+hundred thousand tensors, meshes of a million ranks) is named on stderr while it runs
+(:class:`~.progress.Progress`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 
 from ..errors import ExitCode, LayoutError
 from ..lang import load
+from .progress import Progress
 from .report import print_error
 
 HELP = "validate .layout files"
@@ -25,10 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     results = []
     status = ExitCode.OK
+    progress = Progress("check", args.json)
     for path in args.files:
         try:
-            program = load(path)
-            program.check()
+            with progress.step(f"reading {path}"):
+                program = load(path)
+            with progress.step(f"checking {path}"):
+                program.check()
         except LayoutError as err:
             status = ExitCode.BAD_INPUT
             print_error(err, args.json)
@@ -48,4 +57,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results, indent=2))
     return status
-

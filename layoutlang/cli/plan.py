@@ -2,25 +2,21 @@
 
 A plan whose two meshes hold more than :data:`MAX_PLAN_RANKS` ranks is refused before
 anything is compiled, and a step that runs longer than a couple of seconds says so on
-stderr (:class:`_Progress`), so a large plan is never minutes of silence.
+stderr (:class:`~.progress.Progress`), so a large plan is never minutes of silence.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
 import json
-import sys
-import threading
-import time
-from collections.abc import Iterator
 
 from ..errors import ExitCode, LayoutValueError
 from ..lang import load
 from ..model import Program
 from ..plan import POLICIES, Move, Plan, compile_plan
 from . import arguments
+from .progress import Progress
 from .report import plan_report
 
 #: ranks the two meshes of a plan may hold together (65,536). The planner compares every
@@ -29,6 +25,8 @@ from .report import plan_report
 #: 2.6 s to compile, four times as long at each doubling (10 s at this limit, hours at two
 #: meshes of MAX_MESH_RANKS). The largest scale target (a 2.4T model) has 1,024 + 1,024.
 MAX_PLAN_RANKS = 1 << 16
+
+__all__ = ["MAX_PLAN_RANKS", "add_arguments", "check_plan_size", "run"]
 
 HELP = "compile the plan of a reshard statement and print its statistics"
 DESCRIPTION = (
@@ -57,61 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one policy for every tensor, overriding the statement's rules",
     )
     parser.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
-    parser.add_argument(
-        "--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline"
-    )
+    parser.add_argument("--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline")
     parser.add_argument(
         "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
     )
     parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
 
 
-class _Progress:
-    """Says on stderr what a long ``plan`` is doing: a step still running after
-    :attr:`AFTER` seconds is named with its time, again every :attr:`EVERY` seconds, and
-    its end is reported. Quick plans print nothing, so outputs stay as they were. With
-    ``--json`` each line is a JSON object (``{"progress": ..., "seconds": ...}``)."""
-
-    AFTER = 2.0
-    EVERY = 10.0
-
-    def __init__(self, as_json: bool) -> None:
-        self._json = as_json
-
-    def _say(self, what: str, seconds: float, done: bool = False) -> None:
-        if self._json:
-            line = json.dumps({"progress": what, "seconds": round(seconds, 1), "done": done})
-        else:
-            line = f"layoutlang plan: {what}: {'done in' if done else 'running for'} {seconds:.0f} s"
-        print(line, file=sys.stderr, flush=True)
-
-    @contextlib.contextmanager
-    def step(self, what: str) -> Iterator[None]:
-        finished = threading.Event()
-        start = time.monotonic()
-        announced = False
-
-        def watch() -> None:  # the planner's C++ releases the GIL, so this runs while it works
-            nonlocal announced
-            wait = self.AFTER
-            while not finished.wait(wait):
-                announced = True
-                self._say(what, time.monotonic() - start)
-                wait = self.EVERY
-
-        watcher = threading.Thread(target=watch, name="plan-progress", daemon=True)
-        watcher.start()
-        try:
-            yield
-        finally:
-            finished.set()
-            watcher.join()
-            if announced:
-                self._say(what, time.monotonic() - start, done=True)
-
-
-def _check_size(program: Program, reshard: str | None) -> None:
-    """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it."""
+def check_plan_size(program: Program, reshard: str | None) -> None:
+    """Refuse a reshard whose meshes hold more than MAX_PLAN_RANKS ranks, before compiling it
+    (any command that compiles a program's plan may call it first)."""
     statement = program.reshard(reshard)
     source, destination = program.layout(statement.source).mesh, program.layout(statement.destination).mesh
     ranks = len(set(source.ranks).union(destination.ranks))
@@ -126,10 +79,10 @@ def _check_size(program: Program, reshard: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    progress = _Progress(args.json)
+    progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
         program = load(args.file)
-    _check_size(program, args.reshard)
+    check_plan_size(program, args.reshard)
     with progress.step("checking the layouts"):
         program.check()
     with progress.step("compiling the plan"):
@@ -170,7 +123,6 @@ def run(args: argparse.Namespace) -> int:
         lines += ["", f"plan written to {args.out}"]
     print("\n".join(lines))
     return ExitCode.OK
-
 
 
 def _explained(plan: Plan, move: Move) -> str:

@@ -134,6 +134,11 @@ def parse_json_object(file: str | os.PathLike[str], raw: bytes, what: str) -> di
         raise ModelDescriptionError(
             f"{file}: {what} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
+    except RecursionError:  # arrays or objects nested thousands deep: no config or index is
+        raise ModelDescriptionError(f"{file}: {what} nests too deeply to be read") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (4,300)
+        reason = str(exc).split(";")[0]  # not Python's advice on raising its limit
+        raise ModelDescriptionError(f"{file}: {what} cannot be read: {reason}") from None
     if not isinstance(value, dict):
         raise ModelDescriptionError(f"{file}: {what} must be a JSON object, not {type(value).__name__}")
     return value

@@ -62,22 +62,70 @@ def _modulus(dtype: str) -> int:
     return {"bool": 2, "fp8_e4m3": 17, "fp8_e5m2": 17, "uint8": 251}.get(dtype, 251)
 
 
+#: elements computed at once (8 MiB of int64 intermediates): a box's values are made in
+#: slabs of at most this many, so making them costs about the box in its own dtype
+SYNTHETIC_CHUNK = 1 << 20
+
+
 def synthetic_box(
     tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int = 0
 ) -> torch.Tensor:
     """The synthetic values of a box of a logical tensor (same on every rank); each
     ``version`` (a training step) gives other values."""
+    out = torch.empty(tuple(sizes), dtype=torch_dtype(dtype))
+    _fill_box(out, tensor_index, shape, dtype, offsets, sizes, version)
+    return out
+
+
+def _fill_box(
+    out: torch.Tensor, tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int
+) -> None:
+    """Write a box's synthetic values into ``out`` (any view of the box's sizes, any dtype),
+    one slab of at most SYNTHETIC_CHUNK elements at a time: the int64 element indices of a
+    500 MiB embedding box would take 1 GiB, and the arithmetic on them several times that."""
+    sizes = tuple(sizes)
+    if not sizes:
+        out[...] = _synthetic_values(tensor_index, shape, dtype, (), (), version).to(out.device)
+        return
+    # the leading dims of the box that a slab spans one index of (the rest it spans whole)
+    inner = 1
+    split = len(sizes)
+    while split > 0 and inner * sizes[split - 1] <= SYNTHETIC_CHUNK:
+        split -= 1
+        inner *= sizes[split]
+    if split == 0:
+        out[...] = _synthetic_values(tensor_index, shape, dtype, offsets, sizes, version).to(out.device)
+        return
+    # dim ``split - 1`` is cut into runs of ``rows`` indices, every dim before it one by one
+    rows = max(1, SYNTHETIC_CHUNK // inner)
+    for head in np.ndindex(*sizes[: split - 1]):
+        for start in range(0, sizes[split - 1], rows):
+            n = min(rows, sizes[split - 1] - start)
+            sub_offsets = (
+                *(o + h for o, h in zip(offsets, head)), offsets[split - 1] + start, *offsets[split:]
+            )
+            sub_sizes = (*(1,) * len(head), n, *sizes[split:])
+            values = _synthetic_values(tensor_index, shape, dtype, sub_offsets, sub_sizes, version)
+            where = (*head, slice(start, start + n))
+            out[where] = values.view(sub_sizes[split - 1 :]).to(out.device)
+
+
+def _synthetic_values(
+    tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int
+) -> torch.Tensor:
+    """A (small) box's synthetic values: the formula, on int64 element indices."""
     index = torch.zeros((), dtype=torch.int64)
     stride = 1
     for d in reversed(range(len(shape))):
         axis = torch.arange(offsets[d], offsets[d] + sizes[d], dtype=torch.int64) * stride
         index = index + axis.view([-1] + [1] * (len(shape) - 1 - d))
         stride *= shape[d]
-    index = index.expand(tuple(sizes)) if sizes else index
+    # every dim added an axis: ``index`` is a fresh tensor of the box's shape, so the
+    # arithmetic runs in place on it (one slab of int64, not one per operation)
     m = _modulus(dtype)
-    values = (index * 40503 + (tensor_index + 1) * 12345 + version * 7919) % m
+    values = index.mul_(40503).add_((tensor_index + 1) * 12345 + version * 7919).remainder_(m)
     if dtype not in ("uint8", "bool"):
-        values = values - m // 2
+        values = values.sub_(m // 2)
     return values.to(torch_dtype(dtype))
 
 
@@ -88,17 +136,21 @@ def fill_synthetic(
     tensors: Iterable[str] | None = None,
     version: int = 0,
 ) -> int:
-    """Write the synthetic values (of ``version``) of every box ``rank`` holds into its storages; returns bytes."""
+    """Write the synthetic values (of ``version``) of every box ``rank`` holds into its storages; returns bytes.
+
+    The values are made in slabs of at most :data:`SYNTHETIC_CHUNK` elements and written
+    straight into the storages (through a slab-sized copy when a storage is on another
+    device), so the memory it takes beyond the storages is a few slabs, whatever the box.
+    """
     names = layout.resolved.names
     written = 0
     for name in tensors or names:
         tensor = layout.tensors[name]
         index = layout.resolved.index[name]
         for box in layout.boxes(name, rank):
-            values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
             held = _in_storage(layout, rank, storages, box)
-            held[...] = values.to(held.device)
-            written += values.numel() * values.element_size()
+            _fill_box(held, index, tensor.shape, tensor.dtype, box.offsets, box.sizes, version)
+            written += held.numel() * torch_dtype(tensor.dtype).itemsize
     return written
 
 

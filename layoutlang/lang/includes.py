@@ -23,7 +23,7 @@ import attrs
 from ..errors import LayoutError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
 from ..io._files import read_limited
 from . import ast
-from .limits import MAX_PROGRAM_BYTES
+from .limits import MAX_INCLUDE_DEPTH, MAX_PROGRAM_BYTES
 
 __all__ = ["PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
 
@@ -135,6 +135,12 @@ class Includes:
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
         if real in self._read:
             return None
+        if len(self._chain) >= MAX_INCLUDE_DEPTH:  # the reader recurses once per file of the chain
+            raise LayoutIncludeError(
+                f"cannot include '{node.path}': includes nest more than {MAX_INCLUDE_DEPTH} files deep"
+                f" (from {os.path.basename(self._chain[0])})",
+                node.span,
+            )
         if os.path.isdir(real):
             raise LayoutIncludeError(f"cannot include '{node.path}': it is a directory ({display})", node.span)
         if not os.path.exists(real):

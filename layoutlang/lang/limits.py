@@ -18,8 +18,10 @@ __all__ = [
     "INT64_MAX",
     "MAX_EMBEDDED_EXPRESSION",
     "MAX_GENERATED_TENSORS",
+    "MAX_INCLUDE_DEPTH",
     "MAX_MESH_RANKS",
     "MAX_PROGRAM_BYTES",
+    "MAX_PROGRAM_TENSORS",
     "MAX_PROGRAM_TOKENS",
 ]
 
@@ -27,6 +29,9 @@ __all__ = [
 MAX_MESH_RANKS = 1 << 20
 #: tensors one ``tensor ... for`` statement may generate
 MAX_GENERATED_TENSORS = 1 << 20
+#: tensors of a program, all statements together (about 6 s to generate; the largest
+#: benchmark, a 2.4T model with per-expert tensors, declares 144,189)
+MAX_PROGRAM_TENSORS = 1 << 20
 INT64_MAX = (1 << 63) - 1
 INT32_MAX = (1 << 31) - 1
 #: bytes of one ``.layout`` file (a program or an include)
@@ -36,3 +41,6 @@ MAX_PROGRAM_TOKENS = 1 << 18
 #: characters of an expression embedded in a name (``"layers.{l % 4}"``): it is parsed on its
 #: own, outside the program's token count
 MAX_EMBEDDED_EXPRESSION = 1024
+#: files of one chain of includes (a includes b includes c ...); each file is read once, so
+#: this bounds the reader's recursion, not the number of files
+MAX_INCLUDE_DEPTH = 64

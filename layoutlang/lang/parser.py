@@ -413,8 +413,15 @@ class _Builder(Transformer[Token, Any]):
         parts = tuple((p.name, p.span) for p in found)
         transposed = tuple(p.transposed for p in found) if any(p.transposed for p in found) else ()
         return ast.StorageDecl(
-            _unquote(name), self._tok(name), shape, parts, along, blocks, self._meta(meta),
-            (stack.name, stack.span) if stack is not None else None, transposed,
+            _unquote(name),
+            self._tok(name),
+            shape,
+            parts,
+            along,
+            blocks,
+            self._meta(meta),
+            (stack.name, stack.span) if stack is not None else None,
+            transposed,
             view.shape if view is not None else None,
         )
 
@@ -700,8 +707,20 @@ def _parse(text: str, path: str, included_from: tuple[Span, ...], budget: TokenB
 
 
 def _build(builder: _Builder, node: Tree[Token]) -> Any:
+    return _transform(
+        builder, node, lambda: LayoutSyntaxError(
+            "the statement nests too deeply to be read",
+            builder._meta(node.meta),
+            "split long expressions with 'let' constants",
+        ),
+    )
+
+
+def _transform(builder: _Builder, tree: Tree[Token], too_deep: Callable[[], LayoutSyntaxError]) -> Any:
+    """``builder.transform(tree)``, raising the user's LayoutError itself (not lark's wrapper)
+    and ``too_deep()`` for a tree nested past Python's recursion limit."""
     try:
-        return builder.transform(node)
+        return builder.transform(tree)
     except VisitError as err:
         if isinstance(err.orig_exc, LayoutError):
             raise err.orig_exc from None
@@ -709,11 +728,7 @@ def _build(builder: _Builder, node: Tree[Token]) -> Any:
             raise
     except RecursionError:
         pass
-    raise LayoutSyntaxError(
-        "the statement nests too deeply to be read",
-        builder._meta(node.meta),
-        "split long expressions with 'let' constants",
-    )
+    raise too_deep()
 
 
 def parse_expression(text: str, span: Span) -> ast.Expr:
@@ -739,17 +754,10 @@ def parse_expression(text: str, span: Span) -> ast.Expr:
         ) from None
     lines = [""] * (span.line - 1) + [span.source_line]
     builder = _Builder(span.path, lines, span.line - 1, span.column - 1, span.included_from)
-    try:
-        return builder.transform(tree)
-    except VisitError as err:
-        if isinstance(err.orig_exc, LayoutError):
-            raise err.orig_exc from None
-        if not isinstance(err.orig_exc, RecursionError):
-            raise
-    except RecursionError:
-        pass
-    raise LayoutSyntaxError(
-        "the expression nests too deeply to be read",
-        attrs.evolve(span, end_line=span.line, end_column=span.column + 1),
-        "split it with 'let' constants",
+    return _transform(
+        builder, tree, lambda: LayoutSyntaxError(
+            "the expression nests too deeply to be read",
+            attrs.evolve(span, end_line=span.line, end_column=span.column + 1),
+            "split it with 'let' constants",
+        ),
     )

@@ -27,7 +27,7 @@ from . import ast
 from .expressions import evaluate
 from .includes import is_preset
 from .layouts import TensorNames
-from .limits import INT64_MAX, MAX_GENERATED_TENSORS
+from .limits import INT64_MAX, MAX_GENERATED_TENSORS, MAX_PROGRAM_TENSORS
 from .patterns import pattern_captures
 from .scope import Scope
 
@@ -45,6 +45,17 @@ def _dtype(name: str, span: Span) -> str:
     if short is None:
         raise LayoutValueError(f"unknown dtype '{name}' (known: {', '.join(DTYPES)})", span, did_you_mean(name, DTYPES))
     return short
+
+
+def _check_room(scope: Scope, adding: int, span: Span) -> None:
+    """Refuse a statement that would take the program past MAX_PROGRAM_TENSORS tensors, before
+    it builds any (a few short ``for`` statements could otherwise ask for billions)."""
+    if len(scope.tensors) + adding > MAX_PROGRAM_TENSORS:
+        raise LayoutValueError(
+            f"the program would hold {len(scope.tensors) + adding:,} tensors ({len(scope.tensors):,} declared before"
+            f" this statement, {adding:,} by it); a program holds at most {MAX_PROGRAM_TENSORS:,}",
+            span,
+        )
 
 
 def _declare(scope: Scope, name: str, shape: tuple[int, ...], dtype: str, span: Span) -> None:
@@ -97,6 +108,7 @@ def tensor(scope: Scope, node: ast.TensorDecl) -> None:
             f"{MAX_GENERATED_TENSORS} per statement",
             widest.span,
         )
+    _check_room(scope, count, node.span)
     for values in itertools.product(*ranges):
         env = {**scope.constants, **dict(zip(names, values))}
         name = _instantiate(node.name, env)
@@ -135,6 +147,7 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
     except LayoutError as err:
         err.with_span(node.path_span)
         raise
+    _check_room(scope, len(found), node.span)
     if node.dtypes:
         found = _declared_dtypes(node, found)
     for name, shape, tensor_dtype in found:

@@ -66,18 +66,21 @@ class Mesh:
             check_axis_name(name, axis, [a for a, _ in axes_t[:i]])
             check_axis_size(name, axis, size)
         size = math.prod(s for _, s in axes_t)
-        ranks_t = tuple(range(size)) if ranks is None else tuple(int(r) for r in ranks)
+        ranks_t = tuple(range(size)) if ranks is None else tuple(map(int, ranks))
         if len(ranks_t) != size:
             raise LayoutValueError(
                 f"mesh '{name}' ({shape_text(axes_t)}) has {size} positions but {len(ranks_t)} ranks"
             )
-        index: dict[int, int] = {}
-        for i, r in enumerate(ranks_t):
-            if r < 0:
-                raise LayoutValueError(f"mesh '{name}' lists negative rank {r}")
-            if r in index:
-                raise LayoutValueError(f"mesh '{name}' lists rank {r} twice")
-            index[r] = i
+        # built in C (dict, zip, min) rather than rank by rank: a mesh may hold 2^20 ranks
+        index = dict(zip(ranks_t, range(size)))
+        if len(index) != size or (size and min(ranks_t) < 0):
+            seen: set[int] = set()
+            for r in ranks_t:  # the first mistake in the order written
+                if r < 0:
+                    raise LayoutValueError(f"mesh '{name}' lists negative rank {r}")
+                if r in seen:
+                    raise LayoutValueError(f"mesh '{name}' lists rank {r} twice")
+                seen.add(r)
         self.__attrs_init__(str(name), axes_t, ranks_t, index)
 
     def __repr__(self) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -16,6 +18,7 @@ from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 from ..plan import KINDS, Plan
 from ..transport import Pending, Transport
+from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
 from .schedule import _DESTINATION, _SCRATCH, _SOURCE, Piece, Step, schedule
 
@@ -64,8 +67,8 @@ class Executor:
         self.timeout = timeout
         self.steps = schedule(plan, rank)
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
-        # Scratch buffers (whole tensors) are freed after their last use.
-        self._scratch_last_use = self._last_use(_SCRATCH)
+        # Scratch memory (the broadcast policy's gathered tensors) as the regions moves write.
+        self._scratch = _ScratchRegions(self.steps)
         # Storage name -> local shape, per source layout (one, unless this is a recovery plan).
         self.sources_storages: list[dict[str, tuple[int, ...]]] = [
             layout.storages_on(rank) if rank in layout.mesh else {} for layout in plan.sources
@@ -90,6 +93,10 @@ class Executor:
         self._padding = _padding_regions(plan.destination, rank, self.destination_storages)
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
+        # Staging memory, kept between steps and runs: two arenas, step n stages in arena
+        # n % 2, so that the next step is packed while this one is in flight. A new buffer
+        # at every step cost more than the copies themselves (its pages faulted in anew).
+        self._arenas = (_Arena(), _Arena())
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
@@ -208,7 +215,7 @@ class Executor:
         spaces = _Spaces(
             [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
             _as_parts(destinations, self._destination_parts_shapes),
-            self._shapes,
+            self._scratch,
             device,
         )
         tally = _Tally()
@@ -218,25 +225,73 @@ class Executor:
                 in_parts[name][region].zero_()
         self._announce(-1, destinations, on_complete)
         start = time.perf_counter()
-        packed_next: dict[int, torch.Tensor] | None = None
+        in_place = not _overlapping(per_source, destinations)
+        spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
+        staging = self._staging(spaces, in_place=in_place, device=device)
+        packed_next: list[tuple[int, torch.Tensor]] | None = None
         for n, step in enumerate(self.steps):
-            sends = packed_next if packed_next is not None else self._pack(step, spaces)
-            recvs = {peer: torch.empty(m.nbytes, dtype=torch.uint8, device=device) for peer, m in step.recvs.items()}
+            sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
+            recvs = self._receive_buffers(n, spaces, staging)
             pending = self._post(step, sends, recvs)
             self._copy_locally(step, spaces, tally)
-            packed_next = self._pack_ahead(n, spaces)
-            tally.staged(sends, recvs, packed_next)
+            packed_next = self._pack_ahead(n, spaces, staging)
             pending.wait(self.timeout)
-            self._unpack(step, recvs, spaces, tally)
+            self._unpack(n, recvs, spaces, tally, staging)
+            self._copy_out_of_scratch(n, spaces)
             tally.sent_messages(step, self._kind)
-            for name in self._scratch_last_use.get(n, ()):  # whole tensors: free them early
-                spaces.scratch.pop(name, None)
+            tally.staged(staging.arena_bytes + spaces.scratch_bytes())
+            spaces.free(self._scratch.free_after.get(n, ()))
             self._announce(n, destinations, on_complete)
             if progress is not None:
                 progress(n + 1, len(self.steps))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return tally.report(self.rank, time.perf_counter() - start, len(self.steps))
+
+    def _staging(self, spaces: _Spaces, *, in_place: bool, device: torch.device) -> _Staging:
+        """Which messages of this run travel in place (a message of one region that is
+        contiguous in its storage, in the wire's dtype: sent from, or received into, the
+        storage itself) and where the others are staged: arena ``n % 2`` for step ``n``,
+        grown (once, not per run) to the largest staged step of its parity. A message's
+        transfers (:meth:`~.schedule.Message.transfers`) are decided one by one.
+
+        ``in_place`` is False when destination storages share memory with source storages
+        (one buffer handed as both): a receive written in place could then overwrite bytes
+        a send of the same step has not read yet, so every message is staged, as before.
+        """
+        direct: set[tuple[int, str, int]] = set()
+        need = [0, 0]
+        for n, step in enumerate(self.steps):
+            staged = 0
+            for way, transfers in (("send", step.send_transfers), ("recv", step.recv_transfers)):
+                for k, transfer in enumerate(transfers):
+                    if in_place and len(transfer.pieces) == 1 and spaces.contiguous(transfer.pieces[0]):
+                        direct.add((n, way, k))
+                    else:
+                        staged += transfer.nbytes
+            need[n % 2] = max(need[n % 2], staged)
+        # A CPU arena that an NCCL transport copies to the GPU is pinned: the copy then runs at
+        # the link's speed and does not stage once more in CUDA's own bounce buffer.
+        moved_on = getattr(self.transport, "device", None)
+        pin = device.type == "cpu" and moved_on is not None and moved_on.type == "cuda" and torch.cuda.is_available()
+        for arena, nbytes in zip(self._arenas, need):
+            arena.reserve(nbytes, device, pin)
+        return _Staging(self._arenas, direct)
+
+    def _receive_buffers(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
+        """Where step ``n``'s transfers arrive: the region itself (in place), or the step's
+        arena after its staged sends."""
+        step = self.steps[n]
+        out = []
+        offset = sum(t.nbytes for k, t in enumerate(step.send_transfers) if (n, "send", k) not in staging.direct)
+        buffer = staging.arena(n)
+        for k, transfer in enumerate(step.recv_transfers):
+            if (n, "recv", k) in staging.direct:
+                out.append((transfer.peer, _wire(spaces.region(transfer.pieces[0]))))
+            else:
+                out.append((transfer.peer, buffer[offset : offset + transfer.wire_bytes]))
+                offset += transfer.nbytes
+        return out
 
     def _check_and_agree(
         self,
@@ -268,40 +323,59 @@ class Executor:
         )
         return per_source
 
-    def _post(self, step: Step, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor]) -> Pending:
-        """Post the step's receives and sends at once."""
+    def _post(self, step: Step, sends: Buffers, recvs: Buffers) -> Pending:
+        """Post the step's receives and sends at once (a peer's transfers in order: transports
+        match the messages between two ranks with one tag in the order they are posted)."""
         return self.transport.exchange(
-            list(sends.items()),
-            list(recvs.items()),
+            sends,
+            recvs,
             tag=(step.bucket * 4 + step.stage) % AGREEMENT_TAG,  # the same on both ends
         )
 
     def _copy_locally(self, step: Step, spaces: _Spaces, tally: _Tally) -> None:
-        """The step's local copies, done while its messages are in flight."""
+        """The step's local copies, done while its messages are in flight. A copy out of
+        scratch was already done, region by region, in the steps that wrote its regions
+        (:meth:`_copy_out_of_scratch`); a copy of a source region into scratch only names
+        the source's memory, where it lies, as that scratch region."""
         nbytes = 0
         for read, write in step.copies:
-            target, value = spaces.region(write), spaces.view(read)
+            nbytes += read.nbytes
+            if read.space == _SCRATCH:
+                continue
+            value = spaces.view(read)
+            aliased = spaces.alias_sources and read.space == _SOURCE and value.dtype == write.dtype
+            if write.space == _SCRATCH and aliased:
+                spaces.bind(write, value)
+                continue
+            target = spaces.region(write)
             if not _same_memory(target, value):  # a storage that is its own source stays put
                 target.copy_(value)
-            nbytes += read.nbytes
         tally.sent["local"] += nbytes
         tally.received["local"] += nbytes
 
-    def _pack_ahead(self, n: int, spaces: _Spaces) -> dict[int, torch.Tensor] | None:
-        """Pipelining: the next step's messages, packed while step ``n`` is in flight, when
-        they do not read what step ``n`` is about to receive (None otherwise)."""
+    def _copy_out_of_scratch(self, n: int, spaces: _Spaces) -> None:
+        """Every local copy out of a scratch region written in step ``n``, as soon as it is
+        written: the region is then freed after its last send, instead of living until the
+        plan's copy (a gathered tensor's regions arrive over many buckets)."""
+        for read, write, region, within in self._scratch.copies_after.get(n, ()):
+            spaces.region(write)[_slices(within, read)].copy_(spaces.scratch[region.id][_slices(within, region)])
+
+    def _pack_ahead(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]] | None:
+        """Pipelining: the next step's messages, packed (into the other arena) while step ``n``
+        is in flight, when they do not read what step ``n`` is about to receive (None otherwise)."""
         if n + 1 < len(self.steps) and self.steps[n + 1].sends_read_only_sources:
-            return self._pack(self.steps[n + 1], spaces)
+            return self._pack(n + 1, spaces, staging)
         return None
 
-    def _unpack(self, step: Step, recvs: Mapping[int, torch.Tensor], spaces: _Spaces, tally: _Tally) -> None:
-        """Copy every received region out of its message into its place (casting on arrival)."""
-        for peer, message in step.recvs.items():
-            buf = recvs[peer]
+    def _unpack(self, n: int, recvs: Buffers, spaces: _Spaces, tally: _Tally, staging: _Staging) -> None:
+        """Copy every staged region out of its transfer into its place (casting on arrival);
+        a transfer received in place is already there."""
+        for k, (transfer, (peer, buf)) in enumerate(zip(self.steps[n].recv_transfers, recvs)):
             nbytes = 0
-            for piece, offset in zip(message.pieces, message.offsets):
-                staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
-                spaces.region(piece).copy_(staged)
+            for piece, offset in zip(transfer.pieces, transfer.offsets):
+                if (n, "recv", k) not in staging.direct:
+                    staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                    spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
             tally.received[self._kind(peer)] += nbytes
 
@@ -317,50 +391,189 @@ class Executor:
         same = self.plan.domain_size and peer // self.plan.domain_size == self.rank // self.plan.domain_size
         return "domain" if same else "network"
 
-    def _pack(self, step: Step, spaces: _Spaces) -> dict[int, torch.Tensor]:
-        """One staging buffer per peer the step sends to, each region at its offset."""
-        out = {}
-        for peer, message in step.sends.items():
-            buf = torch.empty(message.nbytes, dtype=torch.uint8, device=spaces.device)
-            for piece, offset in zip(message.pieces, message.offsets):
-                buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(spaces.view(piece))
-            out[peer] = buf
+    def _pack(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
+        """Step ``n``'s transfers: the region itself (in place), or its regions copied at their
+        offsets into the step's arena."""
+        out = []
+        buffer = staging.arena(n)
+        offset = 0
+        for k, transfer in enumerate(self.steps[n].send_transfers):
+            if (n, "send", k) in staging.direct:
+                out.append((transfer.peer, _wire(spaces.view(transfer.pieces[0]))))
+                continue
+            buf = buffer[offset : offset + transfer.wire_bytes]
+            for piece, at in zip(transfer.pieces, transfer.offsets):
+                staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                if piece.space == _SCRATCH:  # from the regions that hold it
+                    for where, value in spaces.parts(piece):
+                        staged[where].copy_(value)
+                else:
+                    staged.copy_(spaces.view(piece))
+            out.append((transfer.peer, buf))
+            offset += transfer.nbytes
         return out
 
 
 class _Spaces:
     """This rank's storages in a run, by space: the source storages of each source layout,
-    the destination storages, and scratch buffers (whole tensors, made on first use)."""
+    the destination storages, and scratch memory: one buffer per region a move writes
+    (made on first use, freed after its last read), or the source region it copies."""
 
     def __init__(
         self,
         sources: Sequence[Mapping[str, torch.Tensor]],
         destinations: Mapping[str, torch.Tensor],
-        shapes: Sequence[tuple[int, ...]],
+        scratch: _ScratchRegions,
         device: torch.device,
     ):
         self.device = device
-        self.scratch: dict[str, torch.Tensor] = {}
-        self._shapes = shapes
+        self.regions = scratch
+        self.scratch: dict[int, torch.Tensor] = {}  # region id -> its elements, in the tensor's order
+        self._bound: set[int] = set()  # regions that are views of a source: they cost nothing
+        self.alias_sources = False
         self._storages: dict[tuple[int, int], Mapping[str, torch.Tensor]] = {
             (_SOURCE, k): given for k, given in enumerate(sources)
         }
         self._storages[(_DESTINATION, 0)] = destinations
-        self._storages[(_SCRATCH, 0)] = self.scratch
 
     def view(self, piece: Piece) -> torch.Tensor:
         """The region a piece reads, in the logical tensor's order (a view of its storage)."""
+        if piece.space == _SCRATCH:
+            parts = self.parts(piece)
+            if len(parts) != 1 or parts[0][1].shape != torch.Size(piece.sizes):
+                raise AssertionError(f"scratch {piece.storage}{piece.index} is not one region")  # see contiguous()
+            return parts[0][1]
         return _oriented(self._storages[piece.key][piece.storage][piece.index], piece)
 
     def region(self, piece: Piece) -> torch.Tensor:
         """The region a piece writes, in the logical tensor's order (a view of its storage)."""
-        return _oriented(self.target(piece)[piece.index], piece)
+        if piece.space == _SCRATCH:
+            region = self.regions.written[id(piece)]
+            if region.id not in self.scratch:
+                self.scratch[region.id] = torch.empty(piece.sizes, dtype=piece.dtype, device=self.device)
+            return self.scratch[region.id]
+        return _oriented(self._storages[piece.key][piece.storage][piece.index], piece)
 
-    def target(self, piece: Piece) -> torch.Tensor:
-        """The storage a piece is written into."""
-        if piece.space == _SCRATCH and piece.storage not in self.scratch:
-            self.scratch[piece.storage] = torch.empty(self._shapes[piece.tensor], dtype=piece.dtype, device=self.device)
-        return self._storages[piece.key][piece.storage]
+    def bind(self, piece: Piece, value: torch.Tensor) -> None:
+        """Scratch region ``piece`` is ``value`` (a source region it copies: read in place)."""
+        region = self.regions.written[id(piece)]
+        self.scratch[region.id] = value
+        self._bound.add(region.id)
+
+    def parts(self, piece: Piece) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+        """A scratch read as (where in the piece, the elements) of each region it overlaps."""
+        return [
+            (_slices(within, piece), self.scratch[region.id][_slices(within, region)])
+            for region, within in self.regions.read[id(piece)]
+        ]
+
+    def free(self, regions: Iterable[int]) -> None:
+        for rid in regions:
+            self.scratch.pop(rid, None)
+            self._bound.discard(rid)
+
+    def contiguous(self, piece: Piece) -> bool:
+        """Whether the piece's region is one run of its storage's memory in the order and
+        dtype of the wire, so that it can be sent or received without a staging copy."""
+        if piece.transposed:
+            return False
+        if piece.space == _SCRATCH:
+            if id(piece) in self.regions.written:  # a region written: a buffer of its own
+                return True
+            # a read: in place when it lies in one region, received (a fresh, contiguous
+            # buffer) or a source region that is itself contiguous (read where it lies)
+            overlaps = self.regions.read[id(piece)]
+            if len(overlaps) != 1:
+                return False
+            region, within = overlaps[0]
+            copied = self.regions.copied_from.get(region.id)
+            if not region.received and not (self.alias_sources and copied is not None and self.contiguous(copied)):
+                return False
+            sizes = tuple(stop - start for start, stop in region.box)
+            return _contiguous_region(sizes, _slices(within, region))
+        storage = self._storages[piece.key][piece.storage]
+        if storage.dtype != piece.dtype or not storage.is_contiguous():
+            return False
+        return _contiguous_region(tuple(storage.shape), piece.index)
+
+    def scratch_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for rid, t in self.scratch.items() if rid not in self._bound)
+
+
+_Box = tuple[tuple[int, int], ...]  # one (start, stop) per dim of a logical tensor
+
+
+@attrs.frozen
+class _Region:
+    """A region of a scratch tensor that one move writes, in step ``step``."""
+
+    id: int
+    storage: str
+    step: int
+    box: _Box
+    received: bool  # written by a receive (else by a local copy)
+
+
+class _ScratchRegions:
+    """Scratch memory of one rank's schedule as the regions its moves write, rather than
+    whole tensors: the broadcast policy gathers a tensor whole on a rank, but most of what a
+    rank receives into scratch it only forwards, and a region is freed after its last read.
+    Copies out of scratch (into a destination) are done in the step that writes each region.
+
+    Pieces are keyed by identity: the schedule's Piece objects live as long as the Executor.
+    """
+
+    def __init__(self, steps: Sequence[Step]):
+        self.written: dict[int, _Region] = {}
+        self.read: dict[int, list[tuple[_Region, _Box]]] = {}
+        self.copies_after: dict[int, list[tuple[Piece, Piece, _Region, _Box]]] = defaultdict(list)
+        self.copied_from: dict[int, Piece] = {}  # region id -> the source region a copy writes into it
+        by_storage: dict[str, list[_Region]] = defaultdict(list)
+        for n, step in enumerate(steps):
+            writes = [(w, False) for _, w in step.copies] + [(p, True) for m in step.recvs.values() for p in m.pieces]
+            for piece, received in writes:
+                if piece.space == _SCRATCH:
+                    region = _Region(len(self.written), piece.storage, n, _box_of(piece), received)
+                    self.written[id(piece)] = region
+                    by_storage[piece.storage].append(region)
+            for read, write in step.copies:
+                if write.space == _SCRATCH and read.space == _SOURCE:
+                    self.copied_from[self.written[id(write)].id] = read
+        last = {region.id: region.step for region in self.written.values()}
+        for n, step in enumerate(steps):
+            reads = [(r, w) for r, w in step.copies] + [(p, None) for m in step.sends.values() for p in m.pieces]
+            for piece, copied_to in reads:
+                if piece.space != _SCRATCH:
+                    continue
+                box = _box_of(piece)
+                overlaps = [
+                    (r, within) for r in by_storage[piece.storage] if (within := _intersect(r.box, box)) is not None
+                ]
+                self.read[id(piece)] = overlaps
+                for region, within in overlaps:
+                    if copied_to is not None:
+                        self.copies_after[region.step].append((piece, copied_to, region, within))
+                    else:
+                        last[region.id] = max(last[region.id], n)
+        self.free_after: dict[int, list[int]] = defaultdict(list)
+        for rid, n in last.items():
+            self.free_after[n].append(rid)
+
+
+def _box_of(piece: Piece) -> _Box:
+    """A scratch piece's box: scratch holds whole tensors, so its index is one slice per dim."""
+    return tuple((item.start, item.stop) for item in piece.index if isinstance(item, slice))
+
+
+def _intersect(a: _Box, b: _Box) -> _Box | None:
+    box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return box if all(start < stop for start, stop in box) else None
+
+
+def _slices(box: _Box, within: _Region | Piece) -> tuple[slice, ...]:
+    """``box`` as slices of the elements of ``within`` (a region, or a piece's region)."""
+    origin = within.box if isinstance(within, _Region) else _box_of(within)
+    return tuple(slice(start - o, stop - o) for (start, stop), (o, _) in zip(box, origin))
 
 
 @attrs.define
@@ -372,16 +585,8 @@ class _Tally:
     messages: int = 0
     peak: int = 0
 
-    def staged(
-        self,
-        sends: Mapping[int, torch.Tensor],
-        recvs: Mapping[int, torch.Tensor],
-        packed_next: Mapping[int, torch.Tensor] | None,
-    ) -> None:
-        """Staging memory live during a step: its messages, and the next step's packed ahead."""
-        live = sum(b.numel() for b in sends.values()) + sum(b.numel() for b in recvs.values())
-        if packed_next is not None:
-            live += sum(b.numel() for b in packed_next.values())
+    def staged(self, live: int) -> None:
+        """Staging memory live during a step: both arenas and the scratch buffers."""
         self.peak = max(self.peak, live)
 
     def sent_messages(self, step: Step, kind: Callable[[int], str]) -> None:
@@ -391,6 +596,86 @@ class _Tally:
 
     def report(self, rank: int, seconds: float, steps: int) -> RunReport:
         return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
+
+
+class _Arena:
+    """One staging buffer an Executor keeps: steps take views of it, and it grows only when a
+    run stages more than it holds (so after the first run nothing is allocated)."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reserve(self, nbytes: int, device: torch.device, pin: bool) -> None:
+        buffer = self.buffer
+        if buffer is not None and buffer.numel() >= nbytes and buffer.device == device and buffer.is_pinned() >= pin:
+            return
+        self.buffer = None  # the old one goes first: both at once could exceed the budget
+        if nbytes:
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+
+
+@attrs.frozen
+class _Staging:
+    """One run's staging: the arenas, and the transfers (step, "send" or "recv", index in the
+    step's transfers that way) that travel in place."""
+
+    arenas: tuple[_Arena, _Arena]
+    direct: set[tuple[int, str, int]]
+
+    def arena(self, n: int) -> torch.Tensor:
+        buffer = self.arenas[n % 2].buffer
+        return buffer if buffer is not None else _EMPTY
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(a.nbytes for a in self.arenas)
+
+
+_EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+def _contiguous_region(shape: Sequence[int], index: Sequence[slice | int]) -> bool:
+    """Whether ``storage[index]`` of a contiguous storage of ``shape`` is one run of memory:
+    every dim after some dim is whole, and every dim before it holds one index."""
+    items = list(index) + [slice(0, n) for n in shape[len(index) :]]
+    sizes = [1 if isinstance(item, int) else item.stop - item.start for item in items]
+    k = len(shape)  # the dims from k on are whole
+    while k > 0 and sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    return all(size == 1 for size in sizes[: max(0, k - 1)])
+
+
+def _wire(region: torch.Tensor) -> torch.Tensor:
+    """A contiguous region as the 1-D uint8 buffer a transport moves (the same memory)."""
+    # as_strided, not reshape: torch calls a tensor with a dim of size 1 contiguous whatever
+    # that dim's stride, and reshape may keep the stride ((1, 1) with strides (1, 6) -> (1,) with 6)
+    return region.as_strided((region.numel(),), (1,)).view(torch.uint8)
+
+
+def _overlapping(
+    sources: Sequence[Mapping[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]
+) -> bool:
+    """Whether any destination storage shares memory with any source storage (a sweep over
+    the sorted spans of their memory: a rank may hold thousands of storages)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int]:  # the bytes a (possibly strided) view can touch
+        extent = sum((n - 1) * abs(stride) for n, stride in zip(t.shape, t.stride())) + 1
+        return (t.data_ptr(), t.data_ptr() + extent * t.element_size())
+
+    held = sorted(span(t) for given in sources for t in given.values() if t.numel())
+    starts = [start for start, _ in held]
+    reach = list(itertools.accumulate((stop for _, stop in held), max))  # furthest end so far
+    for t in destinations.values():
+        if t.numel():
+            start, stop = span(t)
+            k = bisect.bisect_left(starts, stop)  # the source spans that start before this one ends
+            if k and reach[k - 1] > start:
+                return True
+    return False
 
 
 def _parts_shapes(layout: Layout, rank: int, held: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:

@@ -13,6 +13,9 @@ from ..io.torch_dtypes import torch_dtype
 from ..plan import SPACES, Move, Plan
 
 _ALIGN = 16  # bytes: every region starts aligned in a message, so typed views are legal
+#: a region of at least this many bytes travels as a transfer of its own, which either end
+#: may post from (or into) its storage in place; smaller ones share one staged transfer
+OWN_TRANSFER_BYTES = 1 << 20
 _SOURCE, _DESTINATION, _SCRATCH = (SPACES.index(s) for s in ("source", "destination", "scratch"))
 
 
@@ -60,6 +63,25 @@ class Message:
         self.offsets.append(self.nbytes)
         self.nbytes += -(-piece.nbytes // _ALIGN) * _ALIGN
 
+    def transfers(self) -> list[Message]:
+        """What is posted for this message, in order: its small regions packed together, then
+        each large region alone. Both ends derive the same list from the plan (pieces are in
+        move order on both), so the transfers match one to one whatever each end stages."""
+        small, large = Message(self.peer), []
+        for piece in self.pieces:
+            if piece.nbytes >= OWN_TRANSFER_BYTES:
+                large.append(Message(self.peer))
+                large[-1].add(piece)
+            else:
+                small.add(piece)
+        return ([small] if small.pieces else []) + large
+
+    @property
+    def wire_bytes(self) -> int:
+        """The bytes that travel: the regions at their offsets, without the last one's padding
+        (so a message of one region is that region's bytes, whether it is staged or not)."""
+        return self.offsets[-1] + self.pieces[-1].nbytes if self.pieces else 0
+
 
 @attrs.define
 class Step:
@@ -68,6 +90,9 @@ class Step:
     copies: list[tuple[Piece, Piece]] = attrs.field(factory=list)
     sends: dict[int, Message] = attrs.field(factory=dict)
     recvs: dict[int, Message] = attrs.field(factory=dict)
+    #: the transfers posted for the messages (Message.transfers), peer by peer
+    send_transfers: list[Message] = attrs.field(factory=list)
+    recv_transfers: list[Message] = attrs.field(factory=list)
 
     def pieces(self) -> Iterable[Piece]:
         """Every piece this step reads or writes."""
@@ -108,6 +133,9 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         else:
             piece = _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor])
             step.recvs.setdefault(src, Message(src)).add(piece)
+    for step in steps.values():
+        step.send_transfers = [t for m in step.sends.values() for t in m.transfers()]
+        step.recv_transfers = [t for m in step.recvs.values() for t in m.transfers()]
     return [steps[k] for k in sorted(steps)]
 
 
