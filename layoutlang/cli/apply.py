@@ -422,7 +422,9 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
         f"{len(summary['participants']) + len(summary['joiners'])} processes ({launcher})"
     )
     lines = [head]
-    for rank, fault in sorted(summary["failed"].items(), key=lambda kv: kv[1]["at"]):
+    # by the step each fault was injected at, then by rank: faults of one step race each other
+    step_of = {int(rank): step for rank, step in [*args.kill, *args.stop]}
+    for rank, fault in sorted(summary["failed"].items(), key=lambda kv: (step_of.get(int(kv[0]), 0), int(kv[0]))):
         lines.append(f"  rank {rank}: {'SIGSTOP' if fault['how'] == 'stop' else 'SIGKILL'} (injected)")
     lines.append("")
     rows = []
@@ -472,7 +474,7 @@ def _recovery_lines(rec: dict[str, Any], joined: dict[str, Any]) -> list[str]:
     for key, label in _RECOVERY_TIMES:
         if rec[key] is not None:
             lines.append(f"  {rec[key]:7.3f} s  {label}")
-    for rank, why in sorted(rec["reasons"].items()):
+    for rank, why in sorted(rec["reasons"].items(), key=lambda kv: int(kv[0])):
         lines.append(f"           rank {rank}: {why}")
     if rec["recovered_bytes"]:
         lines.append(f"  recovery plan: {human_bytes(rec['recovered_bytes'])} from surviving replicas")
