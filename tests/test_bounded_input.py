@@ -278,9 +278,10 @@ def _two_meshes(tmp_path: Path, ranks: int) -> Path:
     return program
 
 
-def test_a_plan_of_two_meshes_of_the_most_ranks_is_refused_before_compiling(tmp_path):
+@pytest.mark.parametrize("command", ["plan", "simulate"])
+def test_a_plan_of_two_meshes_of_the_most_ranks_is_refused_before_compiling(tmp_path, command):
     program = _two_meshes(tmp_path, MAX_MESH_RANKS)
-    result, seconds = cli("plan", str(program))
+    result, seconds = cli(command, str(program))
     assert_refused(
         result, seconds, "too large to plan", "2,097,152 ranks", f"at most {MAX_PLAN_RANKS:,} ranks", ":6:1:"
     )

@@ -72,7 +72,7 @@ def check_plan_size(program: Program, reshard: str | None) -> None:
         raise LayoutValueError(
             f"reshard '{statement.name}' is too large to plan: its meshes hold {ranks:,} ranks "
             f"('{source.name}' {len(source.ranks):,}, '{destination.name}' {len(destination.ranks):,}); "
-            f"layoutlang plan compiles plans of at most {MAX_PLAN_RANKS:,} ranks",
+            f"layoutlang compiles whole-fleet plans of at most {MAX_PLAN_RANKS:,} ranks",
             statement.span,
             "the planner's time grows with the product of the two meshes' ranks; plan the job at the scale it runs",
         )

@@ -11,6 +11,7 @@ from ..lang import load
 from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS
 from ..plan.simulate import Simulation, simulate
 from . import arguments
+from .plan import check_plan_size
 
 __all__ = ["add_arguments", "run", "simulation_report"]
 
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     """``layoutlang simulate``: 0 on success; a LayoutError propagates to the CLI."""
 
     program = load(args.file)
+    check_plan_size(program, args.reshard)  # it compiles the reshard's plans
     sim = simulate(
         program, args.reshard, topology=args.topology, bucket_bytes=args.bucket_size, sequential=args.sequential
     )
