@@ -258,9 +258,8 @@ def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> Non
     workers than one machine runs (ranks 0 to the reshard's highest, and the replacements)."""
     if environment_is_torchrun():
         return  # torchrun starts the processes, wherever it was told to
-    statement = (program := load(args.file)).reshard(args.reshard)
-    ranks = set(program.layout(statement.source).mesh.ranks) | set(program.layout(statement.destination).mesh.ranks)
-    processes = max(ranks) + 1 + replacements
+    _, source, destination = _reshard_of(args)
+    processes = max({*source.mesh.ranks, *destination.mesh.ranks}) + 1 + replacements
     if processes > MAX_LOCAL_WORKERS:
         raise LayoutValueError(
             f"{args.file}: the reshard needs {processes:,} worker processes (one per rank); the local launcher "
