@@ -18,6 +18,7 @@ storages, shared ranks, several domains, regions larger than a bucket):
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 
@@ -307,3 +308,21 @@ def test_the_fleet_plan_is_unchanged_by_the_new_mode():
     assert a.mode == "fleet" and a.rank is None
     assert a.fingerprint == b.fingerprint
     assert "mode" not in a.to_json(moves=False)
+
+
+def test_the_cli_prints_one_ranks_part(capsys):
+    from layoutlang.cli import main
+
+    path = EXAMPLES / "refit.layout"
+    assert main(["plan", str(path), "--rank", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    whole = compile_plan(program_of("refit"), mode="pairwise")
+    mine = [m for m in whole.moves() if 2 in (m.src, m.dst)]
+    assert out["mode"] == "pairwise" and out["rank"] == 2
+    assert out["fingerprint"] == whole.fingerprint
+    assert out["stats"]["moves"]["network"] == sum(m.kind == "network" for m in mine)
+    assert "gather_and_broadcast" not in out  # no per-rank baseline
+    assert main(["plan", str(path), "--rank", "2", "--explain", "--limit", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 2's part of the pairwise plan" in text
+    assert f"({len(mine)} in all)" in text
