@@ -326,3 +326,16 @@ def test_the_cli_prints_one_ranks_part(capsys):
     text = capsys.readouterr().out
     assert "rank 2's part of the pairwise plan" in text
     assert f"({len(mine)} in all)" in text
+
+
+def test_the_simulator_estimates_a_whole_pairwise_plan():
+    """``simulate`` still sees the whole fleet: the pairwise plan moves the fleet plan's
+    bytes (both at the lower bound), and the estimate reads it like any plan."""
+    from layoutlang.plan.simulate import estimate
+
+    program = program_of("refit")
+    fleet = compile_plan(program, bucket_bytes=1 << 16)
+    pairwise = compile_plan(program, bucket_bytes=1 << 16, mode="pairwise")
+    a, b = estimate(fleet, program.topology), estimate(pairwise, program.topology)
+    assert a.bytes == b.bytes == fleet.stats.bytes == pairwise.stats.bytes
+    assert b.time > 0 and b.buckets == pairwise.num_buckets
