@@ -339,3 +339,27 @@ def test_the_simulator_estimates_a_whole_pairwise_plan():
     a, b = estimate(fleet, program.topology), estimate(pairwise, program.topology)
     assert a.bytes == b.bytes == fleet.stats.bytes == pairwise.stats.bytes
     assert b.time > 0 and b.buckets == pairwise.num_buckets
+
+
+@pytest.mark.parametrize(
+    "train, infer, rule, expected",
+    [
+        (512, 512, "", True),  # 1024 ranks together: per-rank plans
+        (512, 511, "", False),  # one fewer: the whole fleet's plan
+        (512, 512, '    "norm": broadcast\n', False),  # a broadcast tensor has no per-rank plan
+        (4, 8, "", False),
+    ],
+)
+def test_the_resharder_chooses_per_rank_plans_for_large_fleets(train, infer, rule, expected):
+    from layoutlang.runtime.resharder import PER_RANK_PLAN_RANKS, _per_rank
+
+    assert PER_RANK_PLAN_RANKS == 1024
+    program = layoutlang.loads(
+        f"mesh a [dp = {train}] on ranks 0..{train - 1}\nmesh b [tp = {infer}] on ranks {train}..{train + infer - 1}\n"
+        'tensor "w" [4096] fp32\ntensor "norm" [8] fp32\n'
+        'layout x on a { default: replicate }\nlayout y on b { "w": tp = shard(0)\n default: replicate }\n'
+        f"reshard x -> y {{\n{rule}}}\n"
+    )
+    assert _per_rank(program, None, None) is expected
+    if expected:
+        assert _per_rank(program, None, "broadcast") is False  # policy= overrides the rules
