@@ -68,8 +68,38 @@ reshard a -> b
 """
 
 
+# DeepSeek-V3's refit in miniature: pipeline stages and expert parallelism over data-parallel
+# replicas, into tensor parallelism over many replicas, in domains of 8 ranks (64 ranks).
+MEDIUM = """
+topology { domain_size = 8 }
+mesh train [dp = 2, pp = 4, ep = 4] on ranks 0..31
+mesh infer [dp = 4, tp = 8] on ranks 32..63
+tensor "embed" [512, 64] bf16
+tensor "layers.{l}.attn.q" [128, 64] bf16 for l in 0..3
+tensor "layers.{l}.attn.o" [64, 128] bf16 for l in 0..3
+tensor "layers.{l}.norm" [64] bf16 for l in 0..3
+tensor "layers.{l}.experts.{e}.up" [96, 64] bf16 for l in 0..3, e in 0..7
+tensor "layers.{l}.experts.{e}.down" [64, 96] bf16 for l in 0..3, e in 0..7
+layout megatron on train {
+    "layers.{l}.*": pp[l]
+    "layers.{l}.experts.{e}.*": pp[l], ep[e // 2]
+    "embed": pp[0]
+}
+layout vllm on infer {
+    "embed": tp = shard(0)
+    "layers.{l}.attn.q": tp = shard(0)
+    "layers.{l}.attn.o": tp = shard(1)
+    "layers.{l}.experts.{e}.up": tp = shard(0)
+    "layers.{l}.experts.{e}.down": tp = shard(1)
+    default: replicate
+}
+reshard megatron -> vllm
+"""
+
+
 def program_of(name: str) -> layoutlang.Program:
-    return layoutlang.loads(CORNERS) if name == "corners" else layoutlang.load(EXAMPLES / f"{name}.layout")
+    texts = {"corners": CORNERS, "medium": MEDIUM}
+    return layoutlang.loads(texts[name]) if name in texts else layoutlang.load(EXAMPLES / f"{name}.layout")
 
 
 def layouts_of(program: layoutlang.Program) -> tuple[layoutlang.Layout, layoutlang.Layout]:
@@ -109,6 +139,8 @@ CASES = [(name, 256 * 2**20, None) for name in PAIRS] + [
     ("corners", 64 * 1024, None),
     ("corners", 1024, 1),
     ("corners", 4096, 4),
+    ("medium", 256 * 2**20, None),
+    ("medium", 8192, 4),
 ]
 
 
