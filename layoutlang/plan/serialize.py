@@ -1,7 +1,10 @@
 """Plans on disk: reading back the binary form :meth:`Plan.to_bytes` writes.
 
 A plan file is only trusted for the program it was compiled from: the layouts' digests are
-compared, the moves validated, and the header's derived totals recomputed.
+compared, the moves validated, and the header's derived totals recomputed. A pairwise plan's
+header says so (``mode``), and a per-rank plan's whose part it holds (``rank``): it is read
+back as that kind of plan and validated as one, and refused where it does not fit (another
+rank's part, another mode than the caller asks for).
 """
 
 from __future__ import annotations
@@ -13,17 +16,26 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._text import rank_ranges
 from ..errors import LayoutValueError
 from ..model import Program
 from .compile import plan_layouts
-from .data import _COLUMNS, _MAGIC, Plan, layout_digest, plan_arrays
+from .data import _COLUMNS, _MAGIC, PLAN_MODES, Plan, layout_digest, plan_arrays
 
 __all__ = ["load_plan"]
 
 
-def load_plan(data: bytes, program: Program) -> Plan:
+def load_plan(data: bytes, program: Program, *, rank: int | None = None, mode: str | None = None) -> Plan:
     """Reads a plan written by :meth:`Plan.to_bytes` for ``program``; it must describe the
-    same layouts (their digests are compared), and it is validated."""
+    same layouts (their digests are compared), and it is validated.
+
+    A pairwise or per-rank plan comes back as one (:attr:`Plan.mode`, :attr:`Plan.rank`
+    from its header), validated as that kind of plan. ``rank`` is the rank that will run
+    the plan: a per-rank plan of another rank is refused, and so is a plan whose meshes do
+    not hold ``rank``. ``mode`` (:data:`~layoutlang.plan.data.PLAN_MODES`, or
+    ``"per-rank"``: a pairwise plan of one rank) refuses a plan of another kind."""
+    if mode is not None and mode not in (*PLAN_MODES, "per-rank"):
+        raise LayoutValueError(f"unknown plan mode '{mode}' (one of: {', '.join((*PLAN_MODES, 'per-rank'))})")
     if not data.startswith(_MAGIC):
         raise LayoutValueError("not a layoutlang plan (bad magic bytes)")
     try:
@@ -45,9 +57,40 @@ def load_plan(data: bytes, program: Program) -> Plan:
     except (struct.error, ValueError, json.JSONDecodeError) as err:
         raise LayoutValueError(f"the plan file is damaged ({err})") from None
     try:
-        return _from_header(header, columns, program)
+        plan = _from_header(header, columns, program)
     except (KeyError, TypeError, IndexError) as err:
         raise LayoutValueError(f"the plan file is damaged (its header lacks or garbles {err})") from None
+    _check_fit(plan, rank, mode)
+    return plan
+
+
+def _kind(plan: Plan) -> str:
+    """How a refusal names a plan: whose part, or which mode."""
+    if plan.rank is not None:
+        return f"rank {plan.rank}'s part of the pairwise plan"
+    return "the whole fleet's plan" if plan.mode == "fleet" else "the whole pairwise plan"
+
+
+def _check_fit(plan: Plan, rank: int | None, mode: str | None) -> None:
+    """Refuse a plan that is not the kind the caller runs: another rank's part, a rank in
+    neither mesh, another mode."""
+    if mode is not None:
+        kind = "per-rank" if plan.rank is not None else plan.mode
+        if kind != mode:
+            wanted = {"fleet": "a fleet plan", "pairwise": "a whole pairwise plan", "per-rank": "a per-rank plan"}
+            raise LayoutValueError(f"the plan file holds {_kind(plan)} of '{plan.name}', not {wanted[mode]}")
+    if rank is None:
+        return
+    if plan.rank is not None and plan.rank != rank:
+        raise LayoutValueError(
+            f"the plan file holds {_kind(plan)} of '{plan.name}', not rank {rank}'s: each rank runs its own part"
+        )
+    if rank not in plan.source.mesh and rank not in plan.destination.mesh:
+        raise LayoutValueError(
+            f"rank {rank} belongs to neither mesh of plan '{plan.name}' ('{plan.source.name}': ranks "
+            f"{rank_ranges(plan.source.mesh.ranks)}, '{plan.destination.name}': ranks "
+            f"{rank_ranges(plan.destination.mesh.ranks)})"
+        )
 
 
 def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], program: Program) -> Plan:
@@ -71,6 +114,17 @@ def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], p
         lower_bound_bytes=header["lower_bound_bytes"],
         broadcast_payload_bytes=header["broadcast_payload_bytes"],
     )
+    mode = header.get("mode", "fleet")  # a fleet plan's header has no mode (as before modes existed)
+    if mode not in PLAN_MODES:
+        raise LayoutValueError(f"the plan file is damaged: unknown plan mode {mode!r}")
+    part = header.get("rank")
+    if part is not None and (mode != "pairwise" or not isinstance(part, int) or isinstance(part, bool)):
+        raise LayoutValueError(f"the plan file is damaged: a per-rank plan of rank {part!r} in mode {mode!r}")
+    if part is not None and part not in source.mesh and part not in destination.mesh:
+        raise LayoutValueError(
+            f"the plan file holds the part of rank {part}, which belongs to neither mesh of "
+            f"'{source.name}' -> '{destination.name}'"
+        )
     broadcast = set(header["broadcast_tensors"])
     policies = tuple("broadcast" if i in broadcast else "reshard" for i in range(len(header["tensors"])))
     plan = Plan(
@@ -81,9 +135,12 @@ def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], p
         header["domain_size"],
         header["bucket_bytes"],
         arrays,
+        mode=mode,
+        rank=part,
     )
-    plan.validate()
-    # The header's totals are derived data: recompute them rather than trust them.
+    plan.validate()  # a pairwise plan as one; a per-rank plan as its rank's part
+    # The header's totals are derived data: recompute them rather than trust them (a per-rank
+    # plan's are its rank's, recomputed from that rank's part alone).
     check = plan_layouts(
         source,
         destination,
@@ -91,6 +148,8 @@ def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], p
         domain_size=plan.domain_size,
         bucket_bytes=plan.bucket_bytes,
         policies=policies,
+        mode=mode,
+        rank=part,
     )
     for field in ("lower_bound_bytes", "broadcast_payload_bytes"):
         if header[field] != int(getattr(check.arrays, field)):
