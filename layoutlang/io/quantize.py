@@ -16,16 +16,16 @@ it. CPU tensors only, for now.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..core import _core
 from ..errors import LayoutValueError, core_errors
-from ..model.quantization import CONVENTIONS, FORMATS, scale_shape
+from ..model.quantization import CONVENTIONS, FORMATS, Quantization, scale_shape
 from .torch_dtypes import dtype_name, torch_dtype
 
-__all__ = ["quantize", "quantize_into"]
+__all__ = ["quantize", "quantize_into", "quantize_tensors"]
 
 
 def _check_cpu(name: str, tensor: torch.Tensor) -> None:
@@ -97,3 +97,24 @@ def quantize(
     )
     quantize_into(source, values, scales, format, block, convention)
     return values, scales
+
+
+def quantize_tensors(
+    tensors: Mapping[str, torch.Tensor], quantized: Mapping[str, Quantization]
+) -> dict[str, torch.Tensor]:
+    """Whole tensors as a quantized checkpoint stores them, in order: each tensor of ``quantized``
+    (:meth:`Layout.quantized <layoutlang.model.Layout.quantized>`) as its fp8 values followed
+    by its scale tensor (DeepSeek-V3's ``weight`` then ``weight_scale_inv``), the others as
+    they are. What :func:`~layoutlang.io.weights.write_safetensors` writes as an FP8 checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        q = quantized.get(name)
+        if q is None:
+            out[name] = tensor
+            continue
+        if tuple(tensor.shape) != q.shape:
+            raise LayoutValueError(
+                f"tensor '{name}' is {list(tensor.shape)}; it is quantized as {list(q.shape)}", tensor=name
+            )
+        out[name], out[q.scale.name] = quantize(tensor, q.format, q.block, q.convention)
+    return out

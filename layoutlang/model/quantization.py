@@ -11,10 +11,13 @@ dtype (``fp32``; ``e8m0`` for MXFP8). DeepSeek-V3 keeps ``weight`` ``[N, K]`` in
 
 The scale tensor is placed **like its weight** (each rank holds the scales of the blocks of
 its own boxes, so a rank's boxes must start and end on block boundaries: a block split
-between two ranks has no rank that could compute its amax), or **replicated** on every rank
-holding some of the weight. Its storage is the weight's storage name with the convention
-appended (vLLM's ``qkv_proj.weight_scale_inv`` beside ``qkv_proj.weight``), or the one the
-rule names.
+between two destination ranks would have a scale that neither rank's elements determine, a
+layout engines refuse too, e.g. vLLM's block FP8 with a TP shard that is no multiple of the
+block), or **replicated** on every rank holding some of the weight (the whole scale tensor
+on each: per-tensor FP8 beside a TP shard, whose one block spans every rank). Its storage
+is the weight's storage name with the convention appended (vLLM's
+``qkv_proj.weight_scale_inv`` beside ``qkv_proj.weight``), or for replicated scales the
+scale tensor's own name, or the one the rule names.
 
 :meth:`Layout.quantized <layoutlang.model.Layout.quantized>` resolves the rules tensor by
 tensor and checks every rank; the planner (issue 16, next step) plans the scale tensors'
@@ -148,6 +151,9 @@ class QuantizeRule:
     storage_shape: tuple[int, ...] | None = None
     storage_fn: Callable[[Mapping[str, int]], str] | None = attrs.field(default=None, eq=False, repr=False)
     span: Span | None = attrs.field(default=None, eq=False, repr=False)
+    #: the tensors it quantizes, by name, instead of those ``pattern`` matches (``quantize from
+    #: cfg``: what a checkpoint's config names); any pattern of the layout takes precedence
+    tensors: frozenset[str] | None = attrs.field(default=None, repr=False)
 
     def __attrs_post_init__(self) -> None:
         where = f'"{self.pattern}"'
@@ -187,7 +193,10 @@ class QuantizeRule:
 
     @property
     def specificity(self) -> int:
-        """Number of literal characters; the most specific matching rule wins, as for placements."""
+        """Number of literal characters; the most specific matching rule wins, as for placements
+        (a rule naming its tensors comes after every pattern, as a default rule does)."""
+        if self.tensors is not None:
+            return -1
         return len(re.sub(r"\{[^}]*\}|\*", "", self.pattern))
 
     def block_for(self, tensor: LogicalTensor) -> tuple[int, ...]:
