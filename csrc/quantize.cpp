@@ -46,18 +46,43 @@ inline float load(uintptr_t base, int64_t index) {
   }
 }
 
-struct Element {
-  int mantissa_bits;
-  int bias;
-};
-
-Element element_of(QuantFormat format) {
-  return format == QuantFormat::fp8_e5m2 ? Element{2, 15} : Element{3, 7};
-}
-
 constexpr uint8_t kNan8 = 0x7f;          // e4m3fn's NaN; one of e5m2's (torch writes it too)
 constexpr uint32_t kNan32 = 0x7fc00000u;  // fp32's canonical quiet NaN
 constexpr uint8_t kNanE8m0 = 0xff;
+
+// The byte of one fp8 element with M mantissa bits and exponent bias B (e4m3fn: 3, 7; e5m2:
+// 2, 15): x rounded to nearest, ties to even; |x| must not exceed the format's largest value.
+template <int M, int B>
+inline uint8_t encode(float x) {
+  uint32_t bits = bits_of(x);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  bits &= 0x7fffffffu;
+  if (bits > 0x7f800000u) return kNan8 | sign;
+  constexpr int kMinExponent = 1 - B;                                   // of the format's normal numbers
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + kMinExponent) << 23;  // its fp32 bits
+  if (bits < kMinNormal) {
+    // zero or subnormal: a multiple of 2^(kMinExponent - M), rounded to the nearest even
+    // multiple; the product by a power of two is exact, nearbyint rounds ties to even (the
+    // default rounding mode), and a carry into 2^M is the least normal code.
+    constexpr float kSteps = static_cast<float>(1u << (M - kMinExponent));  // 2^(M - kMinExponent)
+    const float steps = std::nearbyint(float_of(bits) * kSteps);
+    return static_cast<uint8_t>(static_cast<uint32_t>(steps)) | sign;
+  }
+  constexpr int kShift = 23 - M;
+  bits += ((1u << (kShift - 1)) - 1) + ((bits >> kShift) & 1u);  // round to nearest, ties to even
+  const uint32_t exponent = (bits >> 23) - 127 + B;
+  const uint32_t mantissa = (bits >> kShift) & ((1u << M) - 1);
+  return static_cast<uint8_t>((exponent << M) | mantissa) | sign;
+}
+
+template <QuantFormat F>
+inline uint8_t encode_as(float x) {
+  if constexpr (F == QuantFormat::fp8_e5m2) {
+    return encode<2, 15>(x);
+  } else {
+    return encode<3, 7>(x);
+  }
+}
 
 // What the blocks are iterated with: the extents of one block along each dim.
 struct BlockExtent {
@@ -93,9 +118,9 @@ void for_each_row(const BlockExtent& e, const QuantView& src, const QuantView& d
   }
 }
 
-template <QuantSource S>
-void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, QuantFormat format,
-                    ScaleConvention convention, const QuantView& values, const QuantView& scales) {
+template <QuantSource S, QuantFormat format>
+void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
+                    const QuantView& values, const QuantView& scales) {
   const size_t n = source.shape.size();
   const float fmax = quant_fmax(format);
   const int64_t src_last = source.strides[n - 1], val_last = values.strides[n - 1];
@@ -123,7 +148,7 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
       }
     });
     float divisor;  // what every value of the block is divided by
-    if (format == QuantFormat::mxfp8) {
+    if constexpr (format == QuantFormat::mxfp8) {
       uint8_t code = kNanE8m0;
       divisor = float_of(kNan32);
       if (finite) {
@@ -154,7 +179,7 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
       }
       for (int64_t i = 0; i < length; ++i) {
         const float q = std::clamp(load<S>(source.data, s + i * src_last) / divisor, -fmax, fmax);
-        out[v + i * val_last] = fp8_encode(q, format);
+        out[v + i * val_last] = encode_as<format>(q);
       }
     });
     size_t d = n;
@@ -164,6 +189,19 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
       at[d] = 0;
       if (d == 0) return;
     }
+  }
+}
+
+template <QuantSource S>
+void dispatch_format(const QuantView& source, const std::vector<int64_t>& block, QuantFormat format,
+                     ScaleConvention convention, const QuantView& values, const QuantView& scales) {
+  switch (format) {
+    case QuantFormat::fp8_e4m3:
+      return quantize_typed<S, QuantFormat::fp8_e4m3>(source, block, convention, values, scales);
+    case QuantFormat::fp8_e5m2:
+      return quantize_typed<S, QuantFormat::fp8_e5m2>(source, block, convention, values, scales);
+    case QuantFormat::mxfp8:
+      return quantize_typed<S, QuantFormat::mxfp8>(source, block, convention, values, scales);
   }
 }
 
@@ -205,25 +243,7 @@ ScaleConvention scale_convention(const std::string& name) {
 float quant_fmax(QuantFormat format) { return format == QuantFormat::fp8_e5m2 ? 57344.0f : 448.0f; }
 
 uint8_t fp8_encode(float x, QuantFormat format) {
-  const Element el = element_of(format);
-  uint32_t bits = bits_of(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  bits &= 0x7fffffffu;
-  if (bits > 0x7f800000u) return kNan8 | sign;
-  const float a = float_of(bits);
-  const int min_exponent = 1 - el.bias;  // of the format's normal numbers
-  if (a < std::ldexp(1.0f, min_exponent)) {
-    // zero or subnormal: a multiple of 2^(min_exponent - mantissa_bits), rounded to the nearest
-    // even multiple; the division by a power of two is exact, nearbyint rounds ties to even
-    // (the default rounding mode), and a carry into 2^mantissa_bits is the least normal code.
-    const float steps = std::nearbyint(std::ldexp(a, el.mantissa_bits - min_exponent));
-    return static_cast<uint8_t>(static_cast<uint32_t>(steps)) | sign;
-  }
-  const int shift = 23 - el.mantissa_bits;
-  bits += ((1u << (shift - 1)) - 1) + ((bits >> shift) & 1u);  // round to nearest, ties to even
-  const uint32_t exponent = (bits >> 23) - 127 + el.bias;
-  const uint32_t mantissa = (bits >> shift) & ((1u << el.mantissa_bits) - 1);
-  return static_cast<uint8_t>((exponent << el.mantissa_bits) | mantissa) | sign;
+  return format == QuantFormat::fp8_e5m2 ? encode<2, 15>(x) : encode<3, 7>(x);
 }
 
 void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
@@ -250,11 +270,11 @@ void quantize_blocks(const QuantView& source, QuantSource source_dtype, const st
   }
   switch (source_dtype) {
     case QuantSource::bf16:
-      return quantize_typed<QuantSource::bf16>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::bf16>(source, block, format, convention, values, scales);
     case QuantSource::fp16:
-      return quantize_typed<QuantSource::fp16>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::fp16>(source, block, format, convention, values, scales);
     case QuantSource::fp32:
-      return quantize_typed<QuantSource::fp32>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::fp32>(source, block, format, convention, values, scales);
   }
 }
 
