@@ -291,3 +291,35 @@ def test_a_scale_name_taken_by_a_declared_tensor() -> None:
             'layout l on m { default: replicate quantize "w" as fp8_e4m3 per_tensor scale_inv fp32 }',
             'mesh m [tp = 1]\ntensor "w" [4, 4] bf16\ntensor "w_scale_inv" [1, 1] fp32\n',
         )
+
+
+STACKED = """
+mesh infer [tp = 2]
+tensor "experts.{{e}}.gate" [{rows}, 128] bf16 for e in 0..3
+tensor "experts.{{e}}.up" [{rows}, 128] bf16 for e in 0..3
+layout serve on infer {{
+  default: tp = shard(0)
+  storage "w13" = stack e of "experts.{{e}}.gate" | "experts.{{e}}.up"
+  quantize "experts.*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}}
+"""
+
+
+def test_a_stacked_storage_keeps_its_scales_stacked() -> None:
+    """vLLM's w13_weight [experts, 2 * I / tp, H] beside w13_weight_scale_inv [experts, 2 * I / tp / 128, H / 128]."""
+    layout = load("", STACKED.format(rows=256)).layout("serve")
+    assert box_text(layout.scale_boxes("experts.2.up", 1)) == [
+        "experts.2.up_scale_inv[1:2, 0:1] at w13_scale_inv[2:3, 1:2, 0:1]"
+    ]
+    assert layout.scale_storages_on(0) == {"w13_scale_inv": (4, 2, 1)}
+
+
+@pytest.mark.parametrize("expert", [0, 3])
+def test_every_element_of_a_stack_is_checked(expert: int) -> None:
+    """The elements' blocks are checked once per kind of element: one placed otherwise (strided
+    halves of 64 rows, the same local shape) is still caught, first or last."""
+    model = STACKED.format(rows=256).replace(
+        "  default: tp = shard(0)\n", f'  default: tp = shard(0)\n  "experts.{expert}.up": tp = shard(0, blocks = 2)\n'
+    )
+    with pytest.raises(LayoutValueError, match=rf"tensor 'experts\.{expert}\.up' in layout 'serve': rank 0 holds 0:64"):
+        load("", model)

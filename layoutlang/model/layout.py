@@ -711,14 +711,19 @@ class Layout:
         self, rank: int, found: Mapping[str, Quantization], holders: Mapping[str, frozenset[int]]
     ) -> dict[str, tuple[tuple[int, ...], Quantization]]:
         out: dict[str, tuple[tuple[int, ...], Quantization]] = {}
+        resolved = self.resolved
+        parts_of: dict[int, tuple[int, ...] | None] = {}  # a stack's shape, once for all its elements
         for tensor, q in found.items():
             if rank not in holders[tensor]:
                 continue
             if q.replicated:
                 name, shape = q.scale_storage_of(tensor), q.scale.shape
             else:
-                storage = self.storage(self.storage_of(tensor).name, rank)
-                parts = self.parts_shape(storage.name, rank)
+                sid = resolved.storage_of[resolved.index[tensor]]
+                storage = resolved.storages[sid]
+                if sid not in parts_of:
+                    parts_of[sid] = resolved.shape(sid, rank)
+                parts = parts_of[sid]
                 if parts is None:
                     continue
                 lead = len(parts) - len(q.block)
@@ -798,6 +803,19 @@ class Layout:
         if not found:
             return
         resolved = self.resolved
+        # The elements of a stack (256 experts in one w13_weight) have the same boxes on the same
+        # ranks when they have the same placement, shape and sub-mesh and the same parts before
+        # them in their element: their blocks are checked once.
+        stacked: dict[str, tuple] = {}
+        for sid, storage in enumerate(resolved.storages):
+            if storage.elements is None or not any(p in found for p in storage.parts):
+                continue
+            before: dict[int, tuple] = {}
+            for part, element in zip(storage.parts, storage.elements):
+                index = resolved.index[part]
+                stacked[part] = (sid, before.get(element, ()))
+                before[element] = (*before.get(element, ()), (resolved.spec_of[index], self.tensors[part].shape))
+        aligned: set[tuple] = set()
         for tensor, q in found.items():
             storage = self.storage_of(tensor)
             if storage.is_transposed(tensor):
@@ -811,9 +829,14 @@ class Layout:
                 # every holder keeps every scale (vLLM's per-tensor scale beside a TP shard): a
                 # block may span ranks, and is quantized where it can be assembled whole
                 continue
+            key = self._alignment_key(tensor, q, stacked)
+            if key is not None and key in aligned:
+                continue
             for rank in sorted(holders[tensor]):
                 for box in self.boxes(tensor, rank):
                     self._check_blocks(q, box, rank)
+            if key is not None:
+                aligned.add(key)
         # the parts of one storage are quantized alike, or none is
         for storage in resolved.storages:
             quantized = [found.get(p) for p in storage.parts]
@@ -829,7 +852,9 @@ class Layout:
                         (other or first).rule.span,
                         tensor=part,
                     )
-        # declared scale storage shapes
+        # declared scale storage shapes, and scale storages named alike on one rank
+        if not any(rule.storage is not None or rule.storage_shape is not None for rule in self.quantize):
+            return  # the derived names follow the weights' storages, which are checked already
         for rank in self.mesh.ranks:
             for name, (shape, q) in self._scale_storages(rank, found, holders).items():
                 declared = q.rule.storage_shape
@@ -842,6 +867,15 @@ class Layout:
                         tensor=q.tensor,
                         rank=rank,
                     )
+
+    def _alignment_key(self, tensor: str, q: Quantization, stacked: Mapping[str, tuple]) -> tuple | None:
+        """What decides a stacked element's boxes and their places (None: not in a stack)."""
+        if tensor not in stacked:
+            return None
+        index = self.resolved.index[tensor]
+        sid, before = stacked[tensor]
+        resolved = self.resolved
+        return (sid, before, resolved.spec_of[index], q.shape, q.block, resolved.submesh_of[index])
 
     def _check_blocks(self, q: Quantization, box: Box, rank: int) -> None:
         """A rank's box of a quantized tensor holds whole blocks, at block boundaries of its storage."""
