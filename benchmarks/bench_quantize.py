@@ -2,7 +2,8 @@
 
 DeepSeek-V3's largest dense projection, ``mlp.gate_proj.weight`` of the dense layers
 (``[18432, 7168]`` bf16, 128 x 128 blocks), and one routed expert's ``down_proj``
-(``[7168, 2048]``, MXFP8's 1 x 32 blocks too): the best of ``--runs`` runs of
+(``[7168, 2048]``, MXFP8's 1 x 32 blocks too), and the first read through its transpose (a
+strided view, as a region cut across a storage's rows is): the best of ``--runs`` runs of
 ``layoutlang.io.quantize.quantize`` (one thread, no copies: strided reads, one pass for the
 amax and one for the values) against the torch reference of ``tests/test_quantize.py``
 (whole-tensor ops, torch's own threads), after checking that both give the same bytes.
@@ -23,14 +24,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_quantize import reference  # noqa: E402  (the tests' reference, not a copy of it)
+from test_quantize import reference
 
-from layoutlang.io.quantize import quantize  # noqa: E402
+from layoutlang.io.quantize import quantize
 
 CASES = [
-    ("dense gate_proj [18432, 7168] fp8_e4m3 128x128", (18432, 7168), "fp8_e4m3", (128, 128)),
-    ("expert down_proj [7168, 2048] fp8_e4m3 128x128", (7168, 2048), "fp8_e4m3", (128, 128)),
-    ("expert down_proj [7168, 2048] mxfp8 1x32", (7168, 2048), "mxfp8", (1, 32)),
+    ("dense gate_proj [18432, 7168] fp8_e4m3 128x128", (18432, 7168), "fp8_e4m3", (128, 128), False),
+    ("the same, read through its transpose (strided)", (18432, 7168), "fp8_e4m3", (128, 128), True),
+    ("expert down_proj [7168, 2048] fp8_e4m3 128x128", (7168, 2048), "fp8_e4m3", (128, 128), False),
+    ("expert down_proj [7168, 2048] mxfp8 1x32", (7168, 2048), "mxfp8", (1, 32), False),
 ]
 
 
@@ -52,8 +54,10 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads; best of {args.runs}")
     print(f"{'case':50s} {'layoutlang':>12s} {'torch ref':>12s} {'ratio':>7s}")
-    for label, shape, fmt, block in CASES:
+    for label, shape, fmt, block, transposed in CASES:
         x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+        if transposed:
+            x = x.t()  # a view: every row of it is a column of the storage
         values, scales = quantize(x, fmt, block)
         want_values, want_scales = reference(x, fmt, block, "scale_inv")
         same = torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(

@@ -141,11 +141,25 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
     float amax = 0.0f;
     bool finite = true;
     for_each_row(extent, source, values, [&](int64_t s, int64_t, int64_t length) {
-      for (int64_t i = 0; i < length; ++i) {
-        const float x = std::fabs(load<S>(source.data, s + i * src_last));
-        if (!(x <= std::numeric_limits<float>::max())) finite = false;  // NaN or inf
-        amax = std::max(amax, x);
+      // written so that the compiler vectorizes it: `x > m ? x : m` is maxps exactly (a NaN
+      // leaves m), and a NaN or an infinity is counted apart
+      float m = amax;
+      uint32_t bad = 0;
+      if (src_last == 1) {
+        for (int64_t i = 0; i < length; ++i) {
+          const float x = std::fabs(load<S>(source.data, s + i));
+          bad |= static_cast<uint32_t>(!(x <= std::numeric_limits<float>::max()));
+          m = x > m ? x : m;
+        }
+      } else {
+        for (int64_t i = 0; i < length; ++i) {
+          const float x = std::fabs(load<S>(source.data, s + i * src_last));
+          bad |= static_cast<uint32_t>(!(x <= std::numeric_limits<float>::max()));
+          m = x > m ? x : m;
+        }
       }
+      amax = m;
+      if (bad) finite = false;
     });
     float divisor;  // what every value of the block is divided by
     if constexpr (format == QuantFormat::mxfp8) {
@@ -175,6 +189,13 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
     for_each_row(extent, source, values, [&](int64_t s, int64_t v, int64_t length) {
       if (!finite) {
         for (int64_t i = 0; i < length; ++i) out[v + i * val_last] = kNan8;
+        return;
+      }
+      if (src_last == 1 && val_last == 1) {
+        for (int64_t i = 0; i < length; ++i) {
+          const float q = std::clamp(load<S>(source.data, s + i) / divisor, -fmax, fmax);
+          out[v + i] = encode_as<format>(q);
+        }
         return;
       }
       for (int64_t i = 0; i < length; ++i) {
