@@ -323,3 +323,10 @@ def test_every_element_of_a_stack_is_checked(expert: int) -> None:
     )
     with pytest.raises(LayoutValueError, match=rf"tensor 'experts\.{expert}\.up' in layout 'serve': rank 0 holds 0:64"):
         load("", model)
+
+
+def test_a_mistake_of_the_statement_names_a_tensor_it_quantizes() -> None:
+    with pytest.raises(LayoutValueError) as info:
+        load('layout serve on infer { default: replicate quantize "*.up_proj.weight" as int4 per_tensor scale fp32 }')
+    assert info.value.tensor == "layers.0.mlp.up_proj.weight"
+    assert info.value.message.endswith("(the statement quantizes 'layers.0.mlp.up_proj.weight', ...)")

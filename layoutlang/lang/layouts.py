@@ -181,8 +181,30 @@ def _quantize_rules(scope: Scope, node: ast.LayoutDecl, names: TensorNames) -> l
         seen[decl.pattern] = decl.pattern_span
         captures = pattern_captures(decl.pattern, decl.pattern_span)
         _require_match(decl.pattern, decl.pattern_span, captures, names, f"quantize in layout '{node.name}'")
-        out.append(_quantize(scope, decl, captures))
+        try:
+            out.append(_quantize(scope, decl, captures))
+        except LayoutValueError as err:
+            # a mistake of the statement is one of every tensor it matches: name the first
+            matched = _first_matches(decl.pattern, names)
+            if err.tensor is None and matched:
+                err.tensor = matched[0]
+                more = ", ..." if len(matched) > 1 else ""
+                err.message = f"{err.message} (the statement quantizes '{matched[0]}'{more})"
+                err.args = (err.message,)
+            raise
     return out
+
+
+def _first_matches(pattern: str, names: TensorNames, count: int = 2) -> list[str]:
+    """Up to ``count`` tensor names the pattern matches, in the program's order."""
+    regex = compile_pattern(pattern)
+    found: list[str] = []
+    for name in names.names:
+        if regex.fullmatch(name):
+            found.append(name)
+            if len(found) == count:
+                break
+    return found
 
 
 def _quantize_from(scope: Scope, decl: ast.QuantizeFrom) -> QuantizeRule:
