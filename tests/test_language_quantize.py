@@ -330,3 +330,37 @@ def test_a_mistake_of_the_statement_names_a_tensor_it_quantizes() -> None:
         load('layout serve on infer { default: replicate quantize "*.up_proj.weight" as int4 per_tensor scale fp32 }')
     assert info.value.tensor == "layers.0.mlp.up_proj.weight"
     assert info.value.message.endswith("(the statement quantizes 'layers.0.mlp.up_proj.weight', ...)")
+
+
+@pytest.mark.parametrize(
+    ("mesh", "rule", "placements", "shape"),
+    [
+        ("[tp = 4]", "tp = shard(0)", "S0", (1024, 300)),
+        ("[tp = 4]", "tp = shard(1)", "S1", (200, 1022)),  # 256 columns each, the last 254
+        ("[dp = 2, tp = 4]", "dp = shard(0), tp = shard(0)", "S0S0", (2048, 130)),
+        ("[dp = 2, tp = 2]", "dp = shard(1), tp = shard(0)", "S1S0", (512, 511)),
+    ],
+)
+def test_scales_placed_like_the_weight_are_dtensors_placement_of_the_scale_tensor(
+    mesh: str, rule: str, placements: str, shape: tuple[int, int]
+) -> None:
+    """Where every shard holds whole blocks, each rank's scales are what DTensor's placement of
+    the scale tensor itself gives the rank (the oracle: DTensor's own shard math)."""
+    pytest.importorskip("torch")
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    program = load(
+        f'layout serve on m {{ default: {rule} quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32 }}',
+        f'mesh m {mesh}\ntensor "w" [{shape[0]}, {shape[1]}] bf16\n',
+    )
+    layout = program.layout("serve")
+    scale = layout.scale_tensors()["w_scale_inv"]
+    dims = [int(p) for p in placements.split("S")[1:]]
+    torch_placements = [Shard(d) for d in dims] or [Replicate()]
+    mesh_shape = program.layout("serve").mesh.shape
+    for rank in layout.mesh.ranks:
+        coords = [rank // mesh_shape[1], rank % mesh_shape[1]] if len(mesh_shape) == 2 else [rank]
+        local, offset = _compute_local_shape_and_global_offset(scale.shape, mesh_shape, coords, torch_placements)
+        (box,) = layout.scale_boxes("w", rank)
+        assert (box.offsets, box.sizes) == (tuple(offset), tuple(local)), (rank, box)
