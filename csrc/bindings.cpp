@@ -20,6 +20,7 @@
 #include "layout_core.hpp"
 #include "planner.hpp"
 #include "quantize.hpp"
+#include "rank_plan.hpp"
 #include "recovery.hpp"
 #include "shard_math.hpp"
 
@@ -483,6 +484,29 @@ NB_MODULE(_core, m) {
       },
       "plan"_a, "source"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "max_problems"_a = 20,
       "Problems with the plan (empty when it is valid).");
+
+  m.def(
+      "build_pairwise_plan",
+      [](const LayoutCore& source, const LayoutCore& destination, const std::vector<Policy>& policies,
+         int64_t domain_size, int64_t bucket_bytes, int64_t rank) {
+        const std::vector<uint8_t> codes = policy_codes(policies);
+        nb::gil_scoped_release release;
+        return build_pairwise_plan(source, destination, codes, PlanOptions{domain_size, bucket_bytes}, rank);
+      },
+      "source"_a, "destination"_a, "policies"_a, "domain_size"_a, "bucket_bytes"_a, "rank"_a = -1,
+      "Compile a pairwise plan (every choice computable by both ends of a move): the moves `rank` sends or "
+      "receives, or the whole fleet's when rank < 0. Reshard policy only.");
+
+  m.def(
+      "validate_pairwise_plan",
+      [](const PlanData& plan, const LayoutCore& source, const LayoutCore& destination, int64_t domain_size,
+         int64_t bucket_bytes, int64_t rank, std::size_t max_problems) {
+        nb::gil_scoped_release release;
+        return validate_pairwise_plan(plan, source, destination, PlanOptions{domain_size, bucket_bytes}, rank,
+                                      max_problems);
+      },
+      "plan"_a, "source"_a, "destination"_a, "domain_size"_a, "bucket_bytes"_a, "rank"_a = -1, "max_problems"_a = 20,
+      "Problems with a pairwise plan of `rank` (of the whole fleet when rank < 0); empty when it is valid.");
 
   // ---------------------------------------------------------------- recovery decisions
   nb::class_<Regions>(m, "Regions",

@@ -15,6 +15,7 @@ from ..errors import ExitCode, LayoutValueError
 from ..lang import load
 from ..model import Program
 from ..plan import POLICIES, Move, Plan, compile_plan
+from ..plan.data import PLAN_MODES
 from . import arguments
 from .progress import Progress
 from .report import plan_report
@@ -55,6 +56,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="one policy for every tensor, overriding the statement's rules",
     )
     parser.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
+    parser.add_argument(
+        "--mode",
+        choices=PLAN_MODES,
+        help="fleet (the default: choices balanced over the whole fleet) or pairwise (choices both ends "
+        "of a move compute alone, as per-rank plans make them)",
+    )
+    parser.add_argument(
+        "--rank",
+        type=int,
+        metavar="R",
+        help="compile, validate and print only rank R's part of the pairwise plan (what a rank compiles "
+        "in a large fleet); its fingerprint covers the whole program",
+    )
     parser.add_argument("--no-compare", action="store_true", help="do not compile the gather-and-broadcast baseline")
     parser.add_argument(
         "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
@@ -82,15 +96,19 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
         program = load(args.file)
-    check_plan_size(program, args.reshard)
+    if args.rank is None:  # one rank's part grows with what the rank moves, not with the fleet
+        check_plan_size(program, args.reshard)
     with progress.step("checking the layouts"):
         program.check()
-    with progress.step("compiling the plan"):
-        plan = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy)
+    with progress.step("compiling the plan" if args.rank is None else f"compiling rank {args.rank}'s plan"):
+        plan = compile_plan(
+            program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy, mode=args.mode, rank=args.rank
+        )
     with progress.step("validating the plan"):
         plan.validate()
     baseline = None
-    if not args.no_compare and args.policy != "broadcast":
+    # gather-and-broadcast has no per-rank plan: its baseline is the whole fleet's
+    if not args.no_compare and args.policy != "broadcast" and args.rank is None:
         with progress.step("compiling the gather-and-broadcast baseline"):
             baseline = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy="broadcast")
     if args.out:
@@ -113,6 +131,11 @@ def run(args: argparse.Namespace) -> int:
         return ExitCode.OK
     with progress.step("computing the statistics"):
         lines = plan_report(plan, baseline, per_rank=args.per_rank)
+    if plan.rank is not None:
+        part = f"  rank {plan.rank}'s part of the pairwise plan: the moves it sends or receives, its bytes and"
+        lines[2:2] = [part + " messages; its lower bound is what it must receive"]
+    elif plan.mode != "fleet":
+        lines[2:2] = [f"  {plan.mode} plan: every choice computed by both ends of its move"]
     if args.explain:
         total = sum(1 for _ in plan.moves(args.explain)) if len(explained) == args.limit else len(explained)
         lines += ["", f"moves of {args.explain!r} ({total:,} in all):"]

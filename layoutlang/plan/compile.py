@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .._text import rank_ranges
 from ..core import _core
 from ..errors import LayoutError, LayoutValueError
 from ..model import Layout, Program, Reshard
-from .data import DEFAULT_BUCKET_BYTES, POLICIES, Plan
+from .data import DEFAULT_BUCKET_BYTES, PLAN_MODES, POLICIES, Plan
 from .loss import check_recoverable
 
 
@@ -66,6 +67,8 @@ def plan_layouts(
     domain_size: int = 1,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     policies: Sequence[str] | str = "reshard",
+    mode: str | None = None,
+    rank: int | None = None,
 ) -> Plan:
     """Compile the plan from ``source`` to ``destination`` (layouts of the same tensors).
 
@@ -73,6 +76,29 @@ def plan_layouts(
     the exact overlap; ``broadcast`` gathers the whole tensor on one source rank and sends it
     to every destination rank that holds any of it). ``bucket_bytes`` bounds the staging
     memory of one rank in one bucket; larger regions are cut into slabs.
+
+    ``mode`` (:data:`~layoutlang.plan.data.PLAN_MODES`) is ``fleet`` by default: holders,
+    landing ranks and buckets balanced by fleet-wide loads. ``pairwise`` chooses them from
+    what both ends of a move know (a hash of tensor, box and destination domain; buckets cut
+    per pair of ranks), so that ``rank=r`` compiles rank ``r``'s moves alone, in time and
+    memory that grow with what ``r`` moves, not with the fleet; the whole pairwise plan is
+    the union of the per-rank ones. A pairwise plan moves ``reshard`` tensors only; each of
+    its messages carries at most ``bucket_bytes``.
+
+    >>> import layoutlang
+    >>> p = layoutlang.loads('''
+    ... mesh a [tp = 2]
+    ... mesh b [tp = 4] on ranks 2..5
+    ... tensor "w" [8, 4] fp32
+    ... layout train on a { "w": tp = shard(0) }
+    ... layout serve on b { "w": tp = shard(0) }
+    ... ''')
+    >>> mine = plan_layouts(p.layouts["train"], p.layouts["serve"], rank=0)
+    >>> sorted((m.src, m.dst, m.kind) for m in mine.moves())
+    [(0, 2, 'network'), (0, 3, 'network')]
+    >>> whole = plan_layouts(p.layouts["train"], p.layouts["serve"], mode="pairwise")
+    >>> whole.num_moves, whole.fingerprint == mine.fingerprint
+    (4, True)
     """
     _check_pair(source, destination)
     if list(source.tensors) != list(destination.tensors):
@@ -89,10 +115,14 @@ def plan_layouts(
         raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
     if domain_size < 1:
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
+    mode = _plan_mode(source, destination, names, per_tensor, mode, rank)
     try:
-        arrays = _core.build_plan(
-            source.core, destination.core, [_core.Policy[p] for p in per_tensor], domain_size, bucket_bytes
-        )
+        codes = [_core.Policy[p] for p in per_tensor]
+        if mode == "pairwise":
+            at = -1 if rank is None else rank
+            arrays = _core.build_pairwise_plan(source.core, destination.core, codes, domain_size, bucket_bytes, at)
+        else:
+            arrays = _core.build_plan(source.core, destination.core, codes, domain_size, bucket_bytes)
     except _core.CoreError as err:
         raise LayoutValueError.from_core(err, names, destination.span) from None
     return Plan(
@@ -103,7 +133,45 @@ def plan_layouts(
         domain_size,
         bucket_bytes,
         arrays,
+        mode=mode,
+        rank=rank,
     )
+
+
+def _plan_mode(
+    source: Layout,
+    destination: Layout,
+    names: Sequence[str],
+    policies: Sequence[str],
+    mode: str | None,
+    rank: int | None,
+) -> str:
+    """The plan mode asked for (``pairwise`` for a per-rank plan), checked against the
+    policies and the rank."""
+    if mode is None:
+        mode = "fleet" if rank is None else "pairwise"
+    if mode not in PLAN_MODES:
+        raise LayoutValueError(f"unknown plan mode '{mode}' (one of: {', '.join(PLAN_MODES)})")
+    if rank is not None:
+        if mode != "pairwise":
+            raise LayoutValueError(f"a plan of one rank (rank {rank}) is a pairwise plan, not a '{mode}' one")
+        if rank not in source.mesh and rank not in destination.mesh:
+            raise LayoutValueError(
+                f"rank {rank} belongs to neither mesh of the plan ('{source.name}': ranks "
+                f"{rank_ranges(source.mesh.ranks)}, '{destination.name}': ranks {rank_ranges(destination.mesh.ranks)})",
+                destination.span,
+            )
+    if mode == "pairwise":
+        other = [(n, p) for n, p in zip(names, policies) if p != "reshard"]
+        if other:
+            listed = ", ".join(f"'{n}' ({p})" for n, p in other[:3]) + (", ..." if len(other) > 3 else "")
+            raise LayoutValueError(
+                f"per-rank (pairwise) plans move tensors by the reshard policy only; {listed} "
+                f"{'has' if len(other) == 1 else 'have'} another",
+                destination.span,
+                "use the whole-fleet plan (mode='fleet') for gather-and-broadcast",
+            )
+    return mode
 
 
 def _in_order(layout: Layout, names: Sequence[str]) -> Layout:
@@ -211,11 +279,14 @@ def compile_plan(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     policy: str | None = None,
+    mode: str | None = None,
+    rank: int | None = None,
 ) -> Plan:
     """Compile the plan of a ``reshard`` statement (the only one when ``reshard`` is None).
 
     Each tensor takes its policy from the statement (``broadcast`` rules); ``policy``
     overrides them all, e.g. ``policy="broadcast"`` for the gather-and-broadcast baseline.
+    ``mode`` and ``rank`` ask for a pairwise or a per-rank plan, as in :func:`plan_layouts`.
     """
     statement = reshard if isinstance(reshard, Reshard) else program.reshard(reshard)
     source = program.layout(statement.source)
@@ -234,6 +305,8 @@ def compile_plan(
             domain_size=program.topology.domain_size,
             bucket_bytes=bucket_bytes,
             policies=policies,
+            mode=mode,
+            rank=rank,
         )
     except LayoutError as err:
         err.with_span(statement.span)  # found deep down: it gets the statement's place

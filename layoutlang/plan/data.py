@@ -21,6 +21,11 @@ KINDS: tuple[str, ...] = tuple(kind.name for kind in _core.MoveKind)  # local, d
 SPACES: tuple[str, ...] = tuple(space.name for space in _core.Space)  # source, destination, scratch
 POLICIES: tuple[str, ...] = tuple(policy.name for policy in _core.Policy)  # reshard, broadcast
 DEFAULT_BUCKET_BYTES = 256 * 2**20
+#: How a plan chooses: ``fleet`` balances holders, landing ranks and buckets by fleet-wide
+#: loads (the whole fleet's plan only); ``pairwise`` makes every choice a function of what
+#: both ends of a move know (a hash of tensor, box and domain; buckets per pair of ranks),
+#: so that one rank can compile its own part alone (``rank=``). See :func:`plan_layouts`.
+PLAN_MODES: tuple[str, ...] = ("fleet", "pairwise")
 
 _MAGIC = b"LAYOUTPLAN\x00\x02"
 _COLUMNS: tuple[tuple[str, type[np.integer[Any]]], ...] = (
@@ -39,6 +44,9 @@ _COLUMNS: tuple[tuple[str, type[np.integer[Any]]], ...] = (
     ("move_dst_space", np.uint8),
     ("move_source", np.uint8),
 )
+
+#: Header fields that differ between the parts of one pairwise program (left out of its fingerprint).
+_PER_RANK_FIELDS = frozenset({"rank", "num_buckets", "lower_bound_bytes", "broadcast_payload_bytes"})
 
 #: A place a move reads or writes: (storage name, offsets in the storage), None when not held.
 Place = tuple[str, tuple[int, ...]] | None
@@ -225,11 +233,16 @@ class Plan:
         kw_only=True, converter=_layouts, default=attrs.Factory(lambda plan: (plan.source,), takes_self=True)
     )
     lost: frozenset[int] = attrs.field(kw_only=True, converter=_ranks, default=frozenset())
+    #: ``fleet`` or ``pairwise`` (:data:`PLAN_MODES`)
+    mode: str = attrs.field(kw_only=True, default="fleet")
+    #: the rank whose moves the plan holds (a per-rank plan, always pairwise); None: every rank's
+    rank: int | None = attrs.field(kw_only=True, default=None)
     _derived: _Derived = attrs.field(init=False, factory=_Derived, repr=False)
 
     def __repr__(self) -> str:
+        of = f" of rank {self.rank}" if self.rank is not None else ""
         return (
-            f"Plan({self.name!r}: {self.source.name} -> {self.destination.name}, {self.num_moves} moves "
+            f"Plan({self.name!r}{of}: {self.source.name} -> {self.destination.name}, {self.num_moves} moves "
             f"in {self.num_buckets} buckets, fingerprint {self.fingerprint[:12]})"
         )
 
@@ -339,9 +352,23 @@ class Plan:
     def validate(self) -> None:
         """Raises LayoutValueError unless every destination byte is written exactly once,
         every read lies in what its rank holds (or received in an earlier stage or bucket),
-        and every move's kind matches its ranks' domains."""
+        and every move's kind matches its ranks' domains.
+
+        A per-rank plan (``rank`` set) checks that rank's part: every move sends or receives
+        on it, every byte it holds in the destination is written exactly once, what it sends
+        lies in what it holds or received in an earlier stage, and no message carries more
+        than ``bucket_bytes``."""
         with core_errors(self.tensors):
-            if self.is_recovery:
+            if self.mode == "pairwise":
+                problems = _core.validate_pairwise_plan(
+                    self.arrays,
+                    self.source.core,
+                    self.destination.core,
+                    self.domain_size,
+                    self.bucket_bytes,
+                    -1 if self.rank is None else self.rank,
+                )
+            elif self.is_recovery:
                 problems = _core.validate_recovery_plan(
                     self.arrays,
                     [layout.core for layout in self.sources],
@@ -366,9 +393,13 @@ class Plan:
         return self._derived.stats
 
     def _compute_stats(self) -> PlanStats:
+        """The totals of the plan's moves; a per-rank plan's are that rank's (what it sends
+        and receives), and ``per_rank`` holds that rank alone."""
         ranks = sorted(set(self.destination.mesh.ranks).union(*(s.mesh.ranks for s in self.sources)))
         with core_errors(self.tensors):
             totals = _core.plan_totals(self.arrays, max(ranks) + 1)
+        if self.rank is not None:
+            ranks = [self.rank]
         sent, received = np.asarray(totals.sent), np.asarray(totals.received)
         per_rank = {
             r: {
@@ -401,7 +432,11 @@ class Plan:
             if self.is_recovery
             else {}
         )
-        return recovery | {
+        # A pairwise plan says so (and, per rank, whose part it is); a fleet plan's header is as before.
+        mode: dict[str, Any] = {} if self.mode == "fleet" else {"mode": self.mode}
+        if self.rank is not None:
+            mode["rank"] = self.rank
+        return recovery | mode | {
             "format": "layoutlang-plan",
             "version": 1,
             "reshard": self.name,
@@ -432,9 +467,20 @@ class Plan:
 
     @property
     def fingerprint(self) -> str:
-        """SHA-256 of the binary form: equal on every rank that compiled the same plan."""
+        """SHA-256 of the binary form: equal on every rank that compiled the same plan.
+
+        A pairwise plan is a function of its program alone, and each rank of a per-rank plan
+        holds another part of it: its fingerprint is a digest of the program (both layouts'
+        :func:`layout_digest`, the policies, the tensors, the options and the mode), equal on
+        every rank of the same program, whole or per rank, and different when any of them
+        differs."""
         if self._derived.fingerprint is None:
-            self._derived.fingerprint = hashlib.sha256(self.to_bytes()).hexdigest()
+            if self.mode == "pairwise":
+                program = {k: v for k, v in self._header().items() if k not in _PER_RANK_FIELDS}
+                digest = json.dumps(program, sort_keys=True, separators=(",", ":")).encode()
+                self._derived.fingerprint = hashlib.sha256(digest).hexdigest()
+            else:
+                self._derived.fingerprint = hashlib.sha256(self.to_bytes()).hexdigest()
         return self._derived.fingerprint
 
     def to_json(self, moves: bool = True) -> dict[str, Any]:

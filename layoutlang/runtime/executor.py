@@ -58,6 +58,12 @@ class Executor:
                 else f"rank {rank} is lost in recovery plan '{plan.name}'; it takes no part",
                 rank=rank,
             )
+        if plan.rank is not None and plan.rank != rank:
+            raise ExecutionError(
+                f"rank {rank} was given the per-rank plan of rank {plan.rank} ('{plan.name}'): "
+                "each rank runs its own part",
+                rank=rank,
+            )
         self.plan = plan
         self.rank = rank
         # A recovery plan's lost ranks hold source storages nobody reads: they are not asked.

@@ -18,6 +18,12 @@ from ..transport import TorchTransport, Transport
 from .agreement import agree
 from .executor import Executor, RunReport, device_of
 
+#: A reshard whose two meshes hold at least this many ranks together runs per-rank plans
+#: unless told otherwise (``Resharder(per_rank=...)``): the whole fleet's plan takes every
+#: rank seconds and gigabytes to compile there (DeepSeek-V3 on 4096 + 4096 ranks: 15-23 s
+#: and 4-5 GiB), its own part milliseconds (docs/guides/performance.rst).
+PER_RANK_PLAN_RANKS = 1024
+
 # ---------------------------------------------------------------------- resharder
 
 
@@ -35,6 +41,14 @@ class Resharder:
 
     ``memory_budget`` bounds this rank's staging memory: plans are cut into buckets of half
     of it, since the executor keeps at most two buckets' messages in flight.
+
+    ``per_rank`` chooses the plan each rank compiles: its own part of the pairwise plan
+    (True: :func:`~layoutlang.plan.plan_layouts` with ``rank=``; time and memory grow with
+    what the rank moves, not with the fleet), the whole fleet's plan (False), or (None, the
+    default) per-rank plans when the reshard's meshes hold at least
+    :data:`PER_RANK_PLAN_RANKS` ranks together and every tensor moves by the reshard policy.
+    Every rank decides alike from the program; a rank that decided otherwise (another
+    program, another option) is refused by the fingerprint agreement.
 
     ``problem`` reports what this rank found wrong before the plan is agreed (an engine whose
     parameters do not match the destination layout): the agreement fails on every rank with
@@ -54,6 +68,7 @@ class Resharder:
         policy: str | None = None,
         timeout: float = 300.0,
         problem: str | None = None,
+        per_rank: bool | None = None,
     ):
         if rank is None:
             process_rank = dist.get_rank()
@@ -66,7 +81,10 @@ class Resharder:
         loaded: Program | None = None
         try:
             loaded = program if isinstance(program, Program) else load(program)
-            plan = compile_plan(loaded, reshard, bucket_bytes=max(1, memory_budget // 2), policy=policy)
+            own = _per_rank(loaded, reshard, policy) if per_rank is None else per_rank
+            plan = compile_plan(
+                loaded, reshard, bucket_bytes=max(1, memory_budget // 2), policy=policy, rank=rank if own else None
+            )
         except LayoutError as err:
             # Still take part in the agreement, so every rank learns why instead of waiting.
             error = str(err)
@@ -154,6 +172,18 @@ class Resharder:
             not_ready=not_ready,
         )
         return dict(destinations)
+
+
+def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool:
+    """Whether a Resharder of this reshard compiles per-rank plans by default: when its
+    meshes hold at least PER_RANK_PLAN_RANKS ranks and every tensor moves by reshard."""
+    statement = program.reshard(reshard)
+    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    if len(set(source.mesh.ranks) | set(destination.mesh.ranks)) < PER_RANK_PLAN_RANKS:
+        return False
+    if policy is not None:
+        return policy == "reshard"
+    return all(statement.policy_for(name) == "reshard" for name in source.resolved.names)
 
 
 def _participants_of(

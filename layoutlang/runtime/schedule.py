@@ -107,7 +107,9 @@ class Step:
 
 
 def schedule(plan: Plan, rank: int) -> list[Step]:
-    """The steps this rank takes, in plan order (the same order on every rank)."""
+    """The steps this rank takes, in plan order (the same order on every rank): by bucket,
+    then stage; a pairwise plan's by stage, then bucket, cut to the budget
+    (:func:`_pairwise_steps`)."""
     a = plan.arrays
     dtypes = [torch_dtype(plan.source.tensors[n].dtype) for n in plan.tensors]
     steps: dict[tuple[int, int], Step] = {}
@@ -133,10 +135,51 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         else:
             piece = _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor])
             step.recvs.setdefault(src, Message(src)).add(piece)
-    for step in steps.values():
+    if plan.mode == "pairwise":
+        ordered = _pairwise_steps(steps, rank, plan.bucket_bytes)
+    else:
+        ordered = [steps[k] for k in sorted(steps)]
+    for step in ordered:
         step.send_transfers = [t for m in step.sends.values() for t in m.transfers()]
         step.recv_transfers = [t for m in step.recvs.values() for t in m.transfers()]
-    return [steps[k] for k in sorted(steps)]
+    return ordered
+
+
+def _pairwise_steps(steps: dict[tuple[int, int], Step], rank: int, budget: int) -> list[Step]:
+    """A pairwise plan's steps: by (stage, bucket), each cut into consecutive sub-steps whose
+    messages stage at most ``budget`` bytes together (a message alone may fill one).
+
+    A pairwise plan's buckets are chunks of one pair of ranks' moves (every message carries
+    at most the budget), so a rank's step may hold a message for each of many peers: more
+    than it can stage at once. No rank knows another's steps, and the transports match a
+    pair's messages by tag in the order they are posted, so every rank posts its messages in
+    one global key order, (stage, bucket, sender, receiver), which both ends of a message
+    compute alike; a sub-step is a run of that order, posted at once and waited for.
+
+    Why no rank waits forever: take the smallest message, in that order, that has not
+    completed. Its sender and its receiver have completed every sub-step before the one
+    holding it (those hold only smaller messages), so both have posted it, and it completes,
+    and so on for the next. Relays (stage 1) read what stage 0 delivered: ordering by stage
+    first puts them after every message that feeds them.
+    """
+    out: list[Step] = []
+    for bucket, stage in sorted(steps, key=lambda key: (key[1], key[0])):
+        step = steps[(bucket, stage)]
+        keyed = sorted(
+            [((rank, peer), "send", m) for peer, m in step.sends.items()]
+            + [((peer, rank), "recv", m) for peer, m in step.recvs.items()],
+            key=lambda item: item[0],
+        )
+        part = Step(bucket, stage, copies=step.copies)
+        staged = 0
+        for _, way, message in keyed:
+            if staged and staged + message.nbytes > budget:
+                out.append(part)
+                part, staged = Step(bucket, stage), 0
+            (part.sends if way == "send" else part.recvs)[message.peer] = message
+            staged += message.nbytes
+        out.append(part)
+    return out
 
 
 def _piece(
