@@ -19,6 +19,7 @@
 
 #include "layout_core.hpp"
 #include "planner.hpp"
+#include "quantize.hpp"
 #include "rank_plan.hpp"
 #include "recovery.hpp"
 #include "shard_math.hpp"
@@ -552,6 +553,24 @@ NB_MODULE(_core, m) {
       "before"_a, "before_names"_a, "before_views"_a, "after"_a, "after_names"_a, "after_views"_a, "ranks"_a,
       "For each rank: whether it holds the same storages (names: a number per storage, equal for equal names; "
       "views: the shape a storage is viewed as, or None) and the same boxes at the same places in both layouts.");
+
+  m.def(
+      "quantize_blocks",
+      [](uintptr_t source, const std::string& source_dtype, const Shape& shape, const Shape& source_strides,
+         const Shape& block, const std::string& format, const std::string& convention, uintptr_t values,
+         const Shape& value_strides, uintptr_t scales, const Shape& scale_shape, const Shape& scale_strides) {
+        const QuantSource dtype = quant_source(source_dtype);
+        const QuantFormat fmt = quant_format(format);
+        const ScaleConvention conv = scale_convention(convention);
+        nb::gil_scoped_release release;
+        quantize_blocks(QuantView{source, shape, source_strides}, dtype, block, fmt, conv,
+                        QuantView{values, shape, value_strides}, QuantView{scales, scale_shape, scale_strides});
+      },
+      "source"_a, "source_dtype"_a, "shape"_a, "source_strides"_a, "block"_a, "format"_a, "convention"_a,
+      "values"_a, "value_strides"_a, "scales"_a, "scale_shape"_a, "scale_strides"_a,
+      "Quantizes the strided view at address `source` (bf16, fp16 or fp32; strides in elements) block by block "
+      "into fp8 bytes at `values` and scales at `scales` (fp32, or e8m0 bytes for mxfp8; shape ceil(shape / "
+      "block)), by the rule of csrc/quantize.hpp. The caller keeps the memory alive.");
 
   register_nccl_bindings(m);
 }

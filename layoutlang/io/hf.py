@@ -35,7 +35,7 @@ import math
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import ModelDescriptionError
 from ..model.dtypes import DTYPES, canonical_dtype
@@ -44,8 +44,10 @@ from .safetensors import checkpoint_file, tensors_from_safetensors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
+    "Fp8Scheme",
     "TensorEntry",
     "checkpoint_beside",
+    "fp8_scheme",
     "hf_config_constants",
     "read_config",
     "tensors_from_hf_config",
@@ -121,6 +123,49 @@ def tensors_from_hf_config(
         return out.tensors
     return _as_stored(
         out.tensors, file, checkpoint, keep_dtype=dtype is not None, allow_outside_paths=allow_outside_paths
+    )
+
+
+class Fp8Scheme(NamedTuple):
+    """How a block-wise FP8 checkpoint is quantized, read from its config's ``quantization_config``
+    (the field names of transformers' ``FineGrainedFP8Config``, and DeepSeek-V3's ``fmt``)."""
+
+    #: the values' dtype: ``fp8_e4m3`` (``fmt: e4m3``, the default) or ``fp8_e5m2``
+    format: str
+    #: ``weight_block_size``: rows x columns of one block of a ``[out, in]`` weight
+    block: tuple[int, int]
+    #: ``activation_scheme`` (only ``dynamic``: static schemes add ``input_scale`` tensors)
+    activation_scheme: str
+    #: ``modules_to_not_convert``: modules left unquantized (a substring of the module's name)
+    modules_to_not_convert: tuple[str, ...]
+    #: the weights the checkpoint stores quantized (each beside its ``weight_scale_inv``), in order
+    weights: tuple[str, ...]
+
+
+def fp8_scheme(path: str | os.PathLike[str], *, include_mtp: bool = False) -> Fp8Scheme | None:
+    """The FP8 scheme of the model whose ``config.json`` is at ``path``, None when the config has
+    no ``quantization_config``; an unsupported scheme is a :class:`ModelDescriptionError`.
+
+    ``weights`` are the tensors :func:`tensors_from_hf_config` describes as fp8 with a
+    ``weight_scale_inv`` beside them: what a serving layout stores quantized when it follows
+    the model's own config (``quantize from cfg`` in a layout).
+    """
+    file = _config_file(path)
+    config = read_config(file)
+    model_type = config.get("model_type")
+    reader = _ConfigReader(config, str(model_type), file)
+    blocks = _Fp8Blocks.from_config(reader)
+    if blocks is None:
+        return None
+    quant = config["quantization_config"]
+    stored = tensors_from_hf_config(file, include_mtp=include_mtp)
+    weights = tuple(name.removesuffix("_scale_inv") for name, _, _ in stored if name.endswith(".weight_scale_inv"))
+    return Fp8Scheme(
+        blocks.dtype,
+        blocks.block,
+        quant.get("activation_scheme", "dynamic"),
+        tuple(blocks.modules_to_not_convert),
+        weights,
     )
 
 
@@ -261,6 +306,12 @@ class _Fp8Blocks:
             raise reader.error(
                 f"FP8 'weight_block_size' must be two positive integers, not {block!r}; {unquantized_hint}"
             )
+        # transformers 5 writes it null; a list restricts what is quantized, which is not read here
+        if quant.get("modules_to_convert"):
+            raise reader.error(f"FP8 'modules_to_convert' is not supported; {unquantized_hint}")
+        scale_fmt = quant.get("scale_fmt", "float")
+        if scale_fmt not in (None, "float"):
+            raise reader.error(f"FP8 'scale_fmt' {scale_fmt!r} is not supported (float); {unquantized_hint}")
         if fmt not in _FP8_FORMATS:
             raise reader.error(f"unknown FP8 'fmt' {fmt!r} (known: {', '.join(_FP8_FORMATS)})")
         if not (isinstance(not_converted, list) and all(isinstance(name, str) for name in not_converted)):

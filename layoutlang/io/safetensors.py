@@ -31,7 +31,7 @@ line) lifts the confinement for an index one trusts.
 Every refusal is a :class:`~layoutlang.errors.ModelDescriptionError` naming the file and
 the tensor.
 
-Limits: only the dtypes in :data:`SAFETENSORS_DTYPES` are known (no F8_E8M0, U16, U32,
+Limits: only the dtypes in :data:`SAFETENSORS_DTYPES` are known (no U16, U32,
 U64, no sub-byte types); the package's own ``safetensors`` reader is not used, so
 no header extension it may add later is understood. A JSON header that repeats a tensor
 name keeps the last entry (as Python's ``json`` does); the first one's bytes are then a
@@ -78,6 +78,8 @@ SAFETENSORS_DTYPE: dict[str, str] = {
     "int32": "I32",
     "int64": "I64",
     "bool": "BOOL",
+    # MXFP8's power-of-two scales, as the safetensors package writes torch.float8_e8m0fnu
+    "e8m0": "F8_E8M0",
 }
 #: safetensors dtype spellings this module maps to short names
 SAFETENSORS_DTYPES: tuple[str, ...] = tuple(SAFETENSORS_DTYPE.values())

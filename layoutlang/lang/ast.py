@@ -31,6 +31,8 @@ __all__ = [
     "OptionDecl",
     "PlacementEntry",
     "PolicyDecl",
+    "QuantizeDecl",
+    "QuantizeFrom",
     "Range",
     "ReplicateExpr",
     "ReshardDecl",
@@ -261,6 +263,43 @@ class StorageDecl:
 
 
 @attrs.frozen
+class QuantizeDecl:
+    """``quantize "PATTERN" as FORMAT BLOCKS CONVENTION DTYPE [replicate] [into "STORAGE" [SHAPE]]``."""
+
+    pattern: str
+    pattern_span: Span
+    format: str
+    format_span: Span
+    block: tuple[Expr, ...] | str  # ``blocks 128 x 128``, or a named block shape (``per_channel``)
+    block_span: Span
+    convention: str
+    convention_span: Span
+    scale_dtype: str
+    scale_dtype_span: Span
+    replicated: bool
+    storage: str | None
+    storage_span: Span | None
+    storage_shape: tuple[Expr, ...] | None
+    span: Span
+
+
+@attrs.frozen
+class QuantizeFrom:
+    """``quantize from CFG [replicate]``: what the ``quantization_config`` of the Hugging Face
+    config imported ``as CFG`` quantizes, as it says."""
+
+    alias: str
+    alias_span: Span
+    replicated: bool
+    span: Span
+
+    @property
+    def pattern(self) -> str:
+        """What an ``extends`` replaces it by: the same statement."""
+        return f"from {self.alias}"
+
+
+@attrs.frozen
 class LayoutDecl:
     name: str
     mesh: str
@@ -270,6 +309,7 @@ class LayoutDecl:
     span: Span
     parent: str | None = None  # ``extends PARENT``
     parent_span: Span | None = attrs.field(default=None, eq=False)
+    quantize: tuple[QuantizeDecl | QuantizeFrom, ...] = ()
 
 
 @attrs.frozen

@@ -16,7 +16,9 @@ import attrs
 
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
 from ..model import Layout, LogicalTensor, Mesh, Replicate, Reshard, Rule, Shard, StorageRule
+from ..model.dtypes import DTYPES, canonical_dtype
 from ..model.layout import CaptureExpression
+from ..model.quantization import BLOCKINGS, CONVENTIONS, FORMATS, QuantizeRule
 from ..model.rules import CaptureFn, compile_pattern
 from . import ast
 from .expressions import compile_expression, evaluate, names_in
@@ -29,6 +31,9 @@ __all__ = ["SHARD_OPTIONS", "TensorNames", "extended", "layout", "reshard"]
 
 #: the options of ``shard(dim, ...)``
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
+
+FORMAT_NAMES = tuple(FORMATS)
+CONVENTION_NAMES = CONVENTIONS
 
 
 class TensorNames:
@@ -118,7 +123,10 @@ def extended(layouts: Mapping[str, ast.LayoutDecl], name: str, chain: tuple[str,
     names = {s.name for s in node.storages}
     parts = {p for s in node.storages for p, _ in s.parts}
     storages = [s for s in parent.storages if s.name not in names and not parts & {p for p, _ in s.parts}]
-    return attrs.evolve(node, rules=tuple(rules), storages=(*storages, *node.storages))
+    # a quantize statement of b replaces the one of a with exactly the same pattern
+    quantized = {q.pattern for q in node.quantize}
+    quantize = [q for q in parent.quantize if q.pattern not in quantized] + list(node.quantize)
+    return attrs.evolve(node, rules=tuple(rules), storages=(*storages, *node.storages), quantize=tuple(quantize))
 
 
 def layout(
@@ -145,7 +153,144 @@ def layout(
         rules.append(_rule(scope, decl, mesh, node.name))
     _check_matches(node, rules, names or TensorNames(list(tensors)))
     storages = [_storage(scope, decl) for decl in node.storages]
-    return Layout(node.name, mesh, tensors, rules, storages, node.span)
+    quantize = _quantize_rules(scope, node, names or TensorNames(list(tensors)))
+    return Layout(node.name, mesh, tensors, rules, storages, node.span, quantize=quantize)
+
+
+def _quantize_rules(scope: Scope, node: ast.LayoutDecl, names: TensorNames) -> list[QuantizeRule]:
+    """The layout's ``quantize`` statements, each pattern once and matching some tensor."""
+    out = []
+    seen: dict[str, Span] = {}
+    for decl in node.quantize:
+        if isinstance(decl, ast.QuantizeFrom):
+            if decl.pattern in seen:
+                raise LayoutNameError(
+                    f"'quantize from {decl.alias}' appears twice in layout '{node.name}' "
+                    f"(first at {seen[decl.pattern]})",
+                    decl.span,
+                )
+            seen[decl.pattern] = decl.span
+            out.append(_quantize_from(scope, decl))
+            continue
+        if decl.pattern in seen:
+            raise LayoutNameError(
+                f"pattern \"{decl.pattern}\" is quantized twice in layout '{node.name}' "
+                f"(first at {seen[decl.pattern]})",
+                decl.pattern_span,
+            )
+        seen[decl.pattern] = decl.pattern_span
+        captures = pattern_captures(decl.pattern, decl.pattern_span)
+        _require_match(decl.pattern, decl.pattern_span, captures, names, f"quantize in layout '{node.name}'")
+        try:
+            out.append(_quantize(scope, decl, captures))
+        except LayoutValueError as err:
+            # a mistake of the statement is one of every tensor it matches: name the first
+            matched = _first_matches(decl.pattern, names)
+            if err.tensor is None and matched:
+                err.tensor = matched[0]
+                more = ", ..." if len(matched) > 1 else ""
+                err.message = f"{err.message} (the statement quantizes '{matched[0]}'{more})"
+                err.args = (err.message,)
+            raise
+    return out
+
+
+def _first_matches(pattern: str, names: TensorNames, count: int = 2) -> list[str]:
+    """Up to ``count`` tensor names the pattern matches, in the program's order."""
+    regex = compile_pattern(pattern)
+    found: list[str] = []
+    for name in names.names:
+        if regex.fullmatch(name):
+            found.append(name)
+            if len(found) == count:
+                break
+    return found
+
+
+def _quantize_from(scope: Scope, decl: ast.QuantizeFrom) -> QuantizeRule:
+    """``quantize from cfg``: the weights the checkpoint of config ``cfg`` stores in FP8, in its
+    format and blocks, with fp32 ``weight_scale_inv`` scales, as DeepSeek-V3's checkpoints."""
+    if decl.alias not in scope.fp8_schemes:
+        known = list(scope.fp8_schemes)
+        raise LayoutNameError(
+            f"'{decl.alias}' names no Hugging Face config (imported with tensors from hf \"...\" as "
+            f"{decl.alias}); configs: {', '.join(known) or 'none'}",
+            decl.alias_span,
+            did_you_mean(decl.alias, known),
+        )
+    scheme = scope.fp8_schemes[decl.alias]
+    if scheme is None:
+        raise LayoutValueError(
+            f"the config imported as '{decl.alias}' has no quantization_config, so it quantizes nothing",
+            decl.alias_span,
+            "write the scheme out: quantize \"PATTERN\" as fp8_e4m3 blocks 128 x 128 scale_inv fp32",
+        )
+    return QuantizeRule(
+        f"from {decl.alias}",
+        scheme.format,
+        scheme.block,
+        "scale_inv",
+        "fp32",
+        decl.replicated,
+        span=decl.span,
+        tensors=frozenset(scheme.weights),
+    )
+
+
+def _quantize(scope: Scope, decl: ast.QuantizeDecl, captures: list[str]) -> QuantizeRule:
+    if isinstance(decl.block, str):
+        if decl.block not in BLOCKINGS:
+            raise LayoutNameError(
+                f"unknown block shape '{decl.block}' (write blocks A x B, or {' or '.join(BLOCKINGS)})",
+                decl.block_span,
+                did_you_mean(decl.block, BLOCKINGS),
+            )
+        block: tuple[int, ...] | str = decl.block
+    else:
+        block = tuple(evaluate(e, scope.constants) for e in decl.block)
+        if any(b < 1 or b > INT32_MAX for b in block):
+            raise LayoutValueError(
+                f"quantize \"{decl.pattern}\": block sizes must be between 1 and {INT32_MAX}, not "
+                f"{' x '.join(map(str, block))}",
+                decl.block_span,
+            )
+    storage_fn = None
+    if decl.storage is not None:
+        assert decl.storage_span is not None  # the parser gives every storage name its place
+        storage_fn = name_template(decl.storage, decl.storage_span, scope.constants, captures)
+    shape = None
+    if decl.storage_shape is not None:
+        shape = tuple(evaluate(e, scope.constants) for e in decl.storage_shape)
+        if any(n < 0 or n > INT64_MAX for n in shape):
+            raise LayoutValueError(
+                f"scale storage '{decl.storage}' is declared with an impossible shape {list(shape)}",
+                decl.storage_span,
+            )
+    # the words are checked here, each pointing at itself, before the rule checks them together
+    for word, span, known, what in (
+        (decl.format, decl.format_span, FORMAT_NAMES, "format"),
+        (decl.convention, decl.convention_span, CONVENTION_NAMES, "scale convention"),
+    ):
+        if word not in known:
+            raise LayoutValueError(
+                f"quantize \"{decl.pattern}\": unsupported {what} '{word}' ({what}s: {', '.join(known)})",
+                span,
+                did_you_mean(word, known),
+            )
+    dtype = canonical_dtype(decl.scale_dtype)
+    if dtype is None:
+        raise LayoutValueError(
+            f"quantize \"{decl.pattern}\": unknown scale dtype '{decl.scale_dtype}'",
+            decl.scale_dtype_span,
+            did_you_mean(decl.scale_dtype, DTYPES),
+        )
+    try:
+        return QuantizeRule(
+            decl.pattern, decl.format, block, decl.convention, dtype, decl.replicated, decl.storage, shape,
+            storage_fn, decl.span,
+        )
+    except LayoutError as err:
+        raise err.with_span(decl.span) from None
 
 
 class _Axes:
@@ -302,6 +447,15 @@ def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout], names: TensorN
                 did_you_mean(name, layouts),
             )
     name = decl.name or f"{decl.source}->{decl.destination}"
+    for side, span in ((decl.source, decl.source_span), (decl.destination, decl.destination_span)):
+        quantized = layouts[side].quantize
+        if quantized:
+            where = f" (line {quantized[0].span.line})" if quantized[0].span is not None else ""
+            raise LayoutValueError(
+                f"reshard '{name}': layout '{side}' stores tensors quantized{where}, which plans do not move yet",
+                span,
+                "quantized layouts can be checked and shown; planning their refits is the next step of issue 16",
+            )
     tensor_names = names if names is not None else TensorNames(list(layouts[decl.source].tensors))
     seen: dict[str | None, Span] = {}
     policies = []

@@ -164,6 +164,21 @@ class _View:
 
 
 @attrs.frozen
+class _Blocking:
+    """``blocks 128 x 128`` or ``per_channel`` of a quantize statement, before its node is built."""
+
+    block: tuple[ast.Expr, ...] | str
+    span: Span
+
+
+@attrs.frozen
+class _Into:
+    name: str
+    span: Span
+    shape: tuple[ast.Expr, ...] | None
+
+
+@attrs.frozen
 class _Part:
     name: str
     span: Span
@@ -425,6 +440,40 @@ class _Builder(Transformer[Token, Any]):
             view.shape if view is not None else None,
         )
 
+    def block_sizes(self, meta: Meta, children: list[Any]) -> _Blocking:
+        return _Blocking(tuple(children[1:]), self._meta(meta))  # after the BLOCKS keyword
+
+    def block_name(self, meta: Meta, children: list[Token]) -> _Blocking:
+        return _Blocking(str(children[0]), self._tok(children[0]))
+
+    def quant_into(self, meta: Meta, children: list[Any]) -> _Into:
+        name, shape = children
+        return _Into(_unquote(name), self._tok(name), shape)
+
+    def quantize(self, meta: Meta, children: list[Any]) -> ast.QuantizeDecl:
+        pattern, fmt, blocking, convention, dtype, replicate, into = children
+        return ast.QuantizeDecl(
+            _unquote(pattern),
+            self._tok(pattern),
+            str(fmt),
+            self._tok(fmt),
+            blocking.block,
+            blocking.span,
+            str(convention),
+            self._tok(convention),
+            str(dtype),
+            self._tok(dtype),
+            replicate is not None,
+            into.name if into is not None else None,
+            into.span if into is not None else None,
+            into.shape if into is not None else None,
+            self._meta(meta),
+        )
+
+    def quantize_from(self, meta: Meta, children: list[Any]) -> ast.QuantizeFrom:
+        alias, replicate = children
+        return ast.QuantizeFrom(str(alias), self._tok(alias), replicate is not None, self._meta(meta))
+
     def extends(self, meta: Meta, children: list[Token]) -> Token:
         return children[0]
 
@@ -432,6 +481,7 @@ class _Builder(Transformer[Token, Any]):
         name, mesh, parent, *items = children
         rules = tuple(i for i in items if isinstance(i, ast.RuleDecl))
         storages = tuple(i for i in items if isinstance(i, ast.StorageDecl))
+        quantize = tuple(i for i in items if isinstance(i, ast.QuantizeDecl | ast.QuantizeFrom))
         return ast.LayoutDecl(
             str(name),
             str(mesh),
@@ -441,6 +491,7 @@ class _Builder(Transformer[Token, Any]):
             self._meta(meta),
             str(parent) if parent is not None else None,
             self._tok(parent) if parent is not None else None,
+            quantize,
         )
 
     # -- reshards

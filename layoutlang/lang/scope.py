@@ -6,6 +6,7 @@ from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
 from ..errors import LayoutNameError, Span
+from ..io.hf import Fp8Scheme
 from ..model import LogicalTensor, Mesh, Topology
 from . import ast
 
@@ -97,3 +98,5 @@ class Scope:
         self.reshards: list[ast.ReshardDecl] = []
         self.topology: Topology | None = None
         self.topology_span: Span | None = None
+        #: per ``as`` name of ``tensors from hf``: its config's FP8 scheme (None: unquantized)
+        self.fp8_schemes: dict[str, Fp8Scheme | None] = {}

@@ -136,6 +136,8 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
             if node.alias:
                 for key, value in hf.hf_config_constants(hf.read_config(path)).items():
                     scope.constants.define(f"{node.alias}.{key}", value)
+                # what `quantize from ALIAS` in a layout follows
+                scope.fp8_schemes[node.alias] = hf.fp8_scheme(path)
         else:
             if node.alias:
                 raise LayoutValueError(

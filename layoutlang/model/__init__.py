@@ -23,6 +23,7 @@ several axes sharding one dim nest left to right in mesh-axis order.
 from .layout import Layout
 from .mesh import Mesh, Placement, Replicate, Shard
 from .program import Program, Reshard
+from .quantization import Quantization, QuantizeRule
 from .rules import Rule, Storage, StorageRule, compile_pattern
 from .tensor import Box, LogicalTensor, TensorPlacement, shard_boxes
 from .topology import Topology
@@ -34,6 +35,8 @@ __all__ = [
     "Mesh",
     "Placement",
     "Program",
+    "Quantization",
+    "QuantizeRule",
     "Replicate",
     "Reshard",
     "Rule",

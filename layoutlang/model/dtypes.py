@@ -18,6 +18,8 @@ DTYPES: dict[str, tuple[int, str]] = {
     "fp64": (8, "float64"),
     "fp8_e4m3": (1, "float8_e4m3fn"),
     "fp8_e5m2": (1, "float8_e5m2"),
+    # MXFP8's scales: a power of two, the byte its exponent + 127 (0xFF: NaN)
+    "e8m0": (1, "float8_e8m0fnu"),
     "int8": (1, "int8"),
     "uint8": (1, "uint8"),
     "int16": (2, "int16"),
@@ -43,6 +45,8 @@ ALIASES: dict[str, str] = {
     "fp8": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2",
     "f8_e5m2": "fp8_e5m2",
+    "float8_e8m0fnu": "e8m0",
+    "f8_e8m0": "e8m0",
     "i8": "int8",
     "u8": "uint8",
     "i16": "int16",

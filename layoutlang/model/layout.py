@@ -12,6 +12,7 @@ from ..core import _core
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, core_errors, did_you_mean
 from .dtypes import itemsize
 from .mesh import Mesh, Placement, Replicate
+from .quantization import QUANTIZABLE, Quantization, QuantizeRule, block_cut, scale_box, scale_shape
 from .rules import CaptureFn, Rule, Storage, StorageRule, _substitute, compile_pattern
 from .tensor import Box, LogicalTensor, TensorPlacement
 
@@ -59,7 +60,22 @@ def _captures(regex: re.Pattern[str] | None, name: str) -> dict[str, int]:
     return {k: int(v) for k, v in match.groupdict().items()} if match is not None else {}
 
 
+def _compiled_quantize(rule: QuantizeRule) -> tuple[QuantizeRule, re.Pattern[str] | None]:
+    """A quantize rule and the regular expression of its pattern (None: it names its tensors)."""
+    if rule.tensors is not None:
+        return rule, None
+    try:
+        return rule, compile_pattern(rule.pattern)
+    except LayoutError as err:
+        err.with_span(rule.span)
+        raise
+
+
 def _rules(rules: Iterable[Rule]) -> tuple[Rule, ...]:
+    return tuple(rules)
+
+
+def _quantize_rules(rules: Iterable[QuantizeRule]) -> tuple[QuantizeRule, ...]:
     return tuple(rules)
 
 
@@ -439,7 +455,13 @@ class Layout:
     rules: tuple[Rule, ...] = attrs.field(converter=_rules)
     storages: tuple[StorageRule, ...] = attrs.field(default=(), converter=_storage_rules)
     span: Span | None = attrs.field(default=None, repr=False)
+    #: the ``quantize`` statements: tensors stored quantized, with their scales (:meth:`quantized`)
+    quantize: tuple[QuantizeRule, ...] = attrs.field(default=(), converter=_quantize_rules, repr=False)
     _resolved: list[_Resolved] = attrs.field(factory=list, init=False, repr=False)
+    # the quantized tensors and the ranks holding each, once resolved
+    _quantized: list[tuple[dict[str, Quantization], dict[str, frozenset[int]]]] = attrs.field(
+        factory=list, init=False, repr=False
+    )
 
     def __repr__(self) -> str:
         return f"Layout({self.name!r}, mesh={self.mesh.name!r}, rules={len(self.rules)}, tensors={len(self.tensors)})"
@@ -575,6 +597,7 @@ class Layout:
             )
         self._check_views()
         self._check_empty_stacks()
+        self.quantized()  # resolves and checks the quantize statements, if any
         # Storage names may repeat only on disjoint ranks (Megatron's per-stage local names).
         for name, sids in resolved.storage_index.items():
             if len(sids) < 2:
@@ -624,3 +647,259 @@ class Layout:
                         storage.span,
                         "declare no shape, or place the elements so that every rank holds as many",
                     )
+
+    # -- quantized tensors (issue 16: FP8 and MXFP8 destinations)
+
+    def quantized(self) -> dict[str, Quantization]:
+        """Every tensor this layout stores quantized, by name, with its format, blocks and scale
+        tensor (empty without ``quantize`` statements).
+
+        Resolving checks every rank: where the scales are placed like the weight, each box of a
+        quantized tensor starts and ends on block boundaries (the dim's end counts as one), so
+        that every block lies whole on each rank holding it and its scale is that rank's alone
+        (replicated scales may belong to blocks that span ranks: per-tensor FP8 beside a TP
+        shard); the parts fused in one storage are
+        quantized alike and lie on block boundaries in it; a scale storage declared with a
+        shape has that shape on every rank. A mistake is a :class:`~layoutlang.errors.LayoutValueError`
+        naming the tensor and the rank, pointing at the ``quantize`` statement, raised before
+        any plan is made (the planner resolves this first).
+        """
+        if not self._quantized:
+            found = self._resolve_quantized()
+            holders = {t: frozenset(self.holders(t)) for t in found}
+            self._check_quantized(found, holders)
+            self._quantized.append((found, holders))
+        return self._quantized[0][0]
+
+    def quantization(self, tensor: str) -> Quantization | None:
+        """How ``tensor`` is stored quantized, or None when it is stored as its dtype."""
+        self._tensor_index(tensor)
+        return self.quantized().get(tensor)
+
+    def scale_tensors(self) -> dict[str, LogicalTensor]:
+        """The scale tensors the quantized tensors derive, by name (``..._scale_inv``)."""
+        return {q.scale.name: q.scale for q in self.quantized().values()}
+
+    def scale_boxes(self, tensor: str, rank: int) -> list[Box]:
+        """The boxes of the scale tensor of ``tensor`` (the quantized weight) that ``rank`` holds,
+        each with its place in the rank's scale storage: the scales of the rank's own blocks
+        (placed like the weight), or the whole scale tensor (replicated) on every rank
+        holding some of the weight."""
+        q = self.quantization(tensor)
+        if q is None:
+            raise LayoutValueError(f"tensor '{tensor}' is not quantized in layout '{self.name}'", tensor=tensor)
+        boxes = self.boxes(tensor, rank)
+        if q.replicated:
+            if rank not in self._quantized[0][1][tensor]:
+                return []
+            storage = q.scale_storage_of(tensor)
+            zero = (0,) * len(q.scale.shape)
+            return [Box(q.scale.name, zero, q.scale.shape, storage, zero)]
+        return [scale_box(b, q.block, q.scale.name, q.scale_storage_of(b.storage)) for b in boxes]
+
+    def scale_storages_on(self, rank: int) -> dict[str, tuple[int, ...]]:
+        """Every scale storage ``rank`` holds, with its local shape: the weight storage's shape
+        with ``ceil(size / block)`` along the tensor's dims (placed like the weight), or the
+        scale tensor's shape (replicated)."""
+        out: dict[str, tuple[int, ...]] = {}
+        found = self.quantized()
+        for name, (shape, _) in self._scale_storages(rank, found, self._quantized[0][1]).items():
+            out[name] = shape
+        return out
+
+    def _scale_storages(
+        self, rank: int, found: Mapping[str, Quantization], holders: Mapping[str, frozenset[int]]
+    ) -> dict[str, tuple[tuple[int, ...], Quantization]]:
+        out: dict[str, tuple[tuple[int, ...], Quantization]] = {}
+        resolved = self.resolved
+        parts_of: dict[int, tuple[int, ...] | None] = {}  # a stack's shape, once for all its elements
+        for tensor, q in found.items():
+            if rank not in holders[tensor]:
+                continue
+            if q.replicated:
+                name, shape = q.scale_storage_of(tensor), q.scale.shape
+            else:
+                sid = resolved.storage_of[resolved.index[tensor]]
+                storage = resolved.storages[sid]
+                if sid not in parts_of:
+                    parts_of[sid] = resolved.shape(sid, rank)
+                parts = parts_of[sid]
+                if parts is None:
+                    continue
+                lead = len(parts) - len(q.block)
+                name = q.scale_storage_of(storage.name)
+                shape = (*parts[:lead], *scale_shape(parts[lead:], q.block))
+            if name in out and (out[name][0] != shape or q.replicated):
+                other = out[name][1]
+                raise LayoutValueError(
+                    f"rank {rank} would hold two scale storages named '{name}' in layout '{self.name}' "
+                    f"(of tensors '{other.tensor}' and '{tensor}')",
+                    q.rule.span,
+                    tensor=tensor,
+                    rank=rank,
+                )
+            out[name] = (shape, q)
+        return out
+
+    def _resolve_quantized(self) -> dict[str, Quantization]:
+        if not self.quantize:
+            return {}
+        ordered = sorted(self.quantize, key=lambda r: -r.specificity)
+        compiled = [_compiled_quantize(rule) for rule in ordered]
+        out: dict[str, Quantization] = {}
+        for name, tensor in self.tensors.items():
+            found: tuple[QuantizeRule, dict[str, int]] | None = None
+            for rule, regex in compiled:
+                if found is not None and rule.specificity < found[0].specificity:
+                    break
+                if regex is None:
+                    assert rule.tensors is not None
+                    if name not in rule.tensors:
+                        continue
+                    captures: dict[str, int] = {}
+                else:
+                    match = regex.fullmatch(name)
+                    if match is None:
+                        continue
+                    captures = {k: int(v) for k, v in match.groupdict().items()}
+                if found is not None:
+                    raise LayoutValueError(
+                        f"tensor '{name}' is matched by two quantize statements of equal specificity in layout "
+                        f"'{self.name}': \"{found[0].pattern}\" and \"{rule.pattern}\"",
+                        rule.span,
+                        "make one pattern more specific (more literal characters wins)",
+                        tensor=name,
+                    )
+                found = (rule, captures)
+            if found is None:
+                continue
+            rule, captures = found
+            if tensor.dtype not in QUANTIZABLE:
+                raise LayoutValueError(
+                    f"tensor '{name}' is {tensor.dtype}; quantize \"{rule.pattern}\" reads "
+                    f"{', '.join(QUANTIZABLE)} tensors",
+                    rule.span,
+                    "import the model in the dtype training holds it in, e.g. tensors from hf \"...\" as cfg dtype bf16"
+                    if rule.tensors is not None
+                    else None,
+                    tensor=name,
+                )
+            block = rule.block_for(tensor)
+            scale = LogicalTensor(f"{name}_{rule.convention}", scale_shape(tensor.shape, block), rule.scale_dtype)
+            if scale.name in self.tensors:
+                raise LayoutValueError(
+                    f"the scale tensor of '{name}' would be named '{scale.name}', a tensor the program declares",
+                    rule.span,
+                    "leave the scales out of the model's tensors: the quantize statement derives them",
+                    tensor=name,
+                )
+            out[name] = Quantization(
+                name, tensor.shape, rule.format, block, rule.convention, scale, rule.replicated, rule,
+                rule.storage_name(captures),
+            )
+        return out
+
+    def _check_quantized(self, found: dict[str, Quantization], holders: Mapping[str, frozenset[int]]) -> None:
+        if not found:
+            return
+        resolved = self.resolved
+        # The elements of a stack (256 experts in one w13_weight) have the same boxes on the same
+        # ranks when they have the same placement, shape and sub-mesh and the same parts before
+        # them in their element: their blocks are checked once.
+        stacked: dict[str, tuple] = {}
+        for sid, storage in enumerate(resolved.storages):
+            if storage.elements is None or not any(p in found for p in storage.parts):
+                continue
+            before: dict[int, tuple] = {}
+            for part, element in zip(storage.parts, storage.elements):
+                index = resolved.index[part]
+                stacked[part] = (sid, before.get(element, ()))
+                before[element] = (*before.get(element, ()), (resolved.spec_of[index], self.tensors[part].shape))
+        aligned: set[tuple] = set()
+        for tensor, q in found.items():
+            storage = self.storage_of(tensor)
+            if storage.is_transposed(tensor):
+                raise LayoutValueError(
+                    f"tensor '{tensor}' is quantized and stored transposed in '{storage.name}' of layout "
+                    f"'{self.name}': quantized storages hold the tensor's own orientation",
+                    q.rule.span,
+                    tensor=tensor,
+                )
+            if q.replicated:
+                # every holder keeps every scale (vLLM's per-tensor scale beside a TP shard): a
+                # block may span ranks, and is quantized where it can be assembled whole
+                continue
+            key = self._alignment_key(tensor, q, stacked)
+            if key is not None and key in aligned:
+                continue
+            for rank in sorted(holders[tensor]):
+                for box in self.boxes(tensor, rank):
+                    self._check_blocks(q, box, rank)
+            if key is not None:
+                aligned.add(key)
+        # the parts of one storage are quantized alike, or none is
+        for storage in resolved.storages:
+            quantized = [found.get(p) for p in storage.parts]
+            first = next((q for q in quantized if q is not None), None)
+            if first is None:
+                continue
+            alike = (first.format, first.block, first.convention, first.replicated)
+            for part, other in zip(storage.parts, quantized):
+                if other is None or (other.format, other.block, other.convention, other.replicated) != alike:
+                    raise LayoutValueError(
+                        f"storage '{storage.name}' of layout '{self.name}' fuses '{first.tensor}' and '{part}', "
+                        "which are not quantized alike (format, block, convention and placement of the scales)",
+                        (other or first).rule.span,
+                        tensor=part,
+                    )
+        # declared scale storage shapes, and scale storages named alike on one rank
+        if not any(rule.storage is not None or rule.storage_shape is not None for rule in self.quantize):
+            return  # the derived names follow the weights' storages, which are checked already
+        for rank in self.mesh.ranks:
+            for name, (shape, q) in self._scale_storages(rank, found, holders).items():
+                declared = q.rule.storage_shape
+                if declared is not None and tuple(declared) != shape:
+                    raise LayoutValueError(
+                        f"scale storage '{name}' of tensor '{q.tensor}' in layout '{self.name}' on rank {rank}: "
+                        f"the blocks make it {list(shape)} ({' x '.join(map(str, q.block))} blocks), "
+                        f"it is declared {list(declared)}",
+                        q.rule.span,
+                        tensor=q.tensor,
+                        rank=rank,
+                    )
+
+    def _alignment_key(self, tensor: str, q: Quantization, stacked: Mapping[str, tuple]) -> tuple | None:
+        """What decides a stacked element's boxes and their places (None: not in a stack)."""
+        if tensor not in stacked:
+            return None
+        index = self.resolved.index[tensor]
+        sid, before = stacked[tensor]
+        resolved = self.resolved
+        return (sid, before, resolved.spec_of[index], q.shape, q.block, resolved.submesh_of[index])
+
+    def _check_blocks(self, q: Quantization, box: Box, rank: int) -> None:
+        """A rank's box of a quantized tensor holds whole blocks, at block boundaries of its storage."""
+        lead = len(box.storage_offsets) - len(box.sizes)
+        block = " x ".join(map(str, q.block))
+        for d, (offset, size, length, b) in enumerate(zip(box.offsets, box.sizes, q.shape, q.block)):
+            cut = block_cut(offset, size, length, b)
+            if cut is not None:
+                raise LayoutValueError(
+                    f"tensor '{q.tensor}' in layout '{self.name}': rank {rank} holds {box.slices()[d].start}:"
+                    f"{box.slices()[d].stop} of dim {d}, which cuts its {block} blocks at {cut} (blocks start at "
+                    f"multiples of {b}); no rank holds that block whole to compute its scale",
+                    q.rule.span,
+                    f"shard dim {d} into pieces that are multiples of {b}, or quantize with a block that divides them",
+                    tensor=q.tensor,
+                    rank=rank,
+                )
+            if size and box.storage_offsets[lead + d] % b:
+                raise LayoutValueError(
+                    f"tensor '{q.tensor}' in layout '{self.name}': on rank {rank} its box starts at "
+                    f"{box.storage_offsets[lead + d]} of dim {d} of storage '{box.storage}', not on a "
+                    f"{block} block boundary, so its scales have no place of their own in the scale storage",
+                    q.rule.span,
+                    "fuse parts whose sizes along the fused dim are multiples of the block",
+                    tensor=q.tensor,
+                    rank=rank,
+                )

@@ -1,0 +1,77 @@
+"""The C++ quantizer against the same rule done with torch, side by side on one process.
+
+DeepSeek-V3's largest dense projection, ``mlp.gate_proj.weight`` of the dense layers
+(``[18432, 7168]`` bf16, 128 x 128 blocks), and one routed expert's ``down_proj``
+(``[7168, 2048]``, MXFP8's 1 x 32 blocks too), and the first read through its transpose (a
+strided view, as a region cut across a storage's rows is): the best of ``--runs`` runs of
+``layoutlang.io.quantize.quantize`` (one thread, no copies: strided reads, one pass for the
+amax and one for the values) against the torch reference of ``tests/test_quantize.py``
+(whole-tensor ops, torch's own threads), after checking that both give the same bytes.
+Prints seconds, GB/s of bf16 read, and the ratio. Run from the repository root:
+
+    python benchmarks/bench_quantize.py [--runs N] [--threads T]
+
+``--threads`` sets torch's threads for the reference (default: torch's own choice).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_quantize import reference
+
+from layoutlang.io.quantize import quantize
+
+CASES = [
+    ("dense gate_proj [18432, 7168] fp8_e4m3 128x128", (18432, 7168), "fp8_e4m3", (128, 128), False),
+    ("the same, read through its transpose (strided)", (18432, 7168), "fp8_e4m3", (128, 128), True),
+    ("expert down_proj [7168, 2048] fp8_e4m3 128x128", (7168, 2048), "fp8_e4m3", (128, 128), False),
+    ("expert down_proj [7168, 2048] mxfp8 1x32", (7168, 2048), "mxfp8", (1, 32), False),
+]
+
+
+def best(fn, runs: int) -> float:
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} torch threads; best of {args.runs}")
+    print(f"{'case':50s} {'layoutlang':>12s} {'torch ref':>12s} {'ratio':>7s}")
+    for label, shape, fmt, block, transposed in CASES:
+        x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+        if transposed:
+            x = x.t()  # a view: every row of it is a column of the storage
+        values, scales = quantize(x, fmt, block)
+        want_values, want_scales = reference(x, fmt, block, "scale_inv")
+        same = torch.equal(values.view(torch.uint8), want_values.view(torch.uint8)) and torch.equal(
+            scales.contiguous().view(torch.uint8), want_scales.contiguous().view(torch.uint8)
+        )
+        if not same:
+            print(f"{label}: the quantizer and the reference differ")
+            return 1
+        ours = best(lambda x=x, fmt=fmt, block=block: quantize(x, fmt, block), args.runs)
+        theirs = best(lambda x=x, fmt=fmt, block=block: reference(x, fmt, block, "scale_inv"), args.runs)
+        gbs = x.numel() * 2 / ours / 1e9
+        print(f"{label:50s} {ours:9.3f} s {theirs:9.3f} s {theirs / ours:6.2f}x   ({gbs:.2f} GB/s of bf16)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+// Block quantization to FP8 (e4m3, e5m2) and MXFP8, the rule of issue 16 (documented in
+// docs/reference/language.rst, "Quantized tensors"):
+//
+//   per block:   amax = max |x| in fp32 (bf16 and fp16 widen exactly);
+//   fp8:         scale_inv = amax / fmax in fp32 (fmax 448 for e4m3, 57344 for e5m2);
+//                where that is 0 (a zero block, or amax under fmax times fp32's least
+//                subnormal) scale_inv = 1; value = fp8(clamp(x / scale_inv, -fmax, fmax)),
+//                the cast rounding to nearest, ties to even (what torch's casts do);
+//   mxfp8:       the OCP MX v1.0 rule: one power of two X = 2^e per block (32 elements along
+//                the reduction dim), e = floor(log2 amax) - 8 (8: e4m3's largest exponent),
+//                clamped to [-127, 127], e = -127 for a zero block; value =
+//                e4m3(clamp(x / X, -448, 448)); X is stored as e8m0 (the byte e + 127);
+//   conventions: `scale_inv` stores the multiplier that dequantizes (scale_inv, X), as
+//                DeepSeek-V3 and vLLM keep it; `scale` its inverse (1 / scale_inv in fp32,
+//                2^-e in e8m0);
+//   non-finite:  a block holding a NaN or an infinity has a NaN scale (fp32 0x7FC00000,
+//                e8m0 0xFF) and every value NaN (0x7F): the poison is visible, never
+//                silently scaled away.
+//
+// Views are strided, in elements (not bytes); strides may be any non-negative values, so a
+// source view can be a column slice of a larger storage. Plain C++: no Python, no torch.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace layoutlang {
+
+enum class QuantSource : uint8_t { bf16, fp16, fp32 };
+enum class QuantFormat : uint8_t { fp8_e4m3, fp8_e5m2, mxfp8 };
+enum class ScaleConvention : uint8_t { scale_inv, scale };
+
+// One strided N-D view of raw memory: its address, its shape and its strides in elements.
+struct QuantView {
+  uintptr_t data = 0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+};
+
+QuantSource quant_source(const std::string& dtype);        // "bf16", "fp16", "fp32"
+QuantFormat quant_format(const std::string& format);       // "fp8_e4m3", "fp8_e5m2", "mxfp8"
+ScaleConvention scale_convention(const std::string& name);  // "scale_inv", "scale"
+
+// The largest finite value of a format's elements (448 for e4m3 and mxfp8, 57344 for e5m2).
+float quant_fmax(QuantFormat format);
+
+// Quantizes `source` (shape S) block by block (block: one size per dim, each >= 1) into
+// `values` (shape S, one byte per element) and `scales` (shape ceil(S / block); fp32 for
+// fp8, one e8m0 byte for mxfp8). Blocks at the edges are partial: they hold what is left of
+// the dim. Throws CoreValueError (kind "argument") on inconsistent shapes.
+void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
+                     QuantFormat format, ScaleConvention convention, const QuantView& values,
+                     const QuantView& scales);
+
+// The byte of one fp8 element: `x` rounded to nearest, ties to even; |x| must not exceed
+// the format's fmax (callers clamp), NaN gives 0x7F with x's sign.
+uint8_t fp8_encode(float x, QuantFormat format);
+
+}  // namespace layoutlang

@@ -1,0 +1,120 @@
+"""Quantizing torch tensors to FP8 and MXFP8 with the C++ core's quantizer.
+
+:func:`quantize` cuts a bf16, fp16 or fp32 tensor (any strides: a view of a larger
+storage will do) into blocks and writes fp8 values and one scale per block, by the rule of
+``csrc/quantize.hpp`` (written out in the language reference, "Quantized tensors"): amax per
+block; ``scale_inv = amax / fmax`` (1 for a zero block); values ``x / scale_inv``, clamped to
+the format's largest value and rounded to nearest even; MXFP8 takes the OCP MX power of two
+instead. The result is bit-identical to the same arithmetic done with torch on the whole
+tensor (``tests/test_quantize.py`` checks it against such a reference).
+
+Here, in :mod:`layoutlang.io` beside the dtypes and the safetensors writer, because it is
+the lowest layer that may import torch: the runtime's executor (which will quantize while
+packing a refit's buffers, issue 16's next step) and the checkpoint writers both sit above
+it. CPU tensors only, for now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..core import _core
+from ..errors import LayoutValueError, core_errors
+from ..model.quantization import CONVENTIONS, FORMATS, Quantization, scale_shape
+from .torch_dtypes import dtype_name, torch_dtype
+
+__all__ = ["quantize", "quantize_into", "quantize_tensors"]
+
+
+def _check_cpu(name: str, tensor: torch.Tensor) -> None:
+    if tensor.device.type != "cpu":
+        raise LayoutValueError(f"quantize: {name} is on {tensor.device}; the quantizer runs on CPU tensors")
+    if any(s < 0 for s in tensor.stride()):
+        raise LayoutValueError(f"quantize: {name} has a negative stride")
+
+
+def quantize_into(
+    source: torch.Tensor,
+    values: torch.Tensor,
+    scales: torch.Tensor,
+    format: str,
+    block: Sequence[int],
+    convention: str = "scale_inv",
+) -> None:
+    """Quantizes ``source`` into the existing tensors ``values`` (the shape of ``source``,
+    ``float8_e4m3fn`` or ``float8_e5m2`` as the format says) and ``scales`` (one per block,
+    ``ceil(shape / block)``; float32, or ``float8_e8m0fnu`` for ``mxfp8``). Any strides."""
+    if format not in FORMATS:
+        raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
+    if convention not in CONVENTIONS:
+        raise LayoutValueError(f"quantize: unknown scale convention '{convention}' ({' or '.join(CONVENTIONS)})")
+    source_dtype = dtype_name(source.dtype)
+    if source_dtype not in ("bf16", "fp16", "fp32"):
+        raise LayoutValueError(f"quantize: cannot read {source.dtype} (bf16, fp16, fp32)")
+    wanted = torch_dtype(FORMATS[format].values)
+    scale_dtype = torch_dtype(FORMATS[format].scale_dtypes[0])
+    if values.dtype != wanted or tuple(values.shape) != tuple(source.shape):
+        raise LayoutValueError(f"quantize: values must be {wanted} of shape {list(source.shape)}")
+    expected = scale_shape(tuple(source.shape), tuple(block))
+    if scales.dtype != scale_dtype or tuple(scales.shape) != expected:
+        raise LayoutValueError(f"quantize: scales must be {scale_dtype} of shape {list(expected)}")
+    for name, tensor in (("the source", source), ("values", values), ("scales", scales)):
+        _check_cpu(name, tensor)
+    with core_errors():
+        _core.quantize_blocks(
+            source.data_ptr(),
+            source_dtype,
+            list(source.shape),
+            list(source.stride()),
+            list(block),
+            format,
+            convention,
+            values.data_ptr(),
+            list(values.stride()),
+            scales.data_ptr(),
+            list(scales.shape),
+            list(scales.stride()),
+        )
+
+
+def quantize(
+    source: torch.Tensor, format: str, block: Sequence[int], convention: str = "scale_inv"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, scales)``: ``source`` quantized block by block into new contiguous tensors.
+
+    >>> w = torch.tensor([[1.0, -2.0], [0.5, 448.0]], dtype=torch.bfloat16)
+    >>> values, scale_inv = quantize(w, "fp8_e4m3", (2, 2))
+    >>> values.float().tolist(), scale_inv.tolist()
+    ([[1.0, -2.0], [0.5, 448.0]], [[1.0]])
+    """
+    if format not in FORMATS:
+        raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
+    values = torch.empty(source.shape, dtype=torch_dtype(FORMATS[format].values))
+    scales = torch.empty(
+        scale_shape(tuple(source.shape), tuple(block)), dtype=torch_dtype(FORMATS[format].scale_dtypes[0])
+    )
+    quantize_into(source, values, scales, format, block, convention)
+    return values, scales
+
+
+def quantize_tensors(
+    tensors: Mapping[str, torch.Tensor], quantized: Mapping[str, Quantization]
+) -> dict[str, torch.Tensor]:
+    """Whole tensors as a quantized checkpoint stores them, in order: each tensor of ``quantized``
+    (:meth:`Layout.quantized <layoutlang.model.Layout.quantized>`) as its fp8 values followed
+    by its scale tensor (DeepSeek-V3's ``weight`` then ``weight_scale_inv``), the others as
+    they are. What :func:`~layoutlang.io.weights.write_safetensors` writes as an FP8 checkpoint."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        q = quantized.get(name)
+        if q is None:
+            out[name] = tensor
+            continue
+        if tuple(tensor.shape) != q.shape:
+            raise LayoutValueError(
+                f"tensor '{name}' is {list(tensor.shape)}; it is quantized as {list(q.shape)}", tensor=name
+            )
+        out[name], out[q.scale.name] = quantize(tensor, q.format, q.block, q.convention)
+    return out
