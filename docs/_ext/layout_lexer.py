@@ -35,18 +35,22 @@ from pygments.token import (
 __all__ = ["LayoutLexer", "setup"]
 
 # Words of the grammar (layout.lark), by role.
-STATEMENTS = ("include", "let", "topology", "mesh", "tensor", "tensors", "layout", "storage", "reshard")
-CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed")
+STATEMENTS = (
+    "include", "let", "topology", "mesh", "tensor", "tensors", "layout", "storage", "quantize", "reshard",
+)  # fmt: skip
+CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed", "into")
 PLACEMENTS = ("shard", "replicate", "broadcast")
 SOURCES = ("hf", "safetensors")
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
+# The words of a quantize statement: formats, block shapes, scale conventions.
+QUANTIZE_WORDS = ("mxfp8", "per_channel", "per_tensor", "scale_inv", "scale")
 # Short names and aliases of layoutlang/dtypes.py (a file may use any spelling).
 DTYPES = (
     "bf16", "fp16", "fp32", "fp64", "fp8_e4m3", "fp8_e5m2", "fp8",
     "int8", "uint8", "int16", "int32", "int64", "bool",
     "bfloat16", "float16", "half", "float32", "float", "float64", "double",
     "f16", "f32", "f64", "float8_e4m3fn", "f8_e4m3", "float8_e5m2", "f8_e5m2",
-    "i8", "u8", "i16", "i32", "i64",
+    "i8", "u8", "i16", "i32", "i64", "e8m0",
 )  # fmt: skip
 UNITS = r"(GB/s|Gb/s|GiB/s|MB/s|MiB/s|TB/s|Tb/s|us|ms|ns|s)(?![A-Za-z0-9_])"
 NUMBER = r"[0-9][0-9_]*(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
@@ -76,6 +80,7 @@ class LayoutLexer(RegexLexer):
             # ``blocks(...)`` after a storage's parts; ``blocks = 2`` inside shard(...)
             (r"blocks(?=\s*\()", Keyword),
             (words(SHARD_OPTIONS, suffix=_END), Name.Attribute),
+            (words(QUANTIZE_WORDS, suffix=_END), Name.Attribute),
             (words(DTYPES, suffix=_END), Keyword.Type),
             # a quantity with its unit: 50 GB/s, 2.5 us
             (rf"({NUMBER})( ?)" + UNITS, bygroups(Number, Whitespace, Keyword.Type)),
