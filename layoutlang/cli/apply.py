@@ -19,6 +19,7 @@ from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype
 from ..plan import POLICIES
 from . import arguments
+from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
 
 HELP = "run a refit for real and verify every destination byte"
@@ -30,12 +31,28 @@ DESCRIPTION = (
 )
 
 
+#: ``--plan-mode``: what each rank compiles (the Resharder's ``per_rank``: None, False, True)
+PLAN_MODES = ("auto", "fleet", "per-rank")
+#: layoutlang.runtime.PER_RANK_PLAN_RANKS, written out for the help text: importing the runtime
+#: imports torch, which the other commands start without (a test keeps the two equal)
+PER_RANK_PLAN_RANKS = 1024
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang apply``, plain and elastic."""
     arguments.add_file(parser)
     arguments.add_reshard(parser)
     parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
     parser.add_argument("--compare", action="store_true", help="also run the gather-and-broadcast plan and compare")
+    parser.add_argument(
+        "--plan-mode",
+        choices=PLAN_MODES,
+        default="auto",
+        help="the plan each rank compiles: per-rank (its own part of the pairwise plan; time and memory grow "
+        "with what the rank moves), fleet (the whole fleet's plan on every rank), or auto (the default, as "
+        f"the Resharder's: per-rank when the reshard's meshes hold at least {PER_RANK_PLAN_RANKS:,} ranks "
+        "together and every tensor reshards, else fleet); gather-and-broadcast always runs the fleet plan",
+    )
     parser.add_argument(
         "--from", dest="from_dir", metavar="DIR", help="read source weights from a safetensors checkpoint"
     )
@@ -279,6 +296,11 @@ def run(args: argparse.Namespace) -> int:
         raise LayoutValueError("--allow-outside-paths is about the index of a --from checkpoint; give --from DIR")
     if args.overwrite and not args.to_dir:
         raise LayoutValueError("--overwrite replaces the files of a --to folder; give --to DIR")
+    if args.plan_mode == "per-rank":
+        # before any worker starts: every rank would fail to compile its part, in the agreement
+        program = load(args.file)
+        program.check()
+        arguments.check_per_rank(program, args.reshard, args.policy, "--plan-mode per-rank")
     if args.from_dir or args.to_dir:
         # before torch is imported and any worker starts: a wrong checkpoint or --to folder fails in
         # well under a second; the program is checked first, so a bad one leaves the folder untouched
@@ -310,6 +332,7 @@ def run(args: argparse.Namespace) -> int:
         allow_outside_paths=args.allow_outside_paths,
         repeat=args.repeat,
         transport=args.transport,
+        plan_mode=args.plan_mode,
     )
     if environment_is_torchrun():
         reports = job.run_torchrun(options, args.device)
@@ -331,12 +354,26 @@ def run(args: argparse.Namespace) -> int:
                 print(err.message, file=sys.stderr)
             return err.exit_code
         launcher = "local gloo workers"
-    summary = job.summarize(reports)
+    summary = plan_modes_shown(args, job.summarize(reports))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print("\n".join(_apply_report(args, summary, launcher)))
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def plan_modes_shown(args: argparse.Namespace, summary: dict[str, Any]) -> dict[str, Any]:
+    """The summary as reported: each run's ``plan_mode`` and ``plan_moves`` when ``--plan-mode``
+    was given or a run's plans were not the whole fleet's (per-rank plans chosen by default);
+    a default run of fleet plans is reported as before plan modes existed."""
+    runs = summary["runs"].values()
+    if args.plan_mode != "auto" or any(run["plan_mode"] != "fleet" for run in runs):
+        return summary
+    plain = {
+        name: {k: v for k, v in run.items() if k not in ("plan_mode", "plan_moves")}
+        for name, run in summary["runs"].items()
+    }
+    return summary | {"runs": plain}
 
 
 def _apply_elastic(args: argparse.Namespace) -> int:
@@ -358,6 +395,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
             ("--policy", args.policy),
             ("--repeat", args.repeat != 1),
             ("--transport nccl", args.transport == "nccl"),
+            (f"--plan-mode {args.plan_mode}", args.plan_mode != "auto"),
         )
         if given
     ]
@@ -493,13 +531,19 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
         f"refit {statement.name}: {source.name} ({source.mesh.size} ranks) -> {destination.name} "
         f"({destination.mesh.size} ranks), {summary['ranks']} processes ({launcher})"
     )
-    lines = [head, ""]
+    # the plans each policy ran, when plan_modes_shown() kept them
+    modes = all("plan_mode" in run for run in summary["runs"].values())
+    lines = [head]
+    if modes:
+        lines += [f"  {policy}: {plan_mode_line(run)}" for policy, run in summary["runs"].items()]
+    lines.append("")
     rows = []
     for policy, run in summary["runs"].items():
         verified = "ok" if not run["mismatches"] else f"{len(run['mismatches'])} MISMATCHES"
         rows.append(
             [
                 policy,
+                *([run["plan_mode"]] if modes else []),
                 f"{run['seconds']:.3f} s",
                 human_bytes(run["bytes"]["local"]),
                 human_bytes(run["bytes"]["domain"]),
@@ -511,11 +555,9 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
                 f"{verified} ({human_bytes(run['verified_bytes'])})",
             ]
         )
-    lines += table(
-        rows,
-        ["policy", "time", "local", "domain", "network", "moved", "messages", "bandwidth", "peak staging", "verified"],
-        right={1, 2, 3, 4, 5, 6, 7, 8},
-    )
+    header = ["policy", "time", "local", "domain", "network", "moved", "messages", "bandwidth", "peak staging"]
+    header = [*header[:1], *(["plan"] if modes else []), *header[1:], "verified"]
+    lines += table(rows, header, right=set(range(2 if modes else 1, len(header) - 1)))
     runs = summary["runs"]
     if "reshard" in runs and "broadcast" in runs:
         r, b = runs["reshard"], runs["broadcast"]

@@ -58,6 +58,12 @@ class ApplyOptions:
     allow_outside_paths: bool = False
     repeat: int = 1
     transport: str = "torch"
+    #: ``--plan-mode``: auto (the Resharder's default), fleet or per-rank
+    plan_mode: str = "auto"
+
+
+#: ``--plan-mode`` as the Resharder's ``per_rank``
+_PER_RANK = {"auto": None, "fleet": False, "per-rank": True}
 
 
 def participants_of(program: str | Program, reshard: str | None) -> list[int]:
@@ -102,6 +108,8 @@ def apply_on_rank(
             memory_budget=options.memory_budget,
             policy=None if policy == "reshard" and options.policy is None else policy,
             timeout=options.timeout,
+            # gather-and-broadcast has the whole fleet's plan only (the comparison run)
+            per_rank=False if policy == "broadcast" else _PER_RANK[options.plan_mode],
         )
         notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
         report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0)
@@ -138,6 +146,8 @@ def _run_policy(
     run = reports[-1]
     result: dict[str, Any] = {
         "fingerprint": plan.fingerprint,
+        "plan_mode": "per-rank" if plan.rank is not None else plan.mode,
+        "plan_moves": plan.num_moves,
         "seconds": min(r.seconds for r in reports),
         "sent": run.sent,
         "received": run.received,
@@ -352,6 +362,9 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "verified_bytes": sum(run["verified_bytes"] for run in runs),
             "mismatches": [m for run in runs for m in run["mismatches"]],
             "fingerprints": sorted({run["fingerprint"] for run in runs}),
+            # one mode on every rank: ranks that compiled another are refused by the agreement
+            "plan_mode": ", ".join(sorted({run["plan_mode"] for run in runs})),
+            "plan_moves": max(run["plan_moves"] for run in runs),
         }
     out["peak_rss_growth_bytes"] = max((r.get("peak_rss_growth_bytes", 0) for r in active), default=0)
     out["ok"] = all(not v["mismatches"] for v in out["runs"].values())

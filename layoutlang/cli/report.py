@@ -9,7 +9,7 @@ from .._text import human_bytes, table
 from ..errors import LayoutError, RuntimeFailure
 from ..plan import KINDS, Plan, PlanStats
 
-__all__ = ["plan_report", "print_error"]
+__all__ = ["plan_mode_line", "plan_report", "print_error"]
 
 
 def print_error(err: LayoutError | RuntimeFailure, as_json: bool) -> None:
@@ -33,6 +33,20 @@ def _ranks(n: int) -> str:
 def _largest(pair: tuple[int, int]) -> str:
     nbytes, rank = pair
     return f"{human_bytes(nbytes)} (rank {rank})" if nbytes else "none"
+
+
+def plan_mode_line(run: dict) -> str:
+    """What ``apply`` says of the plans one policy ran: which mode (``plan_mode``: per-rank,
+    fleet) and how many moves the ranks compiled (``plan_moves``: the most on one rank)."""
+    moves = run["plan_moves"]
+    if run["plan_mode"] == "per-rank":
+        return (
+            f"per-rank plans, each rank its own part of the pairwise plan (at most {moves:,} "
+            f"move{'s' if moves != 1 else ''} on one rank)"
+        )
+    if run["plan_mode"] == "fleet":
+        return f"the whole fleet's plan on every rank ({moves:,} move{'s' if moves != 1 else ''})"
+    return f"{run['plan_mode']} plans ({moves:,} moves at most on one rank)"
 
 
 def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False) -> list[str]:
