@@ -327,15 +327,18 @@ def test_simulate_without_mode_is_unchanged(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", "refit", "--rank", "999"], "rank 999 belongs to neither mesh of the plan ('megatron': ranks 0..3"),
+        (
+            ["plan", "refit", "--rank", "999"],
+            "--rank 999: rank 999 belongs to neither mesh of reshard 'refit' ('megatron': ranks 0..3",
+        ),
         (
             ["plan", "refit", "--rank", "0", "--policy", "broadcast"],
-            "per-rank (pairwise) plans move tensors by the reshard",
+            "--rank 0 with --policy broadcast: gather-and-broadcast has no per-rank plan",
         ),
         (["plan", "refit", "--mode", "pairwise", "--policy", "broadcast"], "per-rank (pairwise) plans move tensors"),
         (
             ["plan", "refit", "--rank", "0", "--mode", "fleet"],
-            "a plan of one rank (rank 0) is a pairwise plan, not a 'fleet'",
+            "--rank 0 with --mode fleet: a fleet plan's choices need the whole fleet",
         ),
         (["show", "refit", "--rank", "999"], "rank 999 belongs to no mesh of any layout in"),
         (["show", "refit", "--layout", "vllm", "--rank", "0"], "rank 0 is not in mesh 'infer' of layout 'vllm'"),
@@ -349,3 +352,5 @@ def test_bad_combinations_exit_2_with_the_error_and_no_traceback(argv, message):
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert result.stdout == ""
+    if argv[0] == "plan" and "--rank" in argv:  # refused before compiling: the error line and its hint
+        assert result.stderr.startswith("error: --rank") and len(result.stderr.splitlines()) <= 2

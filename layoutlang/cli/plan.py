@@ -98,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
         program = load(args.file)
     if args.rank is None:  # one rank's part grows with what the rank moves, not with the fleet
         check_plan_size(program, args.reshard)
+    else:
+        if args.mode == "fleet":
+            raise LayoutValueError(
+                f"--rank {args.rank} with --mode fleet: a fleet plan's choices need the whole fleet, so it has "
+                "no part one rank compiles alone",
+                hint="drop --mode fleet (per-rank plans are pairwise), or drop --rank for the whole fleet's plan",
+            )
+        arguments.check_per_rank(program, args.reshard, args.policy, f"--rank {args.rank}", rank=args.rank)
     with progress.step("checking the layouts"):
         program.check()
     with progress.step("compiling the plan" if args.rank is None else f"compiling rank {args.rank}'s plan"):
