@@ -69,6 +69,10 @@ std::vector<char> fill_mask(std::size_t size, const LayoutCore& dst, const std::
   return mask;
 }
 
+// The ranks of one node (a DGX H100's 8 GPUs): domains of at most this many ranks never land
+// a region in scratch (see Builder::deliver).
+constexpr int64_t kNodeRanks = 8;
+
 class Builder {
  public:
   Builder(const std::vector<const LayoutCore*>& sources, const std::vector<int64_t>& lost, const LayoutCore& dst,
@@ -294,14 +298,14 @@ class Builder {
       }
     }
     std::size_t begin = 0;
+    std::size_t below = 0;  // sources[below:] lie in the current domain or after it (both ascending)
     while (begin < remote_.size()) {
       const int64_t dom = domain(remote_[begin]);
-      std::size_t end = begin;
+      std::size_t end = begin + 1;
       while (end < remote_.size() && domain(remote_[end]) == dom) ++end;
+      while (below < sources.size() && domain(sources[below]) < dom) ++below;
       near_.clear();
-      for (int64_t s : sources) {
-        if (domain(s) == dom) near_.push_back(s);
-      }
+      for (std::size_t k = below; k < sources.size() && domain(sources[k]) == dom; ++k) near_.push_back(sources[k]);
       if (!near_.empty()) {
         for (std::size_t i = begin; i < end; ++i) {
           const int64_t s = least_loaded(near_, domain_send_);
@@ -309,22 +313,95 @@ class Builder {
           add_move(region, s, remote_[i], kDomain, stage, src_space, dst_space);
         }
       } else {
+        build_domains();
         const int64_t s = least_loaded(sources, net_send_);
         int64_t landing = remote_[begin];
         for (std::size_t i = begin; i < end; ++i) {
           if (net_recv_[remote_[i]] < net_recv_[landing]) landing = remote_[i];
         }
+        // Where the reshard has landed a whole region more on the holder than on another
+        // rank of the domain, and the holder is ahead of the domain's mean by a region and
+        // by 1/16, that rank receives the region into scratch and relays it to every holder:
+        // a domain whose replicas are cut unevenly (GB200: 40 ranks of a 72-rank domain hold
+        // 1 1/4 replicas) then spreads what enters it over all its NICs, as the lower bound
+        // lets it, instead of over the only holders of each slice. A domain whose ranks need
+        // the same share (a DGX H100 domain holding one TP8 replica) keeps landing on
+        // holders: its loads only drift a region apart, and the relays a scratch landing
+        // adds would cost staging for nothing. Only the reshard's own landings count (a
+        // broadcast tensor lands whole on one rank per domain, and keeps its scratch on the
+        // ranks that hold it); recovery plans land on holders as before. A landing in
+        // scratch moves its region twice (in, then to the holder), so domains of at most a
+        // node's kNodeRanks ranks, which hold whole replicas of the layouts engines use
+        // there, keep plans that move every byte once (moved = lower bound, as the plan
+        // tests check): the gain is a multi-node NVLink domain's.
+        const bool reshard = src_space == kSource && dst_space == kDestination && !recovery_;
+        const bool may_land_in_scratch = reshard && options_.domain_size > kNodeRanks;
+        const int64_t spare = may_land_in_scratch ? least_loaded_bystander(dom, begin, end, reshard_recv_[landing] - bytes) : -1;
+        bool scratch = spare >= 0 && reshard_recv_[spare] + bytes <= reshard_recv_[landing];
+        if (scratch) {  // ahead of the domain's mean by a region and by 1/16
+          const auto d = static_cast<std::size_t>(dom);
+          const auto ranks = static_cast<double>(domain_start_[d + 1] - domain_start_[d]);
+          const double ahead = static_cast<double>(reshard_recv_[landing]) * ranks;
+          const double mean = static_cast<double>(domain_recv_[d]);  // times ranks
+          scratch = ahead - mean >= static_cast<double>(bytes) * ranks && ahead * 16 > mean * 17;
+        }
+        if (scratch) landing = spare;
+        const uint8_t relay_space = scratch ? kScratch : dst_space;
         net_send_[s] += bytes;
         net_recv_[landing] += bytes;
-        add_move(region, s, landing, kNetwork, stage, src_space, dst_space);
+        if (reshard) {
+          reshard_recv_[landing] += bytes;
+          domain_recv_[static_cast<std::size_t>(dom)] += bytes;
+        }
+        add_move(region, s, landing, kNetwork, stage, src_space, relay_space);
         for (std::size_t i = begin; i < end; ++i) {
           if (remote_[i] == landing) continue;
           domain_send_[landing] += bytes;
-          add_move(region, landing, remote_[i], kDomain, static_cast<uint8_t>(stage + 1), dst_space, dst_space);
+          add_move(region, landing, remote_[i], kDomain, static_cast<uint8_t>(stage + 1), relay_space, dst_space);
         }
       }
       begin = end;
     }
+  }
+
+  // The job's ranks by domain and what the reshard landed on each, built at the first
+  // network move.
+  void build_domains() {
+    if (!domain_start_.empty()) return;
+    for (const LayoutCore* layout : srcs_) job_.insert(job_.end(), layout->ranks().begin(), layout->ranks().end());
+    job_.insert(job_.end(), dst_.ranks().begin(), dst_.ranks().end());
+    std::sort(job_.begin(), job_.end());
+    job_.erase(std::unique(job_.begin(), job_.end()), job_.end());
+    job_.erase(std::remove_if(job_.begin(), job_.end(), [&](int64_t r) { return lost_[static_cast<std::size_t>(r)] != 0; }),
+               job_.end());
+    const auto domains = static_cast<std::size_t>(job_.empty() ? 0 : domain(job_.back()) + 1);
+    domain_start_.assign(domains + 1, 0);
+    for (int64_t r : job_) ++domain_start_[static_cast<std::size_t>(domain(r)) + 1];
+    for (std::size_t d = 0; d < domains; ++d) domain_start_[d + 1] += domain_start_[d];
+    domain_least_.assign(domains, 0);
+    domain_recv_.assign(domains, 0);
+    reshard_recv_.assign(net_recv_.size(), 0);
+  }
+
+  // The rank of domain `dom` with the least reshard bytes landed so far among the job's
+  // ranks there (both meshes, none lost) that are not remote_[begin:end) (the domain's
+  // receivers of the region, ascending); -1 when there is none or when none has received
+  // at most `most` bytes (known without a look at the ranks from the least any rank of the
+  // domain had received at the last look: loads only grow, so it stays a lower bound).
+  int64_t least_loaded_bystander(int64_t dom, std::size_t begin, std::size_t end, int64_t most) {
+    const auto d = static_cast<std::size_t>(dom);
+    if (d + 1 >= domain_start_.size() || domain_least_[d] > most) return -1;
+    int64_t best = -1, least = INT64_MAX;
+    std::size_t at = begin;  // remote_ and job_ are both ascending: one merge
+    for (std::size_t k = domain_start_[d]; k < domain_start_[d + 1]; ++k) {
+      const int64_t r = job_[k];
+      least = std::min(least, reshard_recv_[r]);
+      while (at < end && remote_[at] < r) ++at;
+      if (at < end && remote_[at] == r) continue;
+      if (best < 0 || reshard_recv_[r] < reshard_recv_[best]) best = r;
+    }
+    domain_least_[d] = least;
+    return best;
   }
 
   // ---------------------------------------------------------------- tensors
@@ -534,7 +611,10 @@ class Builder {
   //    fuller of the two ports it uses (the sender's send side, the receiver's receive
   //    side, of its kind) carries the least so far, among the buckets where both ranks have
   //    room. Every port's work is so spread over the K buckets, and a bucket lasts about as
-  //    long as every other.
+  //    long as every other. Two exceptions: a bucket already made long by one port (4 times
+  //    the busiest port's share per bucket or more) takes first the chunks that fit under
+  //    that port's load, and a relay goes to one of the first two buckets with room from
+  //    its earliest, so that the relays of the last network moves still find room.
   //
   // A relay never goes to an earlier bucket than the network move that delivered its region
   // to its sending rank (it follows that move in the plan); any other move that reads what
@@ -553,15 +633,18 @@ class Builder {
     // Plans of hundreds of millions of moves: no column beside the plan's own but the order
     // of one stage's moves. A move's earliest bucket waits in its bucket column until the
     // move is placed.
-    auto broadcast = [&](std::size_t i) { return policies_[plan_.region_tensor[plan_.move_region[i]]] == kBroadcast; };
+    // (a plan that broadcasts no tensor skips the look-up of each move's tensor)
+    const bool any_broadcast = std::find(policies_.begin(), policies_.end(), kBroadcast) != policies_.end();
+    auto broadcast = [&](std::size_t i) {
+      return any_broadcast && policies_[plan_.region_tensor[plan_.move_region[i]]] == kBroadcast;
+    };
     uint8_t last_stage = 0;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (!broadcast(i)) last_stage = std::max(last_stage, plan_.move_stage[i]);
-    }
     // The buckets the rank with the most reshard staging needs, and every port's bytes.
     std::vector<int64_t> per_rank(R, 0), per_port(4 * R, 0);
     for (std::size_t i = 0; i < n; ++i) {
-      if (plan_.move_kind[i] == kLocal || broadcast(i)) continue;
+      if (broadcast(i)) continue;
+      last_stage = std::max(last_stage, plan_.move_stage[i]);
+      if (plan_.move_kind[i] == kLocal) continue;
       const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
       const std::size_t port = plan_.move_kind[i] == kNetwork ? 0 : 2;
       per_rank[plan_.move_src[i]] += bytes;
@@ -583,12 +666,21 @@ class Builder {
       caps[0] = std::max({caps[0], per_port[4 * r], per_port[4 * r + 1]});
       caps[1] = std::max({caps[1], per_port[4 * r + 2], per_port[4 * r + 3]});
     }
+    const int64_t typical[2] = {std::max<int64_t>(1, caps[0] / buckets), std::max<int64_t>(1, caps[1] / buckets)};
+    // per bucket, the busiest port of each kind so far, and how many buckets have a tall one
+    std::vector<int64_t> roofs[2] = {std::vector<int64_t>(static_cast<std::size_t>(buckets), 0),
+                                     std::vector<int64_t>(static_cast<std::size_t>(buckets), 0)};
+    std::size_t talls[2] = {0, 0};
     for (int64_t& cap : caps) {
       cap = std::clamp<int64_t>(cap / buckets / 4, std::min<int64_t>(int64_t{1} << 20, budget / 16), budget / 16);
       cap = std::max<int64_t>(cap, 1);
     }
     std::vector<int32_t>& earliest = plan_.move_bucket;  // until placed (a local copy: for good)
-    std::vector<uint32_t> order;
+    const bool region_bytes_fit =
+        *std::max_element(plan_.region_bytes.begin(), plan_.region_bytes.end()) <= INT32_MAX;
+    // A staged move as (receiving rank << 32 | move): the receiver, read once in plan order
+    // here, is what the grouping and the chunks read, instead of the plan's column at random.
+    std::vector<uint64_t> order;
     std::vector<Chunk> chunks;
     for (uint8_t stage = 0; stage <= last_stage; ++stage) {
       if (stage > 0) earliest_buckets(stage, earliest);
@@ -606,29 +698,41 @@ class Builder {
       for (std::size_t r = 0; r < R; ++r) start[r + 1] += start[r];
       if (start[R] == 0) continue;
       order.assign(start[R], 0);
+      // Where no move of the stage waits for an earlier bucket, the bucket column holds each
+      // move's bytes until it is placed: read in plan order here, the chunks below find them
+      // in one look-up instead of two (the region, then its bytes) at random.
+      const bool bytes_in_bucket = latest == 0 && region_bytes_fit;
       {
         std::vector<std::size_t> at(start.begin(), start.end() - 1);
         for (std::size_t i = 0; i < n; ++i) {
-          if (staged(i)) order[at[static_cast<std::size_t>(plan_.move_src[i])]++] = static_cast<uint32_t>(i);
+          if (staged(i)) {
+            order[at[static_cast<std::size_t>(plan_.move_src[i])]++] =
+                static_cast<uint64_t>(static_cast<uint32_t>(plan_.move_dst[i])) << 32 | i;
+            if (bytes_in_bucket) plan_.move_bucket[i] = static_cast<int32_t>(plan_.region_bytes[plan_.move_region[i]]);
+          }
         }
       }
       group_by_receiver(order, start, latest > 0);
       chunks.clear();
-      int32_t pair_src = -1, pair_dst = -1;
-      for (std::size_t k = 0; k < order.size(); ++k) {
-        const uint32_t i = order[k];
-        const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
-        const int32_t src = plan_.move_src[i], dst = plan_.move_dst[i];
-        const bool same_pair = src == pair_src && dst == pair_dst;
-        if (!same_pair || chunks.back().bytes + bytes > caps[plan_.move_kind[i] == kNetwork ? 0 : 1]) {
-          chunks.push_back(Chunk{k, k, 0, 0});
-          pair_src = src;
-          pair_dst = dst;
+      for (std::size_t r = 0; r < R; ++r) {  // the sending rank's moves, by receiving rank
+        uint64_t pair_dst = UINT64_MAX;
+        int64_t cap = 0;
+        for (std::size_t k = start[r]; k < start[r + 1]; ++k) {
+          const uint64_t dst = order[k] >> 32;
+          const auto i = static_cast<uint32_t>(order[k]);
+          const int64_t bytes = bytes_in_bucket ? plan_.move_bucket[i] : plan_.region_bytes[plan_.move_region[i]];
+          if (dst != pair_dst) {
+            pair_dst = dst;
+            cap = caps[domain(static_cast<int64_t>(r)) == domain(static_cast<int64_t>(dst)) ? 1 : 0];
+            chunks.push_back(Chunk{k, k, 0, 0});
+          } else if (chunks.back().bytes + bytes > cap) {
+            chunks.push_back(Chunk{k, k, 0, 0});
+          }
+          Chunk& c = chunks.back();
+          c.end = k + 1;
+          c.bytes += bytes;
+          if (latest > 0) c.earliest = std::max(c.earliest, earliest[i]);
         }
-        Chunk& c = chunks.back();
-        c.end = k + 1;
-        c.bytes += bytes;
-        c.earliest = std::max(c.earliest, earliest[i]);
       }
       // Largest first, by powers of two (then by pair and plan order): what is placed last
       // is small and fills the gaps. A counting sort: millions of chunks.
@@ -642,9 +746,9 @@ class Builder {
         chunks.swap(by_size);
       }
       for (const Chunk& c : chunks) {
-        const std::size_t first = order[c.begin];
-        const int64_t s = plan_.move_src[first], d = plan_.move_dst[first];
-        const int network = plan_.move_kind[first] == kNetwork ? 0 : 2;
+        const auto first = static_cast<uint32_t>(order[c.begin]);
+        const int64_t s = plan_.move_src[first], d = static_cast<int64_t>(order[c.begin] >> 32);
+        const int network = domain(s) != domain(d) ? 0 : 2;
         Loads& out = ports[network];
         Loads& in = ports[network + 1];
         // The bucket where the fuller of the chunk's two ports carries least so far, among
@@ -656,13 +760,28 @@ class Builder {
         const int64_t* out_s = out.row(s);
         const int64_t* in_d = in.row(d);
         const int64_t room = budget - c.bytes;
-        for (int32_t b = c.earliest; b < buckets; ++b) {
+        // A relay (a move that reads what an earlier stage wrote) goes to the lesser of the
+        // first two buckets from its earliest where both ranks have room: the relays of the
+        // last network moves need room in the last buckets, and one that strays later for a
+        // slightly emptier NVLink port took it (Qwen3-235B on GB200: 73 buckets of relays
+        // alone after the network moves). A bucket whose busiest port of the chunk's kind is
+        // at least 4 times the busiest port's share per bucket (a bucket holding an
+        // embedding's 250 MiB slab) is as long as that port makes it: a chunk that fits under
+        // it there adds no time, and goes there first.
+        int32_t window = buckets;
+        std::vector<int64_t>& roof = roofs[network / 2];
+        const int64_t tall = 4 * typical[network / 2];
+        bool best_free = false;
+        for (int32_t b = c.earliest; b < window; ++b) {
           if (stage_s[b] > room || stage_d[b] > room) continue;
+          if (stage > 0 && window == buckets) window = static_cast<int32_t>(std::min<int64_t>(buckets, int64_t{b} + 2));
           const int64_t cost = std::max(out_s[b], in_d[b]);
-          if (cost < best_cost) {
+          const bool free = roof[b] >= tall && cost + c.bytes <= roof[b];
+          if ((free && !best_free) || (free == best_free && cost < best_cost)) {
             best = b;
             best_cost = cost;
-            if (cost == 0) break;
+            best_free = free;
+            if (cost == 0 && (free || talls[network / 2] == 0)) break;  // none later is better
           }
         }
         if (best < 0) {  // no room in the K buckets: the first bucket after them with room
@@ -673,7 +792,12 @@ class Builder {
         staging.add(d, best, c.bytes);
         out.add(s, best, c.bytes);
         in.add(d, best, c.bytes);
-        for (std::size_t k = c.begin; k < c.end; ++k) plan_.move_bucket[order[k]] = best;
+        if (best < buckets) {
+          const int64_t was = roof[best];
+          roof[best] = std::max({was, out.at(s, best), in.at(d, best)});
+          if (was < tall && roof[best] >= tall) ++talls[network / 2];
+        }
+        for (std::size_t k = c.begin; k < c.end; ++k) plan_.move_bucket[static_cast<uint32_t>(order[k])] = best;
       }
     }
     int32_t top = 0;
@@ -685,18 +809,18 @@ class Builder {
   // receiving rank (then by earliest bucket, from the bucket column, when `by_earliest`),
   // keeping plan order among equals: a counting sort inside each sending rank's moves (a
   // few hundred thousand at most: it stays in cache).
-  void group_by_receiver(std::vector<uint32_t>& order, const std::vector<std::size_t>& start, bool by_earliest) const {
+  void group_by_receiver(std::vector<uint64_t>& order, const std::vector<std::size_t>& start, bool by_earliest) const {
     const std::size_t R = net_send_.size();
     std::vector<std::size_t> count(R + 1, 0);
     std::vector<int32_t> touched;
-    std::vector<uint32_t> scratch;
+    std::vector<uint64_t> scratch;
     for (std::size_t r = 0; r < R; ++r) {
       const std::size_t a = start[r], b = start[r + 1];
       if (b - a < 2) continue;
       scratch.assign(order.begin() + static_cast<std::ptrdiff_t>(a), order.begin() + static_cast<std::ptrdiff_t>(b));
       touched.clear();
-      for (uint32_t i : scratch) {
-        const int32_t d = plan_.move_dst[i];
+      for (uint64_t m : scratch) {
+        const auto d = static_cast<int32_t>(m >> 32);
         if (count[static_cast<std::size_t>(d)]++ == 0) touched.push_back(d);
       }
       std::sort(touched.begin(), touched.end());
@@ -706,19 +830,22 @@ class Builder {
         count[static_cast<std::size_t>(d)] = at;  // now: where the next move to d goes
         at += c;
       }
-      for (uint32_t i : scratch) order[count[static_cast<std::size_t>(plan_.move_dst[i])]++] = i;
+      for (uint64_t m : scratch) order[count[static_cast<std::size_t>(m >> 32)]++] = m;
       for (int32_t d : touched) count[static_cast<std::size_t>(d)] = 0;
       if (!by_earliest) continue;
       std::size_t run = a;  // within each pair, by earliest bucket (relays: few moves per pair)
       while (run < b) {
         std::size_t end = run + 1;
-        while (end < b && plan_.move_dst[order[end]] == plan_.move_dst[order[run]]) ++end;
+        while (end < b && order[end] >> 32 == order[run] >> 32) ++end;
         std::stable_sort(order.begin() + static_cast<std::ptrdiff_t>(run), order.begin() + static_cast<std::ptrdiff_t>(end),
-                         [&](uint32_t x, uint32_t y) { return plan_.move_bucket[x] < plan_.move_bucket[y]; });
+                         [&](uint64_t x, uint64_t y) {
+                           return plan_.move_bucket[static_cast<uint32_t>(x)] < plan_.move_bucket[static_cast<uint32_t>(y)];
+                         });
         run = end;
       }
     }
   }
+
 
   // Per rank and bucket, bytes: one row of `width` buckets per rank, widened on demand.
   class Loads {
@@ -864,6 +991,11 @@ class Builder {
   std::vector<int64_t> net_send_, net_recv_, domain_send_, root_load_;
   std::vector<std::vector<int64_t>> src_group_of_rank_;  // per source
   std::vector<int64_t> remote_, near_;
+  std::vector<int64_t> job_;  // the job's ranks that may land a region in scratch, ascending
+  std::vector<std::size_t> domain_start_;  // job_[domain_start_[d]:domain_start_[d + 1]]: domain d's
+  // what the reshard's own network moves (not a broadcast's, nor a recovery's) landed, per
+  // rank and per domain; per domain, at most the least of its job ranks' (a lower bound)
+  std::vector<int64_t> reshard_recv_, domain_recv_, domain_least_;
 };
 
 // Checks a plan tensor by tensor (moves of one tensor are contiguous, as built).

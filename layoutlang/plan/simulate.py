@@ -86,8 +86,11 @@ those ports, so no schedule can take less time; the estimate of any plan is at l
 bound (every port's load in a plan covers these volumes, and a step lasts at least as
 long as each of its ports is busy). ``need``, ``hold`` and ``U`` are read from the reshard
 plan, which delivers every byte exactly once per destination domain (its planner sends a
-region across the network once per domain and relays it inside); ``E`` from the source
-layout's holders and the regions the reshard plan sends across the network.
+region across the network once per domain and relays it inside): ``need`` and ``hold`` count
+what each rank receives into its destination storages (a region a rank lands in scratch
+only to relay it is not its own need), ``U`` the network bytes entering each domain; ``E``
+from the source layout's holders and the regions the reshard plan sends across the
+network.
 
 The topologies: the presets (:data:`~layoutlang.model.topology.TOPOLOGY_PRESETS`) live with
 :class:`~layoutlang.model.Topology` in :mod:`layoutlang.model.topology`, and so does
@@ -111,7 +114,7 @@ from ..errors import LayoutError, LayoutNameError, did_you_mean
 from ..model import Program, Reshard, Topology
 from ..model.topology import FALLBACK_PRESET, TOPOLOGY_PRESETS, CompleteTopology, complete_topology
 from .compile import plan_layouts
-from .data import DEFAULT_BUCKET_BYTES, KINDS, Plan
+from .data import DEFAULT_BUCKET_BYTES, KINDS, SPACES, Plan
 
 __all__ = [
     "PORTS",
@@ -253,6 +256,8 @@ class _KindMoves:
     bucket: _Int64s
     phase: _Int64s
     nbytes: _Int64s
+    #: whether the move writes its receiver's destination storage (not a scratch buffer)
+    kept: npt.NDArray[np.bool_]
 
 
 @attrs.frozen(eq=False)
@@ -293,6 +298,7 @@ class _Moves:
             src = np.searchsorted(ranks, src).astype(np.int32)
             dst = np.searchsorted(ranks, dst).astype(np.int32)
         kind = np.asarray(a.move_kind, dtype=np.uint8)
+        kept = np.asarray(a.move_dst_space) == SPACES.index("destination")
         bucket = np.asarray(a.move_bucket, dtype=np.int32)
         region = np.asarray(a.move_region, dtype=np.int32)
         nbytes = np.asarray(a.region_bytes, dtype=np.int64)[region]
@@ -308,7 +314,7 @@ class _Moves:
         for k in (0, 1, 2):
             idx = np.flatnonzero(kind == k)
             of_kind[k] = _KindMoves(
-                src[idx], dst[idx], bucket[idx].astype(np.int64), phase[idx].astype(np.int64), nbytes[idx]
+                src[idx], dst[idx], bucket[idx].astype(np.int64), phase[idx].astype(np.int64), nbytes[idx], kept[idx]
             )
         return cls(
             ranks=ranks,
@@ -523,9 +529,12 @@ def _lower_bound(m: _Moves, plan: Plan, topology: Topology) -> LowerBound:
     # (seconds, rank or domain, bytes, ports) of the largest term of each family
     terms: dict[str, tuple[float, int, int, int]] = {}
 
-    # 1. destination ranks: what they receive (need) and write (hold) in the reshard plan
+    # 1. destination ranks: what they receive (need) and write (hold) in the reshard plan,
+    # into their destination storages (a region landed in a rank's scratch only passes by)
     R = len(job)
-    received = [_byte_sums(m.of_kind[k].dst, m.of_kind[k].nbytes, R) for k in (0, 1, 2)]
+    received = [
+        _byte_sums(m.of_kind[k].dst[m.of_kind[k].kept], m.of_kind[k].nbytes[m.of_kind[k].kept], R) for k in (0, 1, 2)
+    ]
     need = received[1] + received[2]
     hold = need + received[0]
     inbound = b_net + np.where(per_domain[domain_index] > 1, b_dom, 0.0)
