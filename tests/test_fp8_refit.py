@@ -1,0 +1,184 @@
+"""Refits into FP8 destinations on real processes (gloo over loopback, one worker per rank).
+
+The sources are bf16 training layouts (tensor parallel with uneven shards, pipeline and
+expert parallel); the destinations store 128 x 128 block FP8, per-channel FP8 and MXFP8,
+with shapes whose dims are and are not multiples of the block (partial edge blocks), and
+source shards that keep whole blocks (quantized by the sender) and that split them
+(assembled and quantized on the destination). Every destination byte, values and scales,
+is compared with the independent reference of tests/test_quantize.py: torch's own casts
+of the whole tensor in one process. Bad input is refused with a LayoutError naming the
+tensor before any plan is made.
+"""
+
+from __future__ import annotations
+
+import fp8_refit_jobs as jobs
+import pytest
+import torch
+from test_quantize import reference
+
+import layoutlang
+from layoutlang.errors import LayoutError
+from layoutlang.io.weights import synthetic_box
+from layoutlang.plan import compile_plan
+
+TP = """
+topology { domain_size = 2 }
+mesh train [tp = 3]
+mesh infer [tp = 2, dp = 2] on ranks 4..7
+tensor "w" [511, 200] bf16
+tensor "v" [256, 384] bf16
+tensor "o" [300, 96] bf16
+tensor "m" [130, 100] bf16
+tensor "n" [10] bf16
+layout train on train {
+  default: replicate
+  "w": tp = shard(0)
+  "v": tp = shard(1)
+  "o": tp = shard(1)
+  "m": tp = shard(0)
+}
+layout serve on infer {
+  default: replicate
+  "w": tp = shard(0)
+  "v": tp = shard(0)
+  "o": tp = shard(0)
+  "m": tp = shard(0)
+  quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+  quantize "v" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+  quantize "o" as fp8_e4m3 per_channel scale_inv fp32
+  quantize "m" as mxfp8 blocks 1 x 32 scale_inv e8m0
+}
+reshard refit: train -> serve
+"""
+
+PP_EP = """
+mesh train [pp = 2, ep = 2]
+mesh infer [tp = 2] on ranks 4..5
+tensor "layers.{l}.experts.{e}.w" [200, 256] bf16 for l in 0..1, e in 0..3
+tensor "layers.{l}.dense" [511, 130] bf16 for l in 0..1
+layout train on train {
+  "layers.{l}.experts.{e}.w": pp[l], ep[e // 2]
+  "layers.{l}.dense": pp[l], ep = shard(0)
+}
+layout serve on infer {
+  "layers.{l}.experts.{e}.w": tp[e % 2]
+  "layers.{l}.dense": tp = shard(0)
+  quantize "*.experts.*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+  quantize "*.dense" as fp8_e5m2 blocks 128 x 128 scale fp32
+}
+reshard refit: train -> serve
+"""
+
+CASES = {"tp_uneven": TP, "pp_ep": PP_EP}
+
+
+def participants_of(text: str) -> list[int]:
+    program = layoutlang.loads(text)
+    statement = program.reshard()
+    source, destination = program.layout(statement.source), program.layout(statement.destination)
+    return sorted(set(source.mesh.ranks) | set(destination.mesh.ranks))
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.workers(8)]
+
+
+def expected(program: layoutlang.Program, rank: int) -> dict[str, list[tuple[tuple, torch.Tensor]]]:
+    """Per destination storage of ``rank``: (index in the storage, expected bytes) of every
+    box and scale box, from the whole tensor quantized by the torch reference."""
+    plan_destination = program.layout(program.reshard().destination)
+    source = program.layout(program.reshard().source)
+    quantized = plan_destination.quantized()
+    out: dict[str, list] = {}
+    for index, (name, tensor) in enumerate(source.tensors.items()):
+        whole = synthetic_box(index, tensor.shape, tensor.dtype, (0,) * len(tensor.shape), tensor.shape)
+        q = quantized.get(name)
+        if q is not None:
+            values, scales = reference(whole, q.format, q.block, q.convention)
+        else:
+            values, scales = whole, None
+        for box in plan_destination.boxes(name, rank):
+            region = values[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+            out.setdefault(box.storage, []).append((box.storage_index(), region))
+        if q is not None:
+            for box in plan_destination.scale_boxes(name, rank):
+                region = scales[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
+                out.setdefault(box.storage, []).append((box.storage_index(), region))
+    return out
+
+
+def check(text: str, results: list) -> int:
+    """Every destination byte equals the reference; returns the bytes compared."""
+    program = layoutlang.loads(text)
+    destination = program.layout(program.reshard().destination)
+    compared = 0
+    by_rank = {r["rank"]: r for r in results if r}
+    for rank in destination.mesh.ranks:
+        result = by_rank[rank]
+        assert result["error"] is None, result["error"]
+        for storage, places in expected(program, rank).items():
+            dtype_name, raw = result["storages"][storage]
+            for index, want in places:
+                got = raw.view(getattr(torch, dtype_name.removeprefix("torch.")))[index]
+                assert got.dtype == want.dtype, (storage, got.dtype, want.dtype)
+                same = torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
+                assert same, f"rank {rank}: {storage}{index} differs from the reference"
+                compared += want.numel() * want.element_size()
+    return compared
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("mode", ["fleet", "pairwise"])
+def test_every_destination_byte_equals_the_reference(pool, name, mode):
+    text = CASES[name]
+    results = pool.run(jobs.refit_fp8, text, participants_of(text), mode)
+    assert check(text, results) > 0
+
+
+def test_small_buckets_cut_slabs_on_block_rows(pool):
+    """A budget of a few block rows: slabs end on multiples of 128 rows, so the sender still
+    quantizes them, and the bytes still equal the reference."""
+    text = CASES["tp_uneven"]
+    results = pool.run(jobs.refit_fp8, text, participants_of(text), None, 128 * 200 * 2 * 2 + 1000)
+    assert check(text, results) > 0
+
+
+def test_the_sender_quantizes_whole_blocks_and_the_network_carries_fp8():
+    plan = compile_plan(layoutlang.loads(TP))
+    moves = {m.tensor: m for m in plan.moves() if m.kind == "network"}
+    assert moves["v"].quantized == "source"  # 128-column shards: whole blocks at the source
+    assert moves["w"].quantized == "destination"  # 171-row shards split 128-row blocks
+    assert moves["o"].quantized == "destination"  # column shards split the per-channel rows
+    assert moves["m"].quantized == "source"  # row shards keep MX blocks (1 x 32) whole
+    assert moves["n"].quantized == "none"
+    v = moves["v"]
+    assert v.wire_bytes == -(-(v.nbytes // 2) // 16) * 16 + 4 * (v.sizes[0] // 128) * (v.sizes[1] // 128)
+    totals = plan.to_json(moves=False)["stats"]["quantization"]
+    assert totals["logical_bytes"]["network"] == plan.stats.bytes["network"]
+    assert totals["wire_bytes"]["network"] < totals["logical_bytes"]["network"]
+
+
+SERVE_W = 'layout serve on infer {\n  default: replicate\n  "w": tp = shard(0)'
+
+
+@pytest.mark.parametrize(
+    "old, new, policy, message",
+    [
+        # the destination shards w's columns, 100 of 200 each: no rank holds a 128-column block
+        (SERVE_W, SERVE_W.replace("shard(0)", "shard(1)"), None, r"tensor 'w' in layout 'serve': rank 4 .* cuts"),
+        (
+            'quantize "v" as fp8_e4m3 blocks 128 x 128 scale_inv fp32',
+            'quantize "v" as fp8_e4m3 blocks 128 x 128 scale_inv fp32 into "v_scales" [2, 2]',
+            None,
+            r"scale storage 'v_scales' of tensor 'v' .* the blocks make it \[1, 3\]",
+        ),
+        ('quantize "o" as fp8_e4m3', 'quantize "o" as fp8_e4m4', None, r"unsupported format 'fp8_e4m4'.*'o'"),
+        ("", "", "broadcast", r"tensor 'w' is stored quantized .* broadcast policy"),
+        ("reshard refit: train -> serve", "reshard back: serve -> train", None, "dequantize nothing"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_tensor(old, new, policy, message):
+    """Refused by compile_plan, before any executor exists (so before any byte moves)."""
+    text = TP.replace(old, new, 1) if old else TP
+    assert text != TP or policy
+    with pytest.raises(LayoutError, match=message):
+        compile_plan(layoutlang.loads(text), policy=policy)
