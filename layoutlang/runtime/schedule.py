@@ -177,16 +177,19 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         tensor = plan.source.resolved.index[move.tensor]
         src, dst = int(src_cols[i]), int(dst_cols[i])
         at = int(q.at[regions[i]]) if q is not None else 0
-        ends = []
-        for space, place in ((move.src_space, read), (move.dst_space, write)):
-            piece = _piece(plan, move, space, place, tensor, dtypes[tensor])
-            ends.append(quantizing.piece(piece, move, space, at) if quantizing is not None and at else piece)
+        ends = ((move.src_space, read),) if src != dst and src == rank else ((move.dst_space, write),)
         if src == dst:
-            step.copies.append((ends[0], ends[1]))
+            ends = ((move.src_space, read), (move.dst_space, write))
+        pieces = []
+        for space, place in ends:  # the ends of the move on this rank
+            piece = _piece(plan, move, space, place, tensor, dtypes[tensor])
+            pieces.append(quantizing.piece(piece, move, space, at) if quantizing is not None and at else piece)
+        if src == dst:
+            step.copies.append((pieces[0], pieces[1]))
         elif src == rank:
-            step.sends.setdefault(dst, Message(dst)).add(ends[0])
+            step.sends.setdefault(dst, Message(dst)).add(pieces[0])
         else:
-            step.recvs.setdefault(src, Message(src)).add(ends[1])
+            step.recvs.setdefault(src, Message(src)).add(pieces[0])
     if plan.mode == "pairwise":
         ordered = _pairwise_steps(steps, rank, plan.bucket_bytes)
     else:
