@@ -305,9 +305,7 @@ class Plan:
         region = int(a.move_region[index])
         tensor, offsets, sizes = self.region(region)
         q = self.quantization
-        quantized = {} if q is None else {
-            "quantized": QUANTIZED_AT[int(q.at[region])], "wire_bytes": int(q.wire_bytes[region])
-        }
+        quantized, wire = ("none", None) if q is None else (QUANTIZED_AT[int(q.at[region])], int(q.wire_bytes[region]))
         return Move(
             index,
             tensor,
@@ -322,7 +320,8 @@ class Plan:
             _core.Space(int(a.move_dst_space[index])).name,
             int(a.region_bytes[region]),
             int(a.move_source[index]),
-            **quantized,
+            quantized,
+            wire,
         )
 
     def moves(self, tensor: str | None = None) -> Iterator[Move]:

@@ -90,12 +90,12 @@ def check_quantized_plan(
         )
     names = list(sources[0].tensors)
     for name, policy in zip(names, policies):
-        q = found.get(name)
-        if q is not None and policy != "reshard":
+        moved = found.get(name)
+        if moved is not None and policy != "reshard":
             raise LayoutValueError(
                 f"tensor '{name}' is stored quantized in '{destination.name}' and moved by the {policy} policy: "
                 "quantized tensors move by the reshard policy (exact overlaps, quantized where whole blocks lie)",
-                q.rule.span or destination.span,
+                moved.rule.span or destination.span,
                 tensor=name,
             )
     for name, q in found.items():

@@ -662,12 +662,12 @@ class _Assemblies:
             slead = len(a.scale_storage_offsets) - len(a.sizes)
             for local in sorted(self.blocks[key]):
                 where = tuple(slice(start, stop) for start, stop in local)
-                into = (
+                into: tuple[int | slice, ...] = (
                     *a.storage_offsets[:lead],
                     *(slice(so + start, so + stop) for so, (start, stop) in zip(a.storage_offsets[lead:], local)),
                 )
                 # the blocks' scales: global block coordinates less the box's first block
-                scale_into = (
+                scale_into: tuple[int | slice, ...] = (
                     *a.scale_storage_offsets[:slead],
                     *(
                         slice(so + (o + start) // b - o // b, so + -(-(o + stop) // b) - o // b)

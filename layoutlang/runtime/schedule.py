@@ -177,9 +177,11 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         tensor = plan.source.resolved.index[move.tensor]
         src, dst = int(src_cols[i]), int(dst_cols[i])
         at = int(q.at[regions[i]]) if q is not None else 0
-        ends = ((move.src_space, read),) if src != dst and src == rank else ((move.dst_space, write),)
+        ends: tuple[tuple[str, tuple[str, tuple[int, ...]] | None], ...]
         if src == dst:
             ends = ((move.src_space, read), (move.dst_space, write))
+        else:
+            ends = ((move.src_space, read),) if src == rank else ((move.dst_space, write),)
         pieces = []
         for space, place in ends:  # the ends of the move on this rank
             piece = _piece(plan, move, space, place, tensor, dtypes[tensor])
