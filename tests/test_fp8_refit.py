@@ -70,7 +70,27 @@ layout serve on infer {
 reshard refit: train -> serve
 """
 
-CASES = {"tp_uneven": TP, "pp_ep": PP_EP}
+# vLLM's FusedMoE parameter: every expert's gate | up stacked in one w13 storage per rank, its
+# scales stacked alike (w13_scale_inv [experts, 2, 2]); from EP training where gate is split
+# by columns, 100 of 200 (its blocks assembled on the destination), up whole on its rank
+STACKED = """
+mesh train [ep = 2]
+mesh infer [tp = 2] on ranks 2..3
+tensor "experts.{e}.gate" [256, 200] bf16 for e in 0..3
+tensor "experts.{e}.up" [256, 200] bf16 for e in 0..3
+layout train on train {
+  "experts.{e}.gate": ep = shard(1)
+  "experts.{e}.up": ep[e // 2]
+}
+layout serve on infer {
+  default: tp = shard(0)
+  storage "w13" = stack e of "experts.{e}.gate" | "experts.{e}.up"
+  quantize "experts.*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: train -> serve
+"""
+
+CASES = {"tp_uneven": TP, "pp_ep": PP_EP, "stacked": STACKED}
 
 
 def participants_of(text: str) -> list[int]:
@@ -172,7 +192,6 @@ SERVE_W = 'layout serve on infer {\n  default: replicate\n  "w": tp = shard(0)'
             r"scale storage 'v_scales' of tensor 'v' .* the blocks make it \[1, 3\]",
         ),
         ('quantize "o" as fp8_e4m3', 'quantize "o" as fp8_e4m4', None, r"unsupported format 'fp8_e4m4'.*'o'"),
-        ("", "", "broadcast", r"tensor 'w' is stored quantized .* broadcast policy"),
         ("reshard refit: train -> serve", "reshard back: serve -> train", None, "dequantize nothing"),
     ],
 )
@@ -182,3 +201,32 @@ def test_bad_input_is_refused_naming_the_tensor(old, new, policy, message):
     assert text != TP or policy
     with pytest.raises(LayoutError, match=message):
         compile_plan(layoutlang.loads(text), policy=policy)
+
+
+def test_fp8_network_bytes_are_at_most_051_of_bf16_on_a_deepseek_v3_layer_set():
+    """The benchmark's layer set (DeepSeek-V3's MLA attention, routed and shared experts at
+    their real shapes): the plan statistics of the FP8 refit against the bf16 refit's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_fp8_refit import layer_set
+
+    program = layoutlang.loads(layer_set(4))
+    bf16, fp8 = compile_plan(program, "bf16"), compile_plan(program, "fp8")
+    assert fp8.quantization is not None
+    totals = fp8.quantization.totals(fp8.arrays)
+    assert totals["logical_bytes"]["network"] == bf16.stats.bytes["network"] > 0
+    assert totals["wire_bytes"]["network"] <= 0.51 * bf16.stats.bytes["network"]
+    assert totals["moves_quantized_at"]["destination"] == 0  # every block whole on its sender
+
+
+def test_the_broadcast_baseline_is_planned_in_bf16_and_refused_by_the_executor():
+    """``layoutlang plan`` compares with gather-and-broadcast: its plan is the bf16 one (no
+    region quantized); running it into fp8 storages is refused before any byte moves."""
+    from layoutlang.runtime.executor import Executor
+
+    plan = compile_plan(layoutlang.loads(TP), policy="broadcast")
+    assert plan.quantization is not None and not plan.quantization.at.any()
+    with pytest.raises(LayoutError, match=r"tensor 'w' is stored quantized .* broadcast policy"):
+        Executor(plan, 0, transport=None)  # type: ignore[arg-type]

@@ -120,7 +120,7 @@ def plan_layouts(
     mode = _plan_mode(source, destination, names, per_tensor, mode, rank)
     # A quantized destination: refused where plans cannot fill it, then its blocks recorded so
     # that slab cuts fall on block boundaries (each slab quantized by its sender).
-    if check_quantized_plan([source], destination, per_tensor):
+    if check_quantized_plan([source], destination):
         record_blocks(destination)
     try:
         codes = [_core.Policy[p] for p in per_tensor]
@@ -268,7 +268,7 @@ def _recovery_arrays(
         raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
     if domain_size < 1:
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
-    check_quantized_plan(sources, destination, ("reshard",) * len(destination.tensors), recovery=True)
+    check_quantized_plan(sources, destination, recovery=True)
     names = list(sources[0].tensors)
     sources = [_in_order(layout, names) for layout in sources]
     destination = _in_order(destination, names)

@@ -296,7 +296,7 @@ class Plan:
         if self._derived.quantization is None:
             found = self.destination.quantized() if not self.is_recovery else {}
             self._derived.quantization = [
-                quantized_regions(self.source, self.destination, self.arrays) if found else None
+                quantized_regions(self.source, self.destination, self.arrays, self.policies) if found else None
             ]
         return self._derived.quantization[0]
 

@@ -22,9 +22,11 @@ gives (the rule of ``csrc/quantize.hpp``). A region of a tensor the destination 
 quantize is ``none``.
 
 :func:`check_quantized_plan` refuses, naming the tensor, what plans do not do: a quantized
-source (nothing is dequantized), the broadcast policy into a quantized tensor, replicated
-scales on a rank that does not hold the whole tensor (it would need the amax of blocks it
-holds none of), recovery plans into a quantized layout.
+source (nothing is dequantized), replicated scales on a rank that does not hold the whole
+tensor (it would need the amax of blocks it holds none of), recovery plans into a quantized
+layout. A tensor moved by the broadcast policy is planned as it is (``none``: bf16 gathered
+and broadcast, the baseline ``layoutlang plan`` compares with); the executor refuses to run
+such a plan into a quantized tensor (:func:`broadcast_into_quantized`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ from ..model import Layout
 from ..model.dtypes import DTYPES
 from ..model.quantization import Quantization
 
-__all__ = ["QUANTIZED_AT", "QuantizedRegions", "check_quantized_plan", "quantized_regions", "record_blocks"]
+__all__ = [
+    "QUANTIZED_AT",
+    "QuantizedRegions",
+    "broadcast_into_quantized",
+    "check_quantized_plan",
+    "quantized_regions",
+    "record_blocks",
+]
 
 #: where a region is quantized: ``none`` (the tensor is not), at its ``source`` (the sender
 #: packs fp8 values and scales), on its ``destination`` (assembled in bf16, quantized there)
@@ -64,7 +73,7 @@ def record_blocks(layout: Layout) -> None:
 
 
 def check_quantized_plan(
-    sources: Sequence[Layout], destination: Layout, policies: Sequence[str], *, recovery: bool = False
+    sources: Sequence[Layout], destination: Layout, *, recovery: bool = False
 ) -> dict[str, Quantization]:
     """The destination's quantized tensors, once what plans cannot do with them is refused
     (a :class:`~layoutlang.errors.LayoutValueError` naming the tensor, before any plan)."""
@@ -88,16 +97,6 @@ def check_quantized_plan(
             q.rule.span or destination.span,
             tensor=name,
         )
-    names = list(sources[0].tensors)
-    for name, policy in zip(names, policies):
-        moved = found.get(name)
-        if moved is not None and policy != "reshard":
-            raise LayoutValueError(
-                f"tensor '{name}' is stored quantized in '{destination.name}' and moved by the {policy} policy: "
-                "quantized tensors move by the reshard policy (exact overlaps, quantized where whole blocks lie)",
-                moved.rule.span or destination.span,
-                tensor=name,
-            )
     for name, q in found.items():
         if not q.replicated:
             continue
@@ -156,10 +155,20 @@ class QuantizedRegions:
         return out
 
 
-def quantized_regions(source: Layout, destination: Layout, arrays: Any) -> QuantizedRegions:
+def broadcast_into_quantized(destination: Layout, tensors: Sequence[str], policies: Sequence[str]) -> str | None:
+    """The first tensor a plan moves by the broadcast policy into a quantized tensor of
+    ``destination`` (its regions gather and broadcast in bf16: nothing quantizes them), or None."""
+    found = destination.quantized()
+    return next((n for n, p in zip(tensors, policies) if p != "reshard" and n in found), None)
+
+
+def quantized_regions(
+    source: Layout, destination: Layout, arrays: Any, policies: Sequence[str] | None = None
+) -> QuantizedRegions:
     """Where each region of a plan's ``arrays`` (from ``source`` to ``destination``) is
     quantized, and its bytes on the wire (numpy over all regions: DeepSeek-V3's plans hold
-    millions)."""
+    millions). Tensors whose policy (``policies``, one per tensor) is not ``reshard`` are
+    left as they are."""
     found = destination.quantized()
     names = source.resolved.names
     tensor_of = np.asarray(arrays.region_tensor, dtype=np.int64)
@@ -183,7 +192,7 @@ def quantized_regions(source: Layout, destination: Layout, arrays: Any) -> Quant
     for t, name in enumerate(names):
         shape_flat[first[t] : first[t] + ndims[t]] = source.tensors[name].shape
         q = found.get(name)
-        if q is not None:
+        if q is not None and (policies is None or policies[t] == "reshard"):
             quantized[t] = True
             block_flat[first[t] : first[t] + ndims[t]] = q.block
             value_size[t] = DTYPES[q.values][0]

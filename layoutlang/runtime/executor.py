@@ -14,11 +14,12 @@ import attrs
 import torch
 
 from .._text import rank_ranges
-from ..errors import ExecutionError
+from ..errors import ExecutionError, LayoutValueError
 from ..io.quantize import quantize_into
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 from ..plan import KINDS, Plan
+from ..plan.quantized import broadcast_into_quantized
 from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
@@ -64,6 +65,17 @@ class Executor:
             raise ExecutionError(
                 f"rank {rank} was given the per-rank plan of rank {plan.rank} ('{plan.name}'): "
                 "each rank runs its own part",
+                rank=rank,
+            )
+        broadcast = broadcast_into_quantized(plan.destination, plan.tensors, plan.policies) if (
+            plan.quantization is not None
+        ) else None
+        if broadcast is not None:  # before any byte moves: the whole-tensor baseline plans only
+            raise LayoutValueError(
+                f"tensor '{broadcast}' is stored quantized in '{plan.destination.name}' and plan '{plan.name}' "
+                "moves it by the broadcast policy, which gathers and broadcasts bf16: quantized tensors are "
+                "refit by the reshard policy",
+                tensor=broadcast,
                 rank=rank,
             )
         self.plan = plan
