@@ -230,3 +230,47 @@ def test_the_broadcast_baseline_is_planned_in_bf16_and_refused_by_the_executor()
     assert plan.quantization is not None and not plan.quantization.at.any()
     with pytest.raises(LayoutError, match=r"tensor 'w' is stored quantized .* broadcast policy"):
         Executor(plan, 0, transport=None)  # type: ignore[arg-type]
+
+
+SLABS = """
+mesh train [tp = 1]
+mesh infer [dp = 2] on ranks 1..2
+tensor "w" [1000, 256] bf16
+layout train on train { default: replicate }
+layout serve on infer {
+  default: replicate
+  quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: train -> serve
+"""
+SLAB_BUDGET = 300 * 256 * 2  # 300 rows a slab: cut where blocks end, at 256, 512, 768
+
+
+@pytest.mark.parametrize("mode", ["fleet", "pairwise"])
+def test_slabs_are_cut_where_blocks_end(mode):
+    plan = compile_plan(layoutlang.loads(SLABS), bucket_bytes=SLAB_BUDGET, mode=mode)
+    rows = sorted({(m.offsets[0], m.sizes[0]) for m in plan.moves()})
+    assert rows == [(0, 256), (256, 256), (512, 256), (768, 232)]
+    assert {m.quantized for m in plan.moves()} == {"source"}
+    # the same budget into bf16 cuts every 300 rows, through blocks
+    bf16 = SLABS.replace('  quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32\n', "")
+    plain = compile_plan(layoutlang.loads(bf16), bucket_bytes=SLAB_BUDGET, mode=mode)
+    assert sorted({(m.offsets[0], m.sizes[0]) for m in plain.moves()}) == [(0, 300), (300, 300), (600, 300), (900, 100)]
+
+
+def test_block_aligned_slabs_move_every_byte_right(pool):
+    results = pool.run(jobs.refit_fp8, SLABS, participants_of(SLABS), None, SLAB_BUDGET)
+    assert check(SLABS, results) > 0
+
+
+def test_a_quantized_plan_reads_back_from_its_binary_form():
+    from layoutlang.plan import load_plan
+
+    program = layoutlang.loads(TP)
+    plan = compile_plan(program)
+    back = load_plan(plan.to_bytes(), program)
+    assert back.fingerprint == plan.fingerprint
+    assert back.quantization is not None and plan.quantization is not None
+    assert (back.quantization.wire_bytes == plan.quantization.wire_bytes).all()
+    bf16 = TP.split("  quantize")[0] + "}\nreshard refit: train -> serve\n"
+    assert compile_plan(layoutlang.loads(bf16)).fingerprint != plan.fingerprint
