@@ -46,7 +46,7 @@ def destination_storages(layout, rank):
     return out
 
 
-def refit_fp8(text, participants, mode=None, bucket_bytes=None, timeout=30.0):
+def refit_fp8(text, participants, mode=None, bucket_bytes=None, timeout=30.0, mutate=None):
     index = dist.get_rank()
     if index >= len(participants):
         return None
@@ -65,6 +65,12 @@ def refit_fp8(text, participants, mode=None, bucket_bytes=None, timeout=30.0):
     }
     fill_synthetic(plan.source, rank, sources)
     destinations = destination_storages(plan.destination, rank) if rank in plan.destination.mesh else {}
+    if mutate is not None and mutate[0] in destinations:  # a bad storage: (name, "bf16" or "drop")
+        name, how = mutate
+        if how == "drop":
+            del destinations[name]
+        else:
+            destinations[name] = torch.zeros(destinations[name].shape, dtype=torch.bfloat16)
     try:
         report = executor.run(sources, destinations)
     except RuntimeFailure as err:

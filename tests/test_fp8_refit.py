@@ -12,6 +12,8 @@ tensor before any plan is made.
 
 from __future__ import annotations
 
+import re
+
 import fp8_refit_jobs as jobs
 import pytest
 import torch
@@ -274,3 +276,16 @@ def test_a_quantized_plan_reads_back_from_its_binary_form():
     assert (back.quantization.wire_bytes == plan.quantization.wire_bytes).all()
     bf16 = TP.split("  quantize")[0] + "}\nreshard refit: train -> serve\n"
     assert compile_plan(layoutlang.loads(bf16)).fingerprint != plan.fingerprint
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (("w", "bf16"), r"storage 'w' is torch.bfloat16, layout 'serve' holds torch.float8_e4m3fn \(it stores"),
+        (("w_scale_inv", "drop"), r"scale storage 'w_scale_inv' \(layout 'serve', \[2, 2\] torch.float32\) is missing"),
+    ],
+)
+def test_bad_fp8_storages_stop_every_rank_before_any_byte_moves(pool, mutate, message):
+    results = [r for r in pool.run(jobs.refit_fp8, TP, participants_of(TP), None, None, 10.0, mutate) if r]
+    assert results and all(r["error"] is not None for r in results)
+    assert any(re.search(message, r["error"]) for r in results), [r["error"] for r in results]

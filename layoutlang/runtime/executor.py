@@ -245,6 +245,8 @@ class Executor:
                 if side == "destination"
                 else " (pass cast_sources=True to convert it while packing, as torch's .to() does)"
             )
+            if side == "destination" and name in self._quantized_storages:
+                advice = " (it stores its tensors quantized: fp8 values here, the scales in their own storages)"
             raise ExecutionError(
                 f"rank {rank}: the {side} storage '{name}' is {tensor.dtype}, layout '{layout.name}' "
                 f"holds {logical}{advice}",
