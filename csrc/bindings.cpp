@@ -572,5 +572,17 @@ NB_MODULE(_core, m) {
       "into fp8 bytes at `values` and scales at `scales` (fp32, or e8m0 bytes for mxfp8; shape ceil(shape / "
       "block)), by the rule of csrc/quantize.hpp. The caller keeps the memory alive.");
 
+  m.def(
+      "set_quant_block",
+      [](LayoutCore& core, int32_t tensor, const Shape& block) {
+        if (tensor < 0 || static_cast<std::size_t>(tensor) >= core.num_tensors()) {
+          throw CoreValueError("argument", "no tensor " + std::to_string(tensor) + " in this layout", tensor);
+        }
+        core.set_quant_block(tensor, block);
+      },
+      "core"_a, "tensor"_a, "block"_a,
+      "Records the quantization block of a destination layout's tensor (one size per dim): the plans into "
+      "it cut slabs on block boundaries.");
+
   register_nccl_bindings(m);
 }

@@ -23,7 +23,22 @@ struct TensorEntry {
   std::vector<int32_t> fixed;    // per axis: the coordinate of the sub-mesh, or -1 for all
   int32_t storage = 0;           // index into the layout's storages
   int32_t itemsize = 1;          // bytes per element
+  // A destination's quantization block (one size per dim; empty: not quantized): a plan's
+  // slab cuts fall on its boundaries, so that a slab holds whole blocks (issue 16).
+  std::vector<int64_t> quant_block;
 };
+
+// The end of a slab that starts at `start` along a dim, at most `rows` long and ending at
+// `stop` at the latest: moved back onto a multiple of `block` (a quantization block) where
+// that leaves the slab non-empty, so that no slab cut splits a block between two slabs.
+inline int64_t slab_end(int64_t start, int64_t rows, int64_t stop, int64_t block) {
+  int64_t end = start + rows < stop ? start + rows : stop;
+  if (block > 1 && end < stop) {
+    const int64_t aligned = end / block * block;
+    if (aligned > start) end = aligned;
+  }
+  return end;
+}
 
 // A rank's local buffer holding the local shards of one or more tensors ("parts"),
 // concatenated along `dim`; with block_sizes, interleaved in blocks of block_sizes[p]
@@ -127,6 +142,8 @@ class LayoutCore {
   bool locate(int32_t tensor, int64_t rank, const int64_t* offsets, std::vector<int64_t>& storage_offsets) const;
 
   const TensorEntry& tensor(int32_t t) const { return tensors_[t]; }
+  // Records the quantization block of tensor `t` (a destination layout's, for slab cuts).
+  void set_quant_block(int32_t t, std::vector<int64_t> block) { tensors_.at(t).quant_block = std::move(block); }
   const StorageEntry& storage(int32_t s) const { return storages_[s]; }
   const ShardSpec& spec(int32_t s) const { return specs_[s]; }
   // Row-major coordinates of the mesh position `index`.

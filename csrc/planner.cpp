@@ -200,10 +200,11 @@ class Builder {
     for (std::size_t d = 0; d < cut; ++d) size[d] = 1;
     while (true) {
       for (std::size_t d = 0; d < cut; ++d) at[d] = offsets[d] + outer[d];
-      for (int64_t row = 0; row < sizes[cut]; row += rows) {
+      for (int64_t row = 0; row < sizes[cut];) {
         at[cut] = offsets[cut] + row;
-        size[cut] = std::min(rows, sizes[cut] - row);
+        size[cut] = slab_end(at[cut], rows, offsets[cut] + sizes[cut], block_of(tensor, cut)) - at[cut];
         emit(add_region(tensor, at, size));
+        row += size[cut];
       }
       std::size_t d = cut;
       while (d > 0) {
@@ -214,6 +215,12 @@ class Builder {
       }
       if (cut == 0) return;
     }
+  }
+
+  // The destination's quantization block along `dim` of `tensor` (1: not quantized).
+  int64_t block_of(int32_t tensor, std::size_t dim) const {
+    const std::vector<int64_t>& block = dst_.tensor(tensor).quant_block;
+    return dim < block.size() ? block[dim] : 1;
   }
 
   // Per dim pieces of a group's own runs (for gather and extraction).

@@ -293,10 +293,13 @@ class PairwiseBuilder {
     for (std::size_t d = 0; d < cut; ++d) size[d] = 1;
     while (true) {
       for (std::size_t d = 0; d < cut; ++d) at[d] = offsets[d] + outer[d];
-      for (int64_t row = 0; row < sizes[cut]; row += rows) {
+      const std::vector<int64_t>& block = dst_.tensor(tensor).quant_block;  // slabs of whole blocks
+      const int64_t along = cut < block.size() ? block[cut] : 1;
+      for (int64_t row = 0; row < sizes[cut];) {
         at[cut] = offsets[cut] + row;
-        size[cut] = std::min(rows, sizes[cut] - row);
+        size[cut] = slab_end(at[cut], rows, offsets[cut] + sizes[cut], along) - at[cut];
         emit(at, size);
+        row += size[cut];
       }
       if (cut == 0) return;
       std::size_t d = cut;

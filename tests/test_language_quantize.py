@@ -273,16 +273,20 @@ def test_a_layout_without_quantize_is_unchanged() -> None:
         layout.scale_boxes("norm.weight", 0)
 
 
-def test_reshard_into_a_quantized_layout_is_refused_until_plans_move_it() -> None:
-    with pytest.raises(LayoutError, match=r"layout 'serve' stores tensors quantized \(line \d+\)"):
-        load("""
+def test_a_reshard_from_a_quantized_layout_is_refused() -> None:
+    """Into a quantized layout a reshard is planned (tests/test_fp8_refit.py); out of one it is
+    refused where it is declared: refits dequantize nothing."""
+    text = """
 layout train on infer { default: replicate }
 layout serve on infer {
   default: replicate
   quantize "layers.*.weight" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
 }
-reshard train -> serve
-""")
+reshard {arrow}
+"""
+    load(text.replace("{arrow}", "train -> serve"))
+    with pytest.raises(LayoutError, match=r"source layout 'serve' stores tensors quantized \(line \d+\)"):
+        load(text.replace("{arrow}", "serve -> train"))
 
 
 def test_a_scale_name_taken_by_a_declared_tensor() -> None:

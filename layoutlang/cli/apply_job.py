@@ -25,9 +25,10 @@ import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..errors import AgreementError, LayoutError
+from ..io.quantize import quantize
 from ..io.safetensors import tensors_from_safetensors
 from ..io.torch_dtypes import torch_dtype
-from ..io.weights import SafetensorsCheckpoint, fill_synthetic, verify, write_safetensors
+from ..io.weights import SafetensorsCheckpoint, fill_synthetic, synthetic_box, verify, write_safetensors
 from ..lang import load
 from ..model import Box, Layout, Program
 from ..plan import KINDS
@@ -139,6 +140,8 @@ def _run_policy(
             problem = err
     dtype = getattr(torch, options.cast) if options.cast else None
     destinations = resharder.allocate("destination", dtype=dtype, device=device)
+    if plan.quantization is not None and rank in plan.destination.mesh:
+        destinations = _as_quantized(plan.destination, rank, destinations, device)
     reports = [
         _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem)
         for _ in range(max(1, options.repeat))
@@ -158,9 +161,15 @@ def _run_policy(
         "mismatches": [],
     }
     if rank in plan.destination.mesh:
-        check = verify(plan.destination, rank, destinations, truth=_truth(plan.destination, checkpoint))
+        truth = _truth(plan.destination, checkpoint)
+        if plan.quantization is not None:
+            truth, scales_checked = _quantized_truth(plan.destination, rank, destinations, truth)
+        check = verify(plan.destination, rank, destinations, truth=truth)
         result["verified_bytes"] = check.bytes
         result["mismatches"] = list(check.mismatches)
+        if plan.quantization is not None:
+            result["verified_bytes"] += scales_checked.bytes
+            result["mismatches"] += scales_checked.mismatches
         if options.to_dir and write:
             # the launcher made the folder and checked it; write_safetensors names any failure
             # (a folder removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
@@ -196,6 +205,68 @@ def _run_once(
     if resharder.last_report is None:
         raise AssertionError("Resharder.run returned without a report")
     return resharder.last_report
+
+
+def _as_quantized(
+    layout: Layout, rank: int, destinations: dict[str, torch.Tensor], device: str
+) -> dict[str, torch.Tensor]:
+    """The storages an FP8 engine holds: fp8 values where the layout quantizes the parts (in
+    place of the logical dtype's), and the scale storages, named as DeepSeek-V3's checkpoints
+    name them (``..._weight_scale_inv`` beside ``...weight``)."""
+    quantized = layout.quantized()
+    out = dict(destinations)
+    for name, tensor in destinations.items():
+        q = quantized.get(layout.storage(name, rank).parts[0])
+        if q is not None:
+            out[name] = torch.zeros(tensor.shape, dtype=torch_dtype(q.values), device=device)
+    shapes = layout.scale_storages_on(rank)
+    for name, q in quantized.items():
+        for box in layout.scale_boxes(name, rank):
+            if box.storage is not None and box.storage not in out:
+                out[box.storage] = torch.zeros(shapes[box.storage], dtype=torch_dtype(q.scale.dtype), device=device)
+    return out
+
+
+@attrs.frozen
+class _ScalesChecked:
+    bytes: int
+    mismatches: list[str]
+
+
+def _quantized_truth(
+    layout: Layout, rank: int, destinations: Mapping[str, torch.Tensor], truth: Truth | None
+) -> tuple[Truth, _ScalesChecked]:
+    """What a quantized destination must hold: each box's truth quantized (a box holds whole
+    blocks, so its values and scales are those of the whole tensor quantized), and the scale
+    storages checked against the same quantization."""
+    quantized = layout.quantized()
+
+    def logical(name: str, index: int, box: Box) -> torch.Tensor:
+        if truth is not None:
+            return truth(name, index, box)
+        tensor = layout.tensors[name]
+        return synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes)
+
+    def quantized_truth(name: str, index: int, box: Box) -> torch.Tensor:
+        q = quantized.get(name)
+        if q is None:
+            return logical(name, index, box)
+        return quantize(logical(name, index, box), q.format, q.block, q.convention)[0]
+
+    nbytes, mismatches = 0, []
+    for name, q in quantized.items():
+        index = layout.resolved.index[name]
+        boxes = layout.boxes(name, rank)
+        if q.replicated:  # every holder holds the whole tensor (the planner checks it)
+            zero = (0,) * len(q.shape)
+            boxes = [Box(name, zero, q.shape, None, zero)] if boxes else []
+        for box, scale_box in zip(boxes, layout.scale_boxes(name, rank)):
+            expected = quantize(logical(name, index, box), q.format, q.block, q.convention)[1]
+            got = destinations[scale_box.storage][scale_box.storage_index()] if scale_box.storage else None
+            nbytes += expected.numel() * expected.element_size()
+            if got is None or not torch.equal(got.contiguous().view(torch.uint8), expected.view(torch.uint8)):
+                mismatches.append(f"rank {rank}: the scales of {name} in storage '{scale_box.storage}' differ")
+    return quantized_truth, _ScalesChecked(nbytes, mismatches)
 
 
 def _truth(layout: Layout, checkpoint: SafetensorsCheckpoint | None) -> Truth | None:

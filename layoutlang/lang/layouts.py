@@ -447,15 +447,15 @@ def reshard(decl: ast.ReshardDecl, layouts: Mapping[str, Layout], names: TensorN
                 did_you_mean(name, layouts),
             )
     name = decl.name or f"{decl.source}->{decl.destination}"
-    for side, span in ((decl.source, decl.source_span), (decl.destination, decl.destination_span)):
-        quantized = layouts[side].quantize
-        if quantized:
-            where = f" (line {quantized[0].span.line})" if quantized[0].span is not None else ""
-            raise LayoutValueError(
-                f"reshard '{name}': layout '{side}' stores tensors quantized{where}, which plans do not move yet",
-                span,
-                "quantized layouts can be checked and shown; planning their refits is the next step of issue 16",
-            )
+    quantized = layouts[decl.source].quantize
+    if quantized:  # a quantized destination is planned (plan/quantized.py); a source is not
+        where = f" (line {quantized[0].span.line})" if quantized[0].span is not None else ""
+        raise LayoutValueError(
+            f"reshard '{name}': its source layout '{decl.source}' stores tensors quantized{where}; refits read "
+            "sources in their logical dtype and dequantize nothing",
+            decl.source_span,
+            "refit from the bf16 (training) layout into the quantized one",
+        )
     tensor_names = names if names is not None else TensorNames(list(layouts[decl.source].tensors))
     seen: dict[str | None, Span] = {}
     policies = []

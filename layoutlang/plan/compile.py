@@ -11,6 +11,7 @@ from ..errors import LayoutError, LayoutValueError
 from ..model import Layout, Program, Reshard
 from .data import DEFAULT_BUCKET_BYTES, PLAN_MODES, POLICIES, Plan
 from .loss import check_recoverable
+from .quantized import check_quantized_plan, record_blocks
 
 
 def _check_pair(source: Layout, destination: Layout, storages: bool = True) -> None:
@@ -105,7 +106,8 @@ def plan_layouts(
         # The core numbers tensors in declaration order: give the destination the source's.
         ordered = {name: destination.tensors[name] for name in source.tensors}
         destination = Layout(
-            destination.name, destination.mesh, ordered, destination.rules, destination.storages, destination.span
+            destination.name, destination.mesh, ordered, destination.rules, destination.storages, destination.span,
+            quantize=destination.quantize,
         )
     names = source.resolved.names
     per_tensor = (policies,) * len(names) if isinstance(policies, str) else tuple(policies)
@@ -116,6 +118,10 @@ def plan_layouts(
     if domain_size < 1:
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
     mode = _plan_mode(source, destination, names, per_tensor, mode, rank)
+    # A quantized destination: refused where plans cannot fill it, then its blocks recorded so
+    # that slab cuts fall on block boundaries (each slab quantized by its sender).
+    if check_quantized_plan([source], destination):
+        record_blocks(destination)
     try:
         codes = [_core.Policy[p] for p in per_tensor]
         if mode == "pairwise":
@@ -180,7 +186,9 @@ def _in_order(layout: Layout, names: Sequence[str]) -> Layout:
     if list(layout.tensors) == list(names):
         return layout
     ordered = {name: layout.tensors[name] for name in names}
-    return Layout(layout.name, layout.mesh, ordered, layout.rules, layout.storages, layout.span)
+    return Layout(
+        layout.name, layout.mesh, ordered, layout.rules, layout.storages, layout.span, quantize=layout.quantize
+    )
 
 
 def plan_recovery(
@@ -260,6 +268,7 @@ def _recovery_arrays(
         raise LayoutValueError(f"the bucket budget must be at least 1 byte, not {bucket_bytes}")
     if domain_size < 1:
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
+    check_quantized_plan(sources, destination, recovery=True)
     names = list(sources[0].tensors)
     sources = [_in_order(layout, names) for layout in sources]
     destination = _in_order(destination, names)

@@ -15,6 +15,7 @@ import numpy.typing as npt
 from ..core import _core
 from ..errors import LayoutNameError, LayoutValueError, core_errors, did_you_mean
 from ..model import Layout, compile_pattern
+from .quantized import QUANTIZED_AT, QuantizedRegions, quantized_regions
 
 # The public spelling of the core's enums, as moves, reports and JSON write them.
 KINDS: tuple[str, ...] = tuple(kind.name for kind in _core.MoveKind)  # local, domain, network
@@ -108,6 +109,10 @@ class Move:
     dst_space: str
     nbytes: int
     source: int = 0  # which source layout a "source" read uses (recovery plans have several)
+    #: into a quantized destination: where its region is quantized (``source``: its sender packs
+    #: fp8 values and scales; ``destination``: assembled in bf16 there), else ``none``
+    quantized: str = "none"
+    wire_bytes: int | None = None  # the bytes it carries after quantization (None: nbytes)
 
     @property
     def is_relay(self) -> bool:
@@ -126,6 +131,11 @@ class Move:
             notes.append("relay")
         if "scratch" in (self.src_space, self.dst_space):
             notes.append(f"{self.src_space} -> {self.dst_space}")
+        if self.quantized == "source":
+            verb = "quantized by its sender" if self.src_space == "source" else "forwarded quantized"
+            notes.append(f"{verb}: {self.wire_bytes:,} B for {self.nbytes:,} B")
+        elif self.quantized == "destination":
+            notes.append("quantized on the destination: splits a block")
         return f"{self.tensor}[{region}] r{self.src} -> r{self.dst} {self.kind} ({', '.join(notes)})"
 
 
@@ -203,6 +213,7 @@ class _Derived:
     stats: PlanStats | None = None
     binary: bytes | None = None
     fingerprint: str | None = None
+    quantization: list[QuantizedRegions | None] | None = None
 
 
 @attrs.frozen(eq=False)
@@ -278,10 +289,23 @@ class Plan:
         sizes = tuple(int(x) for x in a.region_sizes[start : start + ndim])
         return tensor, offsets, sizes
 
+    @property
+    def quantization(self) -> QuantizedRegions | None:
+        """Where each region is quantized and what it carries, for a plan into a layout that
+        stores tensors quantized (None otherwise): :mod:`layoutlang.plan.quantized`."""
+        if self._derived.quantization is None:
+            found = self.destination.quantized() if not self.is_recovery else {}
+            self._derived.quantization = [
+                quantized_regions(self.source, self.destination, self.arrays, self.policies) if found else None
+            ]
+        return self._derived.quantization[0]
+
     def move(self, index: int) -> Move:
         a = self.arrays
         region = int(a.move_region[index])
         tensor, offsets, sizes = self.region(region)
+        q = self.quantization
+        quantized, wire = ("none", None) if q is None else (QUANTIZED_AT[int(q.at[region])], int(q.wire_bytes[region]))
         return Move(
             index,
             tensor,
@@ -296,6 +320,8 @@ class Plan:
             _core.Space(int(a.move_dst_space[index])).name,
             int(a.region_bytes[region]),
             int(a.move_source[index]),
+            quantized,
+            wire,
         )
 
     def moves(self, tensor: str | None = None) -> Iterator[Move]:
@@ -451,6 +477,19 @@ class Plan:
             "num_buckets": self.num_buckets,
             "lower_bound_bytes": int(self.arrays.lower_bound_bytes),
             "broadcast_payload_bytes": int(self.arrays.broadcast_payload_bytes),
+        } | self._quantized_header()
+
+    def _quantized_header(self) -> dict[str, Any]:
+        """How the destination stores its quantized tensors (absent when it stores none): a
+        plan into fp8 differs from the plan into bf16 of the same boxes."""
+        found = self.destination.quantized() if not self.is_recovery else {}
+        if not found:
+            return {}
+        return {
+            "quantized": [
+                [name, q.format, list(q.block), q.convention, q.scale.dtype, q.replicated]
+                for name, q in found.items()
+            ]
         }
 
     def to_bytes(self) -> bytes:
@@ -488,6 +527,8 @@ class Plan:
         out = self._header()
         out["fingerprint"] = self.fingerprint
         out["stats"] = self.stats.to_json()
+        if self.quantization is not None:
+            out["stats"]["quantization"] = self.quantization.totals(self.arrays)
         if moves:
             out["moves"] = [
                 {
@@ -504,6 +545,7 @@ class Plan:
                     "bytes": m.nbytes,
                 }
                 | ({"source": self.sources[m.source].name} if self.is_recovery else {})
+                | ({"quantized": m.quantized, "wire_bytes": m.wire_bytes} if m.wire_bytes is not None else {})
                 for m in self.moves()
             ]
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -13,14 +14,16 @@ import attrs
 import torch
 
 from .._text import rank_ranges
-from ..errors import ExecutionError
+from ..errors import ExecutionError, LayoutValueError
+from ..io.quantize import quantize_into
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 from ..plan import KINDS, Plan
+from ..plan.quantized import broadcast_into_quantized
 from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
-from .schedule import _DESTINATION, _SCRATCH, _SOURCE, Piece, Step, schedule
+from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Piece, Step, schedule
 
 #: called with a destination storage's name and tensor once all its bytes have arrived
 OnComplete = Callable[[str, torch.Tensor], None]
@@ -64,6 +67,17 @@ class Executor:
                 "each rank runs its own part",
                 rank=rank,
             )
+        broadcast = broadcast_into_quantized(plan.destination, plan.tensors, plan.policies) if (
+            plan.quantization is not None
+        ) else None
+        if broadcast is not None:  # before any byte moves: the whole-tensor baseline plans only
+            raise LayoutValueError(
+                f"tensor '{broadcast}' is stored quantized in '{plan.destination.name}' and plan '{plan.name}' "
+                "moves it by the broadcast policy, which gathers and broadcasts bf16: quantized tensors are "
+                "refit by the reshard policy",
+                tensor=broadcast,
+                rank=rank,
+            )
         self.plan = plan
         self.rank = rank
         # A recovery plan's lost ranks hold source storages nobody reads: they are not asked.
@@ -97,6 +111,25 @@ class Executor:
         # The padding of padded storages (``shard(d, pad = m)``) holds no logical element, so no
         # move writes it: it is zeroed in every run, since an engine's buffer may hold anything.
         self._padding = _padding_regions(plan.destination, rank, self.destination_storages)
+        # A quantized destination: its scale storages, and the boxes assembled in bf16 (regions
+        # that split a block), quantized after their last write (plan/quantized.py).
+        quantized = plan.destination.quantized() if plan.quantization is not None else {}
+        self._quantized_storages = {
+            name: torch_dtype(quantized[part].values)
+            for name in self.destination_storages
+            if (part := plan.destination.storage(name, rank).parts[0]) in quantized
+        }
+        self.scale_storages: dict[str, tuple[int, ...]] = (
+            plan.destination.scale_storages_on(rank) if quantized and rank in plan.destination.mesh else {}
+        )
+        self._scale_dtypes = {
+            box.storage: torch_dtype(q.scale.dtype)
+            for name, q in quantized.items()
+            if self.scale_storages
+            for box in plan.destination.scale_boxes(name, rank)
+            if box.storage is not None
+        }
+        self._assemblies = _Assemblies(self.steps)
         # A destination storage is complete after its last write and its last read (a relay).
         self._complete_after = self._last_use(_DESTINATION, self.destination_storages)
         # Staging memory, kept between steps and runs: two arenas, step n stages in arena
@@ -108,10 +141,18 @@ class Executor:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
         at -1: storages no step touches are done before the first)."""
         last = dict.fromkeys(names, -1)
+        if space == _DESTINATION:
+            last.update(dict.fromkeys(self.scale_storages, -1))
         for n, step in enumerate(self.steps):
             for p in step.pieces():
                 if p.space == space:
                     last[p.storage] = n
+                if space == _DESTINATION and p.quantized is not None and p.quantized.scale_storage is not None:
+                    last[p.quantized.scale_storage] = n
+        if space == _DESTINATION:  # an assembled box is written into its storages when quantized
+            for n, assembly in self._assemblies.flush_storages():
+                for name in (assembly.storage, assembly.scale_storage):
+                    last[name] = max(last.get(name, -1), n)
         out: dict[int, list[str]] = defaultdict(list)
         for name, n in last.items():
             out[n].append(name)
@@ -163,6 +204,20 @@ class Executor:
             for name, shape in wanted.items():
                 converts = cast if side == "destination" else cast_sources
                 self._check_storage(side, name, shape, given.get(name), layout, converts)
+        for name, shape in self.scale_storages.items():  # scales are written as they are: no cast
+            tensor = destinations.get(name)
+            wanted_dtype = self._scale_dtypes.get(name)
+            if tensor is None or tuple(tensor.shape) != tuple(shape) or (
+                wanted_dtype is not None and tensor.dtype != wanted_dtype
+            ):
+                given_as = "is missing" if tensor is None else f"is {list(tensor.shape)} {tensor.dtype}"
+                raise ExecutionError(
+                    f"rank {self.rank}: the scale storage '{name}' (layout '{plan.destination.name}', "
+                    f"{list(shape)} {wanted_dtype}) {given_as}",
+                    rank=self.rank,
+                )
+            if not tensor.is_contiguous():
+                raise ExecutionError(f"rank {self.rank}: the scale storage '{name}' is not contiguous", rank=self.rank)
 
     def _check_storage(
         self, side: str, name: str, shape: tuple[int, ...], tensor: torch.Tensor | None, layout: Layout, cast: bool
@@ -180,6 +235,8 @@ class Executor:
                 rank=rank,
             )
         logical = torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype)
+        if side == "destination" and name in self._quantized_storages:
+            logical, cast = self._quantized_storages[name], False  # fp8 values: written, never cast
         # A storage in another dtype is converted by the copies themselves (copy_ casts):
         # a source while it is packed or copied, a destination as it is written.
         if tensor.dtype != logical and not cast:
@@ -188,6 +245,8 @@ class Executor:
                 if side == "destination"
                 else " (pass cast_sources=True to convert it while packing, as torch's .to() does)"
             )
+            if side == "destination" and name in self._quantized_storages:
+                advice = " (it stores its tensors quantized: fp8 values here, the scales in their own storages)"
             raise ExecutionError(
                 f"rank {rank}: the {side} storage '{name}' is {tensor.dtype}, layout '{layout.name}' "
                 f"holds {logical}{advice}",
@@ -244,6 +303,7 @@ class Executor:
             pending.wait(self.timeout)
             self._unpack(n, recvs, spaces, tally, staging)
             self._copy_out_of_scratch(n, spaces)
+            self._assemblies.flush(n, spaces)
             tally.sent_messages(step, self._kind)
             tally.staged(staging.arena_bytes + spaces.scratch_bytes())
             spaces.free(self._scratch.free_after.get(n, ()))
@@ -348,6 +408,10 @@ class Executor:
             nbytes += read.nbytes
             if read.space == _SCRATCH:
                 continue
+            if write.quantized is not None:  # quantized straight into the destination and its scales
+                quantize_into(spaces.view(read), spaces.region(write), spaces.scales(write),
+                              write.quantized.format, write.quantized.block, write.quantized.convention)
+                continue
             value = spaces.view(read)
             aliased = spaces.alias_sources and read.space == _SOURCE and value.dtype == write.dtype
             if write.space == _SCRATCH and aliased:
@@ -379,7 +443,11 @@ class Executor:
         for k, (transfer, (peer, buf)) in enumerate(zip(self.steps[n].recv_transfers, recvs)):
             nbytes = 0
             for piece, offset in zip(transfer.pieces, transfer.offsets):
-                if (n, "recv", k) not in staging.direct:
+                if piece.quantized is not None:  # fp8 values and scales, written as they came
+                    values, scales = _quantized_views(buf[offset : offset + piece.nbytes], piece)
+                    _copy_bytes(spaces.region(piece), values)
+                    _copy_bytes(spaces.scales(piece), scales)
+                elif (n, "recv", k) not in staging.direct:
                     staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
                     spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
@@ -409,6 +477,15 @@ class Executor:
                 continue
             buf = buffer[offset : offset + transfer.wire_bytes]
             for piece, at in zip(transfer.pieces, transfer.offsets):
+                if piece.quantized is not None:
+                    values, scales = _quantized_views(buf[at : at + piece.nbytes], piece)
+                    if piece.space == _SOURCE:  # quantized while packing, read where it lies
+                        q = piece.quantized
+                        quantize_into(spaces.view(piece), values, scales, q.format, q.block, q.convention)
+                    else:  # a relay forwards the values and scales it received
+                        _copy_bytes(values, spaces.view(piece))
+                        _copy_bytes(scales, spaces.scales(piece))
+                    continue
                 staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
                 if piece.space == _SCRATCH:  # from the regions that hold it
                     for where, value in spaces.parts(piece):
@@ -441,9 +518,31 @@ class _Spaces:
             (_SOURCE, k): given for k, given in enumerate(sources)
         }
         self._storages[(_DESTINATION, 0)] = destinations
+        self.assembled: dict[str, torch.Tensor] = {}  # assembly key -> its box, in the logical dtype
+
+    def assembly(self, piece: Piece) -> torch.Tensor:
+        """The bf16 buffer of the destination box an assembly piece lands in (made on first use)."""
+        box = self.assembled.get(piece.storage)
+        if box is None:
+            assert piece.assembly is not None
+            box = self.assembled[piece.storage] = torch.empty(
+                piece.assembly.sizes, dtype=piece.dtype, device=self.device
+            )
+        return box
+
+    def scales(self, piece: Piece) -> torch.Tensor:
+        """The scales of a quantized destination piece, in its rank's scale storage."""
+        q = piece.quantized
+        assert q is not None and q.scale_storage is not None and q.scale_index is not None
+        return self._storages[(_DESTINATION, 0)][q.scale_storage][q.scale_index]
+
+    def destination(self, name: str) -> torch.Tensor:
+        return self._storages[(_DESTINATION, 0)][name]
 
     def view(self, piece: Piece) -> torch.Tensor:
         """The region a piece reads, in the logical tensor's order (a view of its storage)."""
+        if piece.space == _ASSEMBLY:
+            return self.assembly(piece)[piece.index]
         if piece.space == _SCRATCH:
             parts = self.parts(piece)
             if len(parts) != 1 or parts[0][1].shape != torch.Size(piece.sizes):
@@ -453,6 +552,8 @@ class _Spaces:
 
     def region(self, piece: Piece) -> torch.Tensor:
         """The region a piece writes, in the logical tensor's order (a view of its storage)."""
+        if piece.space == _ASSEMBLY:
+            return self.assembly(piece)[piece.index]
         if piece.space == _SCRATCH:
             region = self.regions.written[id(piece)]
             if region.id not in self.scratch:
@@ -481,8 +582,8 @@ class _Spaces:
     def contiguous(self, piece: Piece) -> bool:
         """Whether the piece's region is one run of its storage's memory in the order and
         dtype of the wire, so that it can be sent or received without a staging copy."""
-        if piece.transposed:
-            return False
+        if piece.transposed or piece.quantized is not None or piece.space == _ASSEMBLY:
+            return False  # quantized pieces are staged with their scales; assemblies are apart
         if piece.space == _SCRATCH:
             if id(piece) in self.regions.written:  # a region written: a buffer of its own
                 return True
@@ -507,6 +608,103 @@ class _Spaces:
 
 
 _Box = tuple[tuple[int, int], ...]  # one (start, stop) per dim of a logical tensor
+
+
+def _quantized_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, torch.Tensor]:
+    """A quantized piece's bytes in a message: its fp8 values (the region's shape), then at
+    the next 16-byte boundary its scales."""
+    q = piece.quantized
+    assert q is not None
+    nvalues = piece.numel * q.values.itemsize
+    start = -(-nvalues // 16) * 16
+    nscales = math.prod(q.scale_sizes) * q.scale_dtype.itemsize
+    values = buf[:nvalues].view(q.values).view(piece.sizes)
+    scales = buf[start : start + nscales].view(q.scale_dtype).view(q.scale_sizes)
+    return values, scales
+
+
+def _copy_bytes(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies fp8 values or scales as bytes (the same dtype on both sides: nothing converts)."""
+    if target.dtype != value.dtype:
+        raise AssertionError(f"{value.dtype} bytes copied into {target.dtype}")
+    target.view(torch.uint8).copy_(value.view(torch.uint8))
+
+
+class _Assemblies:
+    """The destination boxes of quantized tensors this rank assembles in bf16 (their regions
+    split blocks at the source), by key: each is quantized into its storages after the step
+    of its last write (every block it stores is then whole there), and freed after its last
+    use (a relay may forward from it). Only the blocks its assembled regions touch are
+    quantized: a region quantized at its sender covers whole blocks of its own."""
+
+    def __init__(self, steps: Sequence[Step]):
+        self.of: dict[str, Assembly] = {}
+        self.last_write: dict[str, int] = {}
+        last_use: dict[str, int] = {}
+        self.blocks: dict[str, set[_Box]] = defaultdict(set)
+        for n, step in enumerate(steps):
+            writes = [w for _, w in step.copies] + [p for m in step.recvs.values() for p in m.pieces]
+            for piece in step.pieces():
+                if piece.space != _ASSEMBLY or piece.assembly is None:
+                    continue
+                a = piece.assembly
+                self.of[piece.storage] = a
+                last_use[piece.storage] = n
+            for piece in writes:
+                if piece.space != _ASSEMBLY or piece.assembly is None:
+                    continue
+                self.last_write[piece.storage] = n
+                self.blocks[piece.storage].add(_expanded(piece))
+        self.flush_after: dict[int, list[str]] = defaultdict(list)
+        for key, n in self.last_write.items():
+            self.flush_after[n].append(key)
+        self.free_after: dict[int, list[str]] = defaultdict(list)
+        for key, n in last_use.items():
+            self.free_after[max(n, self.last_write.get(key, n))].append(key)
+
+    def flush_storages(self) -> list[tuple[int, Assembly]]:
+        return [(n, self.of[key]) for key, n in self.last_write.items()]
+
+    def flush(self, n: int, spaces: _Spaces) -> None:
+        """Quantizes the assemblies whose last write was step ``n``, then frees those done with."""
+        for key in self.flush_after.get(n, ()):
+            a = self.of[key]
+            box = spaces.assembled[key]
+            values = spaces.destination(a.storage)
+            scales = spaces.destination(a.scale_storage)
+            lead = len(a.storage_offsets) - len(a.sizes)
+            slead = len(a.scale_storage_offsets) - len(a.sizes)
+            for local in sorted(self.blocks[key]):
+                where = tuple(slice(start, stop) for start, stop in local)
+                into: tuple[int | slice, ...] = (
+                    *a.storage_offsets[:lead],
+                    *(slice(so + start, so + stop) for so, (start, stop) in zip(a.storage_offsets[lead:], local)),
+                )
+                # the blocks' scales: global block coordinates less the box's first block
+                scale_into: tuple[int | slice, ...] = (
+                    *a.scale_storage_offsets[:slead],
+                    *(
+                        slice(so + (o + start) // b - o // b, so + -(-(o + stop) // b) - o // b)
+                        for so, o, (start, stop), b in zip(a.scale_storage_offsets[slead:], a.offsets, local, a.block)
+                    ),
+                )
+                quantize_into(box[where], values[into], scales[scale_into], a.format, a.block, a.convention)
+        for key in self.free_after.get(n, ()):
+            spaces.assembled.pop(key, None)
+
+
+def _expanded(piece: Piece) -> _Box:
+    """The blocks an assembly piece touches, as a box local to its destination box (block
+    boundaries are global: the box starts on one; the tensor's end cuts the last)."""
+    a = piece.assembly
+    assert a is not None
+    out = []
+    for item, o, size, b in zip(piece.index, a.offsets, a.sizes, a.block):
+        assert isinstance(item, slice)
+        start = (o + item.start) // b * b - o
+        stop = min(-(-(o + item.stop) // b) * b - o, size)
+        out.append((start, stop))
+    return tuple(out)
 
 
 @attrs.frozen

@@ -17,6 +17,49 @@ _ALIGN = 16  # bytes: every region starts aligned in a message, so typed views a
 #: may post from (or into) its storage in place; smaller ones share one staged transfer
 OWN_TRANSFER_BYTES = 1 << 20
 _SOURCE, _DESTINATION, _SCRATCH = (SPACES.index(s) for s in ("source", "destination", "scratch"))
+#: a destination box of a quantized tensor assembled in bf16 (regions that split a block land
+#: there; the rank quantizes its blocks once they have all arrived): a space of the executor
+_ASSEMBLY = len(SPACES)
+
+
+@attrs.frozen
+class Quantized:
+    """How a region quantized at its sender travels: fp8 values in the region's shape, then
+    (at the next 16-byte boundary) its blocks' scales. ``scale_storage``/``scale_index``: where
+    the scales lie on this rank (pieces of the destination space; None at a sender, which
+    computes them)."""
+
+    format: str
+    block: tuple[int, ...]
+    convention: str
+    values: torch.dtype
+    scale_dtype: torch.dtype
+    scale_sizes: tuple[int, ...]
+    scale_storage: str | None = None
+    scale_index: tuple[slice | int, ...] | None = None
+
+    def nbytes(self, numel: int) -> int:
+        values = -(-numel * self.values.itemsize // _ALIGN) * _ALIGN
+        return values + math.prod(self.scale_sizes) * self.scale_dtype.itemsize
+
+
+@attrs.frozen
+class Assembly:
+    """A destination box of a quantized tensor on this rank, assembled in the logical dtype:
+    its place in the destination storage (``index``) and in the scale storage, and how it is
+    quantized. ``key`` names it (the pieces' ``storage`` in the assembly space)."""
+
+    key: str
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    storage: str
+    storage_offsets: tuple[int, ...]
+    scale_storage: str
+    scale_storage_offsets: tuple[int, ...]
+    format: str
+    block: tuple[int, ...]
+    convention: str
 
 
 # ----------------------------------------------------------------------- schedule
@@ -41,6 +84,10 @@ class Piece:
     source: int = 0  # which source layout, for pieces of the source space
     transposed: bool = False
     sizes: tuple[int, ...] = ()
+    #: the region travels quantized (its sender quantizes it): values and scales
+    quantized: Quantized | None = None
+    #: a piece of the assembly space: the destination box it lands in
+    assembly: Assembly | None = None
 
     @property
     def key(self) -> tuple[int, int]:
@@ -48,6 +95,8 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
+        if self.quantized is not None:
+            return self.quantized.nbytes(self.numel)
         return self.numel * self.dtype.itemsize
 
 
@@ -115,6 +164,9 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
     steps: dict[tuple[int, int], Step] = {}
     src_cols = np.asarray(a.move_src)
     dst_cols = np.asarray(a.move_dst)
+    regions = np.asarray(a.move_region)
+    q = plan.quantization
+    quantizing = _Quantizing(plan, rank) if q is not None else None
     for i in plan.moves_of_rank(rank):
         move = plan.move(int(i))
         key = (move.bucket, move.stage)
@@ -124,17 +176,22 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
         read, write = plan.place(move)
         tensor = plan.source.resolved.index[move.tensor]
         src, dst = int(src_cols[i]), int(dst_cols[i])
+        at = int(q.at[regions[i]]) if q is not None else 0
+        ends: tuple[tuple[str, tuple[str, tuple[int, ...]] | None], ...]
         if src == dst:
-            step.copies.append(
-                (_piece(plan, move, move.src_space, read, tensor, dtypes[tensor]),
-                 _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor]))
-            )
-        elif src == rank:
-            piece = _piece(plan, move, move.src_space, read, tensor, dtypes[tensor])
-            step.sends.setdefault(dst, Message(dst)).add(piece)
+            ends = ((move.src_space, read), (move.dst_space, write))
         else:
-            piece = _piece(plan, move, move.dst_space, write, tensor, dtypes[tensor])
-            step.recvs.setdefault(src, Message(src)).add(piece)
+            ends = ((move.src_space, read),) if src == rank else ((move.dst_space, write),)
+        pieces = []
+        for space, place in ends:  # the ends of the move on this rank
+            piece = _piece(plan, move, space, place, tensor, dtypes[tensor])
+            pieces.append(quantizing.piece(piece, move, space, at) if quantizing is not None and at else piece)
+        if src == dst:
+            step.copies.append((pieces[0], pieces[1]))
+        elif src == rank:
+            step.sends.setdefault(dst, Message(dst)).add(pieces[0])
+        else:
+            step.recvs.setdefault(src, Message(src)).add(pieces[0])
     if plan.mode == "pairwise":
         ordered = _pairwise_steps(steps, rank, plan.bucket_bytes)
     else:
@@ -203,3 +260,64 @@ def _piece(
     numel = math.prod(move.sizes)  # 1 for a scalar
     source = move.source if space == "source" else 0
     return Piece(SPACES.index(space), storage, index, tensor, dtype, numel, source, transposed, tuple(move.sizes))
+
+
+class _Quantizing:
+    """The pieces of one rank's moves of quantized tensors (``Plan.quantization``): a region
+    quantized at its sender travels as values and scales (:class:`Quantized`); one quantized
+    on its destination lands in (and is relayed from) the assembly of its destination box."""
+
+    def __init__(self, plan: Plan, rank: int):
+        self.plan = plan
+        self.rank = rank
+        self.found = plan.destination.quantized()
+        self._boxes: dict[str, list] = {}
+        self._scales: dict[str, list] = {}
+
+    def piece(self, piece: Piece, move: Move, space: str, at: int) -> Piece:
+        q = self.found[move.tensor]
+        if space == "source":  # quantized by the sender (no scale storage here), or sent as it is
+            return attrs.evolve(piece, quantized=self._quantized(q, move, None, None)) if at == 1 else piece
+        if space != "destination":
+            raise AssertionError(f"move {move}: a quantized tensor moves between source and destination only")
+        box_index, box = self._box(move)
+        scale_box = self._scale_boxes(move.tensor)[box_index if not q.replicated else 0]
+        if at == 1:
+            offsets = tuple(o // b for o, b in zip(move.offsets, q.block))
+            sizes = tuple(-(-(o + s) // b) - o // b for o, s, b in zip(move.offsets, move.sizes, q.block))
+            lead = len(scale_box.storage_offsets) - len(sizes)
+            index = (
+                *scale_box.storage_offsets[:lead],
+                *(slice(so + o - bo, so + o - bo + s)
+                  for so, o, bo, s in zip(scale_box.storage_offsets[lead:], offsets, scale_box.offsets, sizes)),
+            )
+            return attrs.evolve(piece, quantized=self._quantized(q, move, scale_box.storage, index))
+        key = f"{move.tensor}#{box_index}"
+        assembly = Assembly(
+            key, move.tensor, box.offsets, box.sizes, box.storage, box.storage_offsets, scale_box.storage,
+            scale_box.storage_offsets, q.format, q.block, q.convention,
+        )
+        index = tuple(slice(o - bo, o - bo + s) for o, bo, s in zip(move.offsets, box.offsets, move.sizes))
+        return attrs.evolve(piece, space=_ASSEMBLY, storage=key, index=index, transposed=False, assembly=assembly)
+
+    def _quantized(self, q, move: Move, storage: str | None, index: tuple[slice | int, ...] | None) -> Quantized:
+        sizes = tuple(-(-(o + s) // b) - o // b for o, s, b in zip(move.offsets, move.sizes, q.block))
+        return Quantized(
+            q.format, q.block, q.convention, torch_dtype(q.values), torch_dtype(q.scale.dtype), sizes, storage, index
+        )
+
+    def _box(self, move: Move):
+        boxes = self._boxes.get(move.tensor)
+        if boxes is None:
+            boxes = self._boxes[move.tensor] = self.plan.destination.boxes(move.tensor, self.rank)
+        for k, box in enumerate(boxes):
+            inside = zip(move.offsets, move.sizes, box.offsets, box.sizes)
+            if all(bo <= o and o + s <= bo + bs for o, s, bo, bs in inside):
+                return k, box
+        raise AssertionError(f"move {move} lands in no box of rank {self.rank}")  # plans are validated
+
+    def _scale_boxes(self, tensor: str) -> list:
+        boxes = self._scales.get(tensor)
+        if boxes is None:
+            boxes = self._scales[tensor] = self.plan.destination.scale_boxes(tensor, self.rank)
+        return boxes
