@@ -12,6 +12,8 @@ them first (``dtensor.redistribute(mesh, [Replicate()])`` or ``full_tensor()``).
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +104,51 @@ def _plan(
     )
 
 
+class _Executors:
+    """The Executors of recent redistributes, kept between calls: building one (the rank's
+    schedule, its scratch regions, and the staging arenas its first run allocates) costs more
+    than a small redistribute itself. Keyed by (plan fingerprint, rank, backend of the default
+    process group: the transport's device follows it); at most ``MAX_ENTRIES`` of them, whose
+    arenas together hold at most the memory budget of the call that returns one (the least
+    recently used go first). A call takes its Executor out while it runs and puts it back
+    after a run that succeeded, so two threads never share one (and its arenas), and an
+    Executor whose run failed (a transport that timed out) is never reused."""
+
+    MAX_ENTRIES = 8
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[tuple[str, int, str], Executor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[str, int, str]) -> Executor | None:
+        with self._lock:
+            return self._entries.pop(key, None)
+
+    def give_back(self, key: tuple[str, int, str], executor: Executor, memory_budget: int) -> None:
+        with self._lock:
+            self._entries[key] = executor
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.MAX_ENTRIES or (
+                len(self._entries) > 1 and sum(map(_arena_bytes, self._entries.values())) > memory_budget
+            ):
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+def _arena_bytes(executor: Executor) -> int:
+    return sum(arena.nbytes for arena in executor._arenas)
+
+
+#: the Executors :func:`redistribute` reuses between calls
+_EXECUTORS = _Executors()
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     name = dtype_name(dtype)
     if name is None:
@@ -125,6 +172,10 @@ def redistribute(
     None. A DTensor on a slice of a mesh (``world["tp"]``) is taken as replicated over the
     other dims of the root mesh. Only the exact overlap of the shards moves; ``domain_size``
     groups ranks that share fast links.
+
+    The plan and the rank's Executor (its schedule and staging arenas) are kept between
+    calls, so a loop of redistributes of one shape and placement builds them once: at most
+    8 Executors, whose arenas together stay within ``memory_budget``.
     """
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -150,7 +201,9 @@ def redistribute(
         domain_size,
         max(1, memory_budget // 2),
     )
-    executor = Executor(plan, rank, TorchTransport(rank), timeout=timeout)
+    key = (plan.fingerprint, rank, str(dist.get_backend()))
+    executor = _EXECUTORS.take(key) or Executor(plan, rank, TorchTransport(rank), timeout=timeout)
+    executor.timeout = timeout
     local = dtensor.to_local() if rank in source_mesh else None
     sources = {_NAME: local} if local is not None else {}
     destinations = {}
@@ -159,6 +212,7 @@ def redistribute(
         device = local.device if local is not None else torch.device(device_mesh.device_type)
         destinations[_NAME] = torch.empty(shape, dtype=dtensor.dtype, device=device)
     executor.run(sources, destinations)
+    _EXECUTORS.give_back(key, executor, memory_budget)
     if rank not in destination_mesh:
         return None
     return DTensor.from_local(
