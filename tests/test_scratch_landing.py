@@ -62,6 +62,7 @@ def test_an_uneven_domain_lands_regions_in_scratch_and_relays_them():
         # relayed to every holder of the region in the domain, over NVLink, no earlier
         assert sorted(r.dst for r in relays) == [d for d in domain if _holds(plan, d, m)]
         assert all(r.kind == "domain" and r.dst_space == "destination" and r.bucket >= m.bucket for r in relays)
+        assert all(r.is_relay and "relay" in str(r) for r in relays)  # printed and drawn as relays
     # Ranks 16, 17 and 18, the only holders of their quarters in domain 1, would each receive
     # all of it through their NICs if regions landed on holders only; now the domain's five
     # NICs share the whole tensor set, and it still enters the domain once.

@@ -117,9 +117,11 @@ class Move:
     @property
     def is_relay(self) -> bool:
         """A domain move forwarding what its rank received over the network: from the
-        destination storage (reshard, stage 1) or the scratch buffer (broadcast, stage 2)."""
+        destination storage or a bystander's scratch into a destination storage (reshard,
+        stage 1), or from scratch to scratch (broadcast, stage 2)."""
         return self.kind == "domain" and (
-            self.src_space == "destination" or (self.src_space == "scratch" and self.stage == 2)
+            self.src_space == "destination"
+            or (self.src_space == "scratch" and (self.stage == 2 or self.dst_space == "destination"))
         )
 
     def __str__(self) -> str:
