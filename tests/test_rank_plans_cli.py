@@ -288,7 +288,7 @@ def test_simulate_estimates_the_whole_pairwise_plan(capsys):
     assert main(["simulate", str(path), "--mode", "pairwise"]) == 0
     text = capsys.readouterr().out
     assert any(line.startswith("pairwise reshard ") for line in text.splitlines())
-    assert "the executor runs a pairwise plan's stages one after the other" in text
+    assert "pairwise reshard: stage-major, as the executor runs it" in text
     assert "  pairwise reshard: " in text  # its busiest port
 
 

@@ -43,8 +43,8 @@ def simulation_report(sim: Simulation) -> list[str]:
     if any(e.policy == PAIRWISE_ROW for e in sim.estimates):
         # what the model does not capture of a pairwise plan: said where its estimate is read
         lines.append(
-            f"  {PAIRWISE_ROW}: the same step model; the executor runs a pairwise plan's stages one after "
-            "the other (every bucket's network moves, then the relays), and its buckets are cut per pair of ranks"
+            f"  {PAIRWISE_ROW}: stage-major, as the executor runs it: every bucket's network moves, then "
+            "the relays (phase p of bucket k in step p x buckets + k); its buckets are cut per pair of ranks"
         )
     lines.append("")
     sequential = any(e.sequential_time is not None for e in sim.estimates)

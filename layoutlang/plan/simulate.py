@@ -25,6 +25,8 @@ This module adds:
   bucket (a relay never before the network move that feeds it), and the phases of
   consecutive buckets overlap (the relays of bucket *k* run while the network moves of
   bucket *k + 1* do). A step ends when its busiest port is done; the next step starts then.
+  A pairwise plan (:ref:`per-rank-plans`) runs stage-major, as the executor runs it: phase
+  *p* of bucket *k* in step *p x buckets + k*, every network move before the first relay.
 
 The cost model
 --------------
@@ -389,16 +391,22 @@ def _step_maxima(
 
 
 def _schedule(
-    m: _Moves, messages: dict[int, _Messages], topology: CompleteTopology, pipelined: bool
+    m: _Moves, messages: dict[int, _Messages], topology: CompleteTopology, pipelined: bool, stage_major: bool = False
 ) -> tuple[float, int, dict[str, float], float]:
-    """Total time, number of steps, seconds bound by each port kind, and latency seconds."""
+    """Total time, number of steps, seconds bound by each port kind, and latency seconds.
+
+    ``stage_major`` is how the executor runs a pairwise plan: every bucket of one phase, then
+    the next phase's (all network moves, then the relays), phases never overlapping."""
     S = m.phases
     R = len(m.ranks)
+    B = m.buckets
 
     def steps_of(bucket: _Int64s, phase: _Int64s) -> _Int64s:
+        if stage_major:
+            return phase * B + bucket
         return bucket + phase if pipelined else bucket * S + phase
 
-    n_steps = (m.buckets + S - 1 if pipelined else m.buckets * S) if m.buckets else 0
+    n_steps = (B * S if stage_major or not pipelined else B + S - 1) if B else 0
     if n_steps == 0:
         return 0.0, 0, dict.fromkeys(PORTS, 0.0), 0.0
     per_port = []
@@ -454,7 +462,10 @@ def _estimate(m: _Moves, plan: Plan, topology: Topology, policy: str | None, seq
     if links.domain_size != plan.domain_size:
         raise ValueError(f"the plan has domains of {plan.domain_size} ranks, the topology of {links.domain_size}")
     messages = {k: _messages(m, k) for k in (1, 2)}
-    time, steps, bound_by, latency = _schedule(m, messages, links, pipelined=True)
+    # A pairwise plan's buckets are cut per pair of ranks and every rank runs its stages one
+    # after the other (runtime/schedule.py): its phases do not overlap.
+    stage_major = plan.mode == "pairwise"
+    time, steps, bound_by, latency = _schedule(m, messages, links, pipelined=True, stage_major=stage_major)
     unpipelined = _schedule(m, messages, links, pipelined=False)[0] if sequential else None
     if policy is None:
         policy = _POLICY_NAMES.get(tuple(sorted(set(plan.policies))), "hybrid")
