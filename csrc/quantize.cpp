@@ -169,18 +169,23 @@ inline float amax_of(uint32_t bits) {
 // least subnormal, rounded to nearest even by the addition itself (so the general path's
 // nearbyint of the product), its bits less the power's; a normal one is the fp32 bits
 // rounded at the format's mantissa, re-biased.
+// x may be infinite or beyond the largest value: |x| is clamped to it on its bits (the order
+// of non-negative floats' bits is theirs), as the general path's clamp does.
 template <int M, int B>
 inline uint8_t encode_finite(float x) {
+  constexpr uint32_t kMaxBits = M == 2 ? 0x47600000u : 0x43e00000u;  // 57344, 448
   const uint32_t bits = bits_of(x);
   const uint32_t sign = (bits >> 24) & 0x80u;
-  const uint32_t a = bits & 0x7fffffffu;
+  uint32_t a = bits & 0x7fffffffu;
+  a = a < kMaxBits ? a : kMaxBits;
   constexpr int kShift = 23 - M;
   constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - B) << 23;
   constexpr uint32_t kMagic = static_cast<uint32_t>((127 - B) + kShift + 1) << 23;
   const uint32_t sub = bits_of(float_of(a) + float_of(kMagic)) - kMagic;
   const uint32_t rounded = a + ((1u << (kShift - 1)) - 1) + ((a >> kShift) & 1u);
   const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - B) << M);
-  return static_cast<uint8_t>((a < kMinNormal ? sub : normal) | sign);
+  const uint32_t small = 0u - static_cast<uint32_t>(a < kMinNormal);  // a mask, not a branch
+  return static_cast<uint8_t>(((sub & small) | (normal & ~small)) | sign);
 }
 
 template <QuantFormat F>
@@ -232,8 +237,10 @@ void quantize_strips(const QuantView& source, const std::vector<int64_t>& block,
   const size_t n = source.shape.size();
   const size_t outer = n - 1;
   const int64_t length = source.shape[outer], b = block[outer], columns = grid[outer];
-  const float fmax = quant_fmax(format);
-  uint8_t* out = reinterpret_cast<uint8_t*>(values.data);
+  // held in locals, the byte stores could alias `source` (a uint8_t may alias anything) and
+  // the loops would not vectorize
+  uint8_t* __restrict out = reinterpret_cast<uint8_t*>(values.data);
+  const uintptr_t src = source.data;
   std::vector<uint32_t> amax(static_cast<size_t>(columns));
   std::vector<float> divisor(static_cast<size_t>(columns));
   std::vector<int64_t> at(outer), begin(outer), end(outer), index(outer);
@@ -272,7 +279,7 @@ void quantize_strips(const QuantView& source, const std::vector<int64_t>& block,
         const int64_t lo = c * b, hi = std::min(length, lo + b);
         uint32_t m = amax[c];
         for (int64_t i = lo; i < hi; ++i) {
-          const uint32_t x = abs_bits<S>(source.data, s + i);
+          const uint32_t x = abs_bits<S>(src, s + i);
           m = x > m ? x : m;
         }
         amax[c] = m;
@@ -294,10 +301,7 @@ void quantize_strips(const QuantView& source, const std::vector<int64_t>& block,
         }
         const float dv = divisor[c];
         for (int64_t i = lo; i < hi; ++i) {
-          float q = finite_value<S>(source.data, s + i) / dv;
-          q = q < -fmax ? -fmax : q;
-          q = q > fmax ? fmax : q;
-          out[v + i] = encode_finite_as<format>(q);
+          out[v + i] = encode_finite_as<format>(finite_value<S>(src, s + i) / dv);
         }
       }
     });
