@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import fp8_allocate_jobs as jobs
 import pytest
-import torch
 from fp8_refit_jobs import destination_storages
 from test_fp8_refit import CASES, check, participants_of
 
