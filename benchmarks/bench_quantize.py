@@ -4,9 +4,10 @@ DeepSeek-V3's largest dense projection, ``mlp.gate_proj.weight`` of the dense la
 (``[18432, 7168]`` bf16, 128 x 128 blocks), and one routed expert's ``down_proj``
 (``[7168, 2048]``, MXFP8's 1 x 32 blocks too), and the first read through its transpose (a
 strided view, as a region cut across a storage's rows is): the best of ``--runs`` runs of
-``layoutlang.io.quantize.quantize`` (one thread, no copies: strided reads, one pass for the
-amax and one for the values) against the torch reference of ``tests/test_quantize.py``
-(whole-tensor ops, torch's own threads), after checking that both give the same bytes.
+``layoutlang.io.quantize.quantize`` (one thread, no copies: strided reads; where rows are
+contiguous, per block row strip one vectorized pass for the amax and one for the values)
+against the torch reference of ``tests/test_quantize.py`` (whole-tensor ops, torch's own
+threads), after checking that both give the same bytes.
 Prints seconds, GB/s of bf16 read, and the ratio. Run from the repository root:
 
     python benchmarks/bench_quantize.py [--runs N] [--threads T]

@@ -118,6 +118,196 @@ void for_each_row(const BlockExtent& e, const QuantView& src, const QuantView& d
   }
 }
 
+// The fast path, taken where the last dim is contiguous in the source and the values (every
+// region a sender packs from a row-major storage): one block row strip at a time, the amax of
+// each block of the strip kept in a small array while its rows stream by, then the strip's
+// values encoded. Every step is integer arithmetic or one IEEE operation the compiler
+// vectorizes (no per-element library call, no branch), and gives the bytes of the general
+// path: for non-negative floats the order of their bits is the order of their values, so the
+// amax is an integer max of |x|'s bits, and a block is finite when that max is below
+// infinity's bits.
+
+// |x|'s fp32 bits.
+template <QuantSource S>
+inline uint32_t abs_bits(uintptr_t base, int64_t index) {
+  if constexpr (S == QuantSource::fp32) {
+    return reinterpret_cast<const uint32_t*>(base)[index] & 0x7fffffffu;
+  } else if constexpr (S == QuantSource::bf16) {
+    return (static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(base)[index]) & 0x7fffu) << 16;
+  } else {
+    // fp16: only compared with each other and with infinity's bits, so the half's own bits,
+    // ordered alike, moved to where fp32's infinity test below reads them
+    const uint32_t h = reinterpret_cast<const uint16_t*>(base)[index] & 0x7fffu;
+    return h >= 0x7c00u ? 0x7f800000u | h : h;
+  }
+}
+
+// x, finite, as fp32 (fp16 by the exact product with 2^112 that also makes subnormals normal).
+template <QuantSource S>
+inline float finite_value(uintptr_t base, int64_t index) {
+  if constexpr (S == QuantSource::fp16) {
+    const uint32_t h = reinterpret_cast<const uint16_t*>(base)[index];
+    const float magnitude = float_of((h & 0x7fffu) << 13) * float_of(0x77800000u);  // 2^112
+    return float_of(bits_of(magnitude) | ((h & 0x8000u) << 16));
+  } else {
+    return load<S>(base, index);
+  }
+}
+
+// The amax of the bits `abs_bits` returned, as the general path's float amax.
+template <QuantSource S>
+inline float amax_of(uint32_t bits) {
+  if constexpr (S == QuantSource::fp16) {
+    return half_to_float(static_cast<uint16_t>(bits));
+  } else {
+    return float_of(bits);
+  }
+}
+
+// encode<M, B> of a finite x with |x| <= the format's largest value, without branches: a
+// subnormal result is the fp32 sum of |x| and the power of two whose ulp is the format's
+// least subnormal, rounded to nearest even by the addition itself (so the general path's
+// nearbyint of the product), its bits less the power's; a normal one is the fp32 bits
+// rounded at the format's mantissa, re-biased.
+// x may be infinite or beyond the largest value: |x| is clamped to it on its bits (the order
+// of non-negative floats' bits is theirs), as the general path's clamp does.
+template <int M, int B>
+inline uint8_t encode_finite(float x) {
+  constexpr uint32_t kMaxBits = M == 2 ? 0x47600000u : 0x43e00000u;  // 57344, 448
+  const uint32_t bits = bits_of(x);
+  const uint32_t sign = (bits >> 24) & 0x80u;
+  uint32_t a = bits & 0x7fffffffu;
+  a = a < kMaxBits ? a : kMaxBits;
+  constexpr int kShift = 23 - M;
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - B) << 23;
+  constexpr uint32_t kMagic = static_cast<uint32_t>((127 - B) + kShift + 1) << 23;
+  const uint32_t sub = bits_of(float_of(a) + float_of(kMagic)) - kMagic;
+  const uint32_t rounded = a + ((1u << (kShift - 1)) - 1) + ((a >> kShift) & 1u);
+  const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - B) << M);
+  const uint32_t small = 0u - static_cast<uint32_t>(a < kMinNormal);  // a mask, not a branch
+  return static_cast<uint8_t>(((sub & small) | (normal & ~small)) | sign);
+}
+
+template <QuantFormat F>
+inline uint8_t encode_finite_as(float x) {
+  if constexpr (F == QuantFormat::fp8_e5m2) {
+    return encode_finite<2, 15>(x);
+  } else {
+    return encode_finite<3, 7>(x);
+  }
+}
+
+// What a block's values are divided by, writing its scale: the rule of the general path.
+template <QuantFormat format>
+inline float block_divisor(float amax, bool finite, ScaleConvention convention, uintptr_t scales, int64_t at) {
+  if constexpr (format == QuantFormat::mxfp8) {
+    uint8_t code = kNanE8m0;
+    float divisor = float_of(kNan32);
+    if (finite) {
+      int e = -127;
+      if (amax > 0.0f) {
+        int exponent;
+        std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
+        e = std::clamp(exponent - 1 - 8, -127, 127);
+      }
+      divisor = e >= -126 ? float_of(static_cast<uint32_t>(e + 127) << 23) : float_of(0x00400000u);  // 2^e
+      code = static_cast<uint8_t>(convention == ScaleConvention::scale_inv ? e + 127 : 127 - e);
+    }
+    reinterpret_cast<uint8_t*>(scales)[at] = code;
+    return divisor;
+  } else {
+    const float fmax = quant_fmax(format);
+    float scale_inv = float_of(kNan32);
+    if (finite) {
+      scale_inv = amax / fmax;
+      if (scale_inv == 0.0f) scale_inv = 1.0f;  // zero block: values are zeros, scale 1
+    }
+    reinterpret_cast<float*>(scales)[at] =
+        convention == ScaleConvention::scale_inv || !finite ? scale_inv : 1.0f / scale_inv;
+    return scale_inv;
+  }
+}
+
+// The block row strips [first, last) of the outer block grid (every dim but the last, in
+// row-major order of block indices).
+template <QuantSource S, QuantFormat format>
+void quantize_strips(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
+                     const QuantView& values, const QuantView& scales, const std::vector<int64_t>& grid,
+                     int64_t first, int64_t last) {
+  const size_t n = source.shape.size();
+  const size_t outer = n - 1;
+  const int64_t length = source.shape[outer], b = block[outer], columns = grid[outer];
+  // held in locals, the byte stores could alias `source` (a uint8_t may alias anything) and
+  // the loops would not vectorize
+  uint8_t* __restrict out = reinterpret_cast<uint8_t*>(values.data);
+  const uintptr_t src = source.data;
+  std::vector<uint32_t> amax(static_cast<size_t>(columns));
+  std::vector<float> divisor(static_cast<size_t>(columns));
+  std::vector<int64_t> at(outer), begin(outer), end(outer), index(outer);
+  for (int64_t strip = first; strip < last; ++strip) {
+    int64_t rest = strip, scale_base = 0;
+    for (size_t d = outer; d-- > 0;) {
+      at[d] = rest % grid[d];
+      rest /= grid[d];
+      begin[d] = at[d] * block[d];
+      end[d] = std::min(source.shape[d], begin[d] + block[d]);
+      scale_base += at[d] * scales.strides[d];
+    }
+    // calls row(offset in the source, offset in the values) for every row of the strip
+    auto for_rows = [&](auto&& row) {
+      index = begin;
+      while (true) {
+        int64_t s = 0, v = 0;
+        for (size_t d = 0; d < outer; ++d) {
+          s += index[d] * source.strides[d];
+          v += index[d] * values.strides[d];
+        }
+        row(s, v);
+        size_t d = outer;
+        while (d > 0) {
+          --d;
+          if (++index[d] < end[d]) break;
+          index[d] = begin[d];
+          if (d == 0) return;
+        }
+        if (outer == 0) return;
+      }
+    };
+    std::fill(amax.begin(), amax.end(), 0u);
+    for_rows([&](int64_t s, int64_t) {
+      for (int64_t c = 0; c < columns; ++c) {
+        const int64_t lo = c * b, hi = std::min(length, lo + b);
+        uint32_t m = amax[c];
+        for (int64_t i = lo; i < hi; ++i) {
+          const uint32_t x = abs_bits<S>(src, s + i);
+          m = x > m ? x : m;
+        }
+        amax[c] = m;
+      }
+    });
+    bool all_finite = true;
+    for (int64_t c = 0; c < columns; ++c) {
+      const bool finite = amax[c] < 0x7f800000u;
+      all_finite &= finite;
+      divisor[c] = block_divisor<format>(amax_of<S>(amax[c]), finite, convention, scales.data,
+                                         scale_base + c * scales.strides[outer]);
+    }
+    for_rows([&](int64_t s, int64_t v) {
+      for (int64_t c = 0; c < columns; ++c) {
+        const int64_t lo = c * b, hi = std::min(length, lo + b);
+        if (!all_finite && !(amax[c] < 0x7f800000u)) {
+          std::memset(out + v + lo, kNan8, static_cast<size_t>(hi - lo));
+          continue;
+        }
+        const float dv = divisor[c];
+        for (int64_t i = lo; i < hi; ++i) {
+          out[v + i] = encode_finite_as<format>(finite_value<S>(src, s + i) / dv);
+        }
+      }
+    });
+  }
+}
+
 template <QuantSource S, QuantFormat format>
 void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
                     const QuantView& values, const QuantView& scales) {
@@ -129,6 +319,11 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
   for (size_t d = 0; d < n; ++d) grid[d] = (source.shape[d] + block[d] - 1) / block[d];
   for (size_t d = 0; d < n; ++d)
     if (grid[d] == 0) return;  // an empty tensor has no block
+  if (src_last == 1 && val_last == 1) {
+    int64_t strips = 1;
+    for (size_t d = 0; d + 1 < n; ++d) strips *= grid[d];
+    return quantize_strips<S, format>(source, block, convention, values, scales, grid, 0, strips);
+  }
   BlockExtent extent{std::vector<int64_t>(n), std::vector<int64_t>(n)};
   while (true) {
     int64_t scale_at = 0;

@@ -98,6 +98,8 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
             f"({_ratio(b.bytes['network'], stats.bytes['network'])}x over the network); "
             f"its logical payload (gathered + broadcast once) is {human_bytes(b.broadcast_payload)}"
         )
+    if plan.quantization is not None:
+        lines += ["", *quantized_report(plan)]
     if per_rank:
         lines.append("")
         rows = []
@@ -113,3 +115,26 @@ def plan_report(plan: Plan, baseline: Plan | None = None, per_rank: bool = False
             ["rank", "sent domain", "sent network", "recv domain", "recv network", "local copy"],
         )
     return lines
+
+
+def quantized_report(plan: Plan) -> list[str]:
+    """An FP8 refit's bytes on the wire beside the logical bytes of the statistics above (the
+    tensors' own dtype): the regions quantized by their sender cross as fp8 values and
+    scales, those assembled and quantized on the destination cross as bf16."""
+    assert plan.quantization is not None
+    totals = plan.quantization.totals(plan.arrays)
+    logical, wire = totals["logical_bytes"], totals["wire_bytes"]
+    rows = [
+        [kind, human_bytes(logical[kind]), human_bytes(wire[kind]), _ratio(wire[kind], logical[kind])]
+        for kind in KINDS
+        if kind in logical
+    ]
+    at = totals["moves_quantized_at"]
+    return [
+        f"quantized destination: {totals['tensors']:,} tensors stored quantized; bytes before and after quantization",
+        *table(rows, ["bytes", "logical", "on the wire", "wire / logical"]),
+        (
+            f"moves quantized by their sender: {at['source']:,} ({totals['blocks_quantized_by_senders']:,} blocks); "
+            f"assembled and quantized on the destination: {at['destination']:,}"
+        ),
+    ]

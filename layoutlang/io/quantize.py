@@ -9,9 +9,10 @@ instead. The result is bit-identical to the same arithmetic done with torch on t
 tensor (``tests/test_quantize.py`` checks it against such a reference).
 
 Here, in :mod:`layoutlang.io` beside the dtypes and the safetensors writer, because it is
-the lowest layer that may import torch: the runtime's executor (which will quantize while
-packing a refit's buffers, issue 16's next step) and the checkpoint writers both sit above
-it. CPU tensors only, for now.
+the lowest layer that may import torch: the runtime's executor (which quantizes whole blocks
+while packing an FP8 refit's buffers, and a destination's split blocks after their last
+write) and the FP8 checkpoint writers of ``layoutlang apply --to`` both sit above it. CPU
+tensors only: a GPU region is quantized on the host it is staged through.
 """
 
 from __future__ import annotations

@@ -666,7 +666,7 @@ class Layout:
         """
         if not self._quantized:
             found = self._resolve_quantized()
-            holders = {t: frozenset(self.holders(t)) for t in found}
+            holders = self._quantized_holders(found)
             self._check_quantized(found, holders)
             self._quantized.append((found, holders))
         return self._quantized[0][0]
@@ -830,13 +830,12 @@ class Layout:
                 # block may span ranks, and is quantized where it can be assembled whole
                 continue
             key = self._alignment_key(tensor, q, stacked)
-            if key is not None and key in aligned:
+            if key in aligned:
                 continue
             for rank in sorted(holders[tensor]):
                 for box in self.boxes(tensor, rank):
                     self._check_blocks(q, box, rank)
-            if key is not None:
-                aligned.add(key)
+            aligned.add(key)
         # the parts of one storage are quantized alike, or none is
         for storage in resolved.storages:
             quantized = [found.get(p) for p in storage.parts]
@@ -868,14 +867,38 @@ class Layout:
                         rank=rank,
                     )
 
-    def _alignment_key(self, tensor: str, q: Quantization, stacked: Mapping[str, tuple]) -> tuple | None:
-        """What decides a stacked element's boxes and their places (None: not in a stack)."""
-        if tensor not in stacked:
-            return None
-        index = self.resolved.index[tensor]
-        sid, before = stacked[tensor]
+    def _alignment_key(self, tensor: str, q: Quantization, stacked: Mapping[str, tuple]) -> tuple:
+        """What decides a tensor's boxes on every rank and their places in its storage: tensors
+        with one key pass or fail the block check alike, so it runs once per key (DeepSeek-V3's
+        44,544 unstacked experts on 256 ranks are a few dozen keys, not 11 million boxes). The
+        first tensor of a key is checked whole, so a mistake names the same tensor and rank."""
         resolved = self.resolved
-        return (sid, before, resolved.spec_of[index], q.shape, q.block, resolved.submesh_of[index])
+        index = resolved.index[tensor]
+        if tensor in stacked:
+            sid, before = stacked[tensor]
+            return (sid, before, resolved.spec_of[index], q.shape, q.block, resolved.submesh_of[index])
+        # not stacked: the storage's fusion (dim, interleaving blocks) and every part's
+        # placement, shape and sub-mesh decide where the tensor's boxes sit in it
+        storage = resolved.storages[resolved.storage_of[index]]
+        parts = tuple(
+            (resolved.spec_of[i], self.tensors[p].shape, resolved.submesh_of[i])
+            for p, i in ((p, resolved.index[p]) for p in storage.parts)
+        )
+        return (None, storage.dim, storage.blocks, parts, storage.parts.index(tensor), q.block)
+
+    def _quantized_holders(self, found: Mapping[str, Quantization]) -> dict[str, frozenset[int]]:
+        """The holders of every quantized tensor, asked of the core once per placement, shape and
+        sub-mesh (they decide them)."""
+        resolved = self.resolved
+        cache: dict[tuple, frozenset[int]] = {}
+        out: dict[str, frozenset[int]] = {}
+        for tensor in found:
+            index = resolved.index[tensor]
+            key = (resolved.spec_of[index], self.tensors[tensor].shape, resolved.submesh_of[index])
+            if key not in cache:
+                cache[key] = frozenset(self.holders(tensor))
+            out[tensor] = cache[key]
+        return out
 
     def _check_blocks(self, q: Quantization, box: Box, rank: int) -> None:
         """A rank's box of a quantized tensor holds whole blocks, at block boundaries of its storage."""

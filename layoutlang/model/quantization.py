@@ -20,9 +20,14 @@ is the weight's storage name with the convention appended (vLLM's
 scale tensor's own name, or the one the rule names.
 
 :meth:`Layout.quantized <layoutlang.model.Layout.quantized>` resolves the rules tensor by
-tensor and checks every rank; the planner (issue 16, next step) plans the scale tensors'
-boxes (:meth:`Layout.scale_boxes <layoutlang.model.Layout.scale_boxes>`) as it plans any
-box, and decides where each block is quantized. The arithmetic of quantization itself is
+tensor and checks every rank's boxes on block boundaries (once per distinct placement, shape,
+sub-mesh and storage fusion: tensors alike are checked alike). A reshard into such a layout
+is an FP8 refit: :mod:`layoutlang.plan.quantized` decides, move by move, whether the sender
+quantizes whole blocks while packing (fp8 values and scales cross the network) or the
+destination assembles a split block in bf16 and quantizes it after its last write, and plans
+the scale tensors' boxes (:meth:`Layout.scale_boxes <layoutlang.model.Layout.scale_boxes>`)
+beside the weights'; the executor quantizes as it packs, and ``layoutlang apply --to`` writes
+FP8 checkpoints. The arithmetic of quantization itself is
 the C++ core's (``csrc/quantize.hpp``); this module only knows shapes. It imports no torch.
 """
 

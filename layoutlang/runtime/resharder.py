@@ -128,13 +128,29 @@ class Resharder:
         self, side: str = "destination", *, dtype: torch.dtype | None = None, device: Any = "cpu"
     ) -> dict[str, torch.Tensor]:
         """Zero-filled storages for ``side`` ("source" or "destination"), in the logical dtype
-        unless ``dtype`` is given."""
+        unless ``dtype`` is given.
+
+        A destination the plan quantizes (``quantize`` statements, an FP8 refit) gets what its
+        engine holds: the quantized storages in their fp8 dtype (``dtype`` does not apply to
+        them) and, beside them, every scale storage of the rank, in its shape and the scales'
+        dtype (``..._weight_scale_inv``, fp32; ``e8m0`` for MXFP8), as ``run`` expects them."""
         layout = self.plan.source if side == "source" else self.plan.destination
         shapes = self.source_storages if side == "source" else self.destination_storages
+        quantized = layout.quantized() if side == "destination" and self.plan.quantization is not None else {}
         out = {}
         for name, shape in shapes.items():
-            logical = torch_dtype(layout.tensors[layout.storage(name, self.rank).parts[0]].dtype)
-            out[name] = torch.zeros(shape, dtype=dtype or logical, device=device)
+            part = layout.storage(name, self.rank).parts[0]
+            q = quantized.get(part)
+            wanted = torch_dtype(q.values) if q is not None else dtype or torch_dtype(layout.tensors[part].dtype)
+            out[name] = torch.zeros(shape, dtype=wanted, device=device)
+        if quantized and self.rank in layout.mesh:
+            scale_shapes = layout.scale_storages_on(self.rank)
+            for tensor, q in quantized.items():
+                for box in layout.scale_boxes(tensor, self.rank):
+                    if box.storage is not None and box.storage not in out:
+                        out[box.storage] = torch.zeros(
+                            scale_shapes[box.storage], dtype=torch_dtype(q.scale.dtype), device=device
+                        )
         return out
 
     def run(
