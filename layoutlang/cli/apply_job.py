@@ -139,9 +139,8 @@ def _run_policy(
         except LayoutError as err:  # every rank learns of it in the run's agreement
             problem = err
     dtype = getattr(torch, options.cast) if options.cast else None
+    # a quantized destination gets its fp8 value storages and its scale storages here too
     destinations = resharder.allocate("destination", dtype=dtype, device=device)
-    if plan.quantization is not None and rank in plan.destination.mesh:
-        destinations = _as_quantized(plan.destination, rank, destinations, device)
     reports = [
         _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem)
         for _ in range(max(1, options.repeat))
@@ -205,26 +204,6 @@ def _run_once(
     if resharder.last_report is None:
         raise AssertionError("Resharder.run returned without a report")
     return resharder.last_report
-
-
-def _as_quantized(
-    layout: Layout, rank: int, destinations: dict[str, torch.Tensor], device: str
-) -> dict[str, torch.Tensor]:
-    """The storages an FP8 engine holds: fp8 values where the layout quantizes the parts (in
-    place of the logical dtype's), and the scale storages, named as DeepSeek-V3's checkpoints
-    name them (``..._weight_scale_inv`` beside ``...weight``)."""
-    quantized = layout.quantized()
-    out = dict(destinations)
-    for name, tensor in destinations.items():
-        q = quantized.get(layout.storage(name, rank).parts[0])
-        if q is not None:
-            out[name] = torch.zeros(tensor.shape, dtype=torch_dtype(q.values), device=device)
-    shapes = layout.scale_storages_on(rank)
-    for name, q in quantized.items():
-        for box in layout.scale_boxes(name, rank):
-            if box.storage is not None and box.storage not in out:
-                out[box.storage] = torch.zeros(shapes[box.storage], dtype=torch_dtype(q.scale.dtype), device=device)
-    return out
 
 
 @attrs.frozen
