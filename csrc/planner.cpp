@@ -6,39 +6,10 @@
 #include <string>
 #include <tuple>
 
+#include "plan_geometry.hpp"
+
 namespace layoutlang {
 namespace {
-
-// A piece of one dim: global run plus its local position on each side.
-struct Piece {
-  int64_t global_start;
-  int64_t length;
-  int64_t src_local;
-  int64_t dst_local;
-};
-
-int64_t runs_length(const std::vector<Run>& runs) {
-  int64_t n = 0;
-  for (const Run& r : runs) n += r.length;
-  return n;
-}
-
-// Cuts pieces where the local position (source or destination side) crosses a multiple of
-// `block`, so every piece lands in one block of an interleaved storage.
-void cut_at_blocks(std::vector<Piece>& pieces, int64_t block, bool source_side) {
-  std::vector<Piece> out;
-  for (const Piece& p : pieces) {
-    int64_t done = 0;
-    while (done < p.length) {
-      const int64_t local = (source_side ? p.src_local : p.dst_local) + done;
-      const int64_t room = block - local % block;
-      const int64_t take = std::min(room, p.length - done);
-      out.push_back(Piece{p.global_start + done, take, p.src_local + done, p.dst_local + done});
-      done += take;
-    }
-  }
-  pieces.swap(out);
-}
 
 // Marks the lost ranks: lost[rank] != 0. Sized to cover every rank of every layout.
 std::vector<char> lost_mask(const std::vector<const LayoutCore*>& sources, const LayoutCore& dst,
@@ -161,66 +132,19 @@ class Builder {
 
   // ---------------------------------------------------------------- regions
   int32_t add_region(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
-    const auto id = static_cast<int32_t>(plan_.region_tensor.size());
-    plan_.region_tensor.push_back(tensor);
-    plan_.region_dims_start.push_back(static_cast<int64_t>(plan_.region_offsets.size()));
-    plan_.region_offsets.insert(plan_.region_offsets.end(), offsets.begin(), offsets.end());
-    plan_.region_sizes.insert(plan_.region_sizes.end(), sizes.begin(), sizes.end());
     int64_t bytes = src_.tensor(tensor).itemsize;
     for (int64_t s : sizes) bytes *= s;
-    plan_.region_bytes.push_back(bytes);
-    return id;
+    return append_region(plan_, tensor, offsets, sizes, bytes);
   }
 
   // Splits a box into slabs of at most bucket_bytes (a tensor larger than a bucket is cut,
   // never refused) and calls `emit(region id)` for each slab.
   template <class Emit>
   void slabs(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes, Emit emit) {
-    const int64_t itemsize = src_.tensor(tensor).itemsize;
-    const std::size_t ndim = sizes.size();
-    int64_t bytes = itemsize;
-    for (int64_t s : sizes) bytes *= s;
-    if (bytes <= options_.bucket_bytes || ndim == 0) {
-      emit(add_region(tensor, offsets, sizes));
-      return;
-    }
-    // The outermost dim whose inner block fits: slabs of whole inner blocks along it.
-    std::size_t cut = ndim - 1;
-    int64_t inner = itemsize;
-    for (std::size_t d = ndim; d-- > 0;) {
-      if (inner * sizes[d] > options_.bucket_bytes) {
-        cut = d;
-        break;
-      }
-      inner *= sizes[d];
-    }
-    const int64_t rows = std::max<int64_t>(1, options_.bucket_bytes / inner);
-    std::vector<int64_t> at(offsets), size(sizes);
-    std::vector<int64_t> outer(cut, 0);  // odometer over the dims before `cut`, one index each
-    for (std::size_t d = 0; d < cut; ++d) size[d] = 1;
-    while (true) {
-      for (std::size_t d = 0; d < cut; ++d) at[d] = offsets[d] + outer[d];
-      for (int64_t row = 0; row < sizes[cut];) {
-        at[cut] = offsets[cut] + row;
-        size[cut] = slab_end(at[cut], rows, offsets[cut] + sizes[cut], block_of(tensor, cut)) - at[cut];
-        emit(add_region(tensor, at, size));
-        row += size[cut];
-      }
-      std::size_t d = cut;
-      while (d > 0) {
-        --d;
-        if (++outer[d] < sizes[d]) break;
-        outer[d] = 0;
-        if (d == 0) return;
-      }
-      if (cut == 0) return;
-    }
-  }
-
-  // The destination's quantization block along `dim` of `tensor` (1: not quantized).
-  int64_t block_of(int32_t tensor, std::size_t dim) const {
-    const std::vector<int64_t>& block = dst_.tensor(tensor).quant_block;
-    return dim < block.size() ? block[dim] : 1;
+    auto region = [&](const std::vector<int64_t>& at, const std::vector<int64_t>& size) {
+      emit(add_region(tensor, at, size));
+    };
+    for_each_slab(src_, dst_, options_.bucket_bytes, tensor, offsets, sizes, region);
   }
 
   // Per dim pieces of a group's own runs (for gather and extraction).
@@ -232,54 +156,23 @@ class Builder {
     return pieces;
   }
 
-  // Every box of the product of per-dim pieces.
+  // Every box of the product of per-dim pieces, cut into slabs: `emit(region id)` for each.
   template <class Emit>
   void product(int32_t tensor, const std::vector<std::vector<Piece>>& pieces, Emit emit) {
-    const std::size_t ndim = pieces.size();
-    for (const auto& p : pieces) {
-      if (p.empty()) return;
-    }
-    std::vector<std::size_t> pick(ndim, 0);
-    std::vector<int64_t> offsets(ndim), sizes(ndim);
-    while (true) {
-      for (std::size_t d = 0; d < ndim; ++d) {
-        offsets[d] = pieces[d][pick[d]].global_start;
-        sizes[d] = pieces[d][pick[d]].length;
-      }
-      slabs(tensor, offsets, sizes, emit);
-      std::size_t d = ndim;
-      while (d > 0) {
-        --d;
-        if (++pick[d] < pieces[d].size()) break;
-        pick[d] = 0;
-        if (d == 0) return;
-      }
-      if (ndim == 0) return;
-    }
+    auto region = [&](const std::vector<int64_t>& at, const std::vector<int64_t>& size) {
+      emit(add_region(tensor, at, size));
+    };
+    for_each_slab_of_product(src_, dst_, options_.bucket_bytes, tensor, pieces, region);
   }
 
   void interleave_cuts(int32_t tensor, std::vector<std::vector<Piece>>& pieces, bool cut_src, bool cut_dst) {
-    const std::pair<const LayoutCore*, bool> sides[] = {{srcs_[source_], true}, {&dst_, false}};
-    for (const auto& [layout, source_side] : sides) {
-      if (source_side ? !cut_src : !cut_dst) continue;
-      const StorageEntry& storage = layout->storage(layout->tensor(tensor).storage);
-      if (storage.block_sizes.empty()) continue;
-      const auto dim = static_cast<std::size_t>(storage.dim);
-      if (dim < pieces.size()) cut_at_blocks(pieces[dim], interleave_of(storage, tensor).block, source_side);
-    }
+    cut_interleaved(tensor, pieces, cut_src ? srcs_[source_] : nullptr, cut_dst ? &dst_ : nullptr);
   }
 
   // ------------------------------------------------------------------ moves
   void add_move(int32_t region, int64_t src, int64_t dst, uint8_t kind, uint8_t stage, uint8_t src_space,
                 uint8_t dst_space) {
-    plan_.move_region.push_back(region);
-    plan_.move_src.push_back(static_cast<int32_t>(src));
-    plan_.move_dst.push_back(static_cast<int32_t>(dst));
-    plan_.move_kind.push_back(kind);
-    plan_.move_stage.push_back(stage);
-    plan_.move_src_space.push_back(src_space);
-    plan_.move_dst_space.push_back(dst_space);
-    plan_.move_source.push_back(source_);
+    append_move(plan_, region, src, dst, kind, stage, src_space, dst_space, source_);
   }
 
   static int64_t least_loaded(const std::vector<int64_t>& candidates, const std::vector<int64_t>& load) {
@@ -423,11 +316,7 @@ class Builder {
     for (std::size_t k = 0; k < srcs_.size(); ++k) {
       const std::vector<HoldingGroup>& sgroups = src_groups_[k].groups(tensor);
       int64_t covered = 0;
-      for (const HoldingGroup& g : sgroups) {
-        int64_t v = 1;
-        for (const auto& runs : g.runs) v *= runs_length(runs);
-        covered += v;
-      }
+      for (const HoldingGroup& g : sgroups) covered += holding_volume(g);
       if (covered != numel && !dgroups.empty()) {
         throw CoreValueError("coverage", "the source layout holds " + std::to_string(covered) + " of its " +
                                              std::to_string(numel) + " elements",
@@ -483,15 +372,7 @@ class Builder {
       std::vector<std::vector<Piece>> pieces(ndim);
       bool empty = false;
       for (std::size_t d = 0; d < ndim && !empty; ++d) {
-        for (const Run& b : need[d]) {
-          for (const Run& a : sg.runs[d]) {
-            const auto [lo, hi] =
-                intersect(a.global_start, a.global_start + a.length, b.global_start, b.global_start + b.length);
-            if (hi <= lo) continue;
-            pieces[d].push_back(
-                Piece{lo, hi - lo, a.local_start + (lo - a.global_start), b.local_start + (lo - b.global_start)});
-          }
-        }
+        meet_runs(need[d], sg.runs[d], pieces[d]);
         empty = pieces[d].empty();
       }
       if (empty) continue;
@@ -519,8 +400,7 @@ class Builder {
   void add_lower_bound(int32_t tensor, const std::vector<HoldingGroup>& dgroups) {
     const int64_t itemsize = src_.tensor(tensor).itemsize;
     for (const HoldingGroup& dg : dgroups) {
-      int64_t held = itemsize;
-      for (const auto& runs : dg.runs) held *= runs_length(runs);
+      const int64_t held = itemsize * holding_volume(dg);
       for (int64_t rank : dg.ranks) {
         if (!fill_[static_cast<std::size_t>(rank)]) continue;  // a rank the plan does not fill needs nothing
         int64_t own = 0;
@@ -1012,7 +892,8 @@ class Validator {
             const LayoutCore& dst, const PlanOptions& options, std::size_t max_problems,
             const std::optional<std::vector<int64_t>>& fill = std::nullopt)
       : plan_(plan), srcs_(sources), src_(*sources.at(0)), dst_(dst), options_(options), max_(max_problems),
-        dst_groups_(dst), lost_(lost_mask(sources, dst, lost)), fill_(fill_mask(lost_.size(), dst, fill)) {
+        dst_groups_(dst), lost_(lost_mask(sources, dst, lost)), fill_(fill_mask(lost_.size(), dst, fill)),
+        regions_(plan, *sources.at(0)) {
     for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
     src_group_.assign(srcs_.size(), std::vector<int64_t>(lost_.size(), -1));
     dst_group_.assign(lost_.size(), -1);
@@ -1062,31 +943,7 @@ class Validator {
 
   // Every region's dims lie inside the coordinate columns and its bytes match its sizes.
   bool check_regions() {
-    const std::size_t regions = plan_.region_tensor.size();
-    if (plan_.region_dims_start.size() != regions || plan_.region_bytes.size() != regions ||
-        plan_.region_offsets.size() != plan_.region_sizes.size()) {
-      problems_.push_back("region columns have different lengths");
-      return false;
-    }
-    for (std::size_t r = 0; r < regions && problems_.size() < max_; ++r) {
-      const int32_t tensor = plan_.region_tensor[r];
-      if (tensor < 0 || static_cast<std::size_t>(tensor) >= src_.num_tensors()) {
-        problems_.push_back("region " + std::to_string(r) + " refers to a tensor that does not exist");
-        return false;
-      }
-      const std::size_t ndim = src_.tensor(tensor).shape.size();
-      const int64_t start = plan_.region_dims_start[r];
-      if (start < 0 || static_cast<std::size_t>(start) + ndim > plan_.region_offsets.size()) {
-        problems_.push_back("region " + std::to_string(r) + " has its dims outside the coordinate columns");
-        return false;
-      }
-      int64_t bytes = src_.tensor(tensor).itemsize;
-      for (std::size_t d = 0; d < ndim; ++d) bytes *= plan_.region_sizes[static_cast<std::size_t>(start) + d];
-      if (bytes != plan_.region_bytes[r]) {
-        problems_.push_back("region " + std::to_string(r) + " claims " + std::to_string(plan_.region_bytes[r]) +
-                            " bytes, its sizes give " + std::to_string(bytes));
-      }
-    }
+    if (!check_region_columns(plan_, src_, problems_, max_, false)) return false;
     for (std::size_t i = 0; i < plan_.move_kind.size() && problems_.size() < max_; ++i) {
       if (plan_.move_kind[i] > kNetwork || plan_.move_src_space[i] > kScratch || plan_.move_dst_space[i] > kScratch ||
           plan_.move_stage[i] > 3 || plan_.move_bucket[i] < 0 || plan_.move_source[i] >= srcs_.size()) {
@@ -1096,63 +953,8 @@ class Validator {
     return problems_.empty();
   }
 
-  // A region read from or written to an interleaved storage must sit in one block there.
-  bool within_one_block(int32_t region, const HoldingGroup& group, const LayoutCore& layout) const {
-    const int32_t tensor = plan_.region_tensor[region];
-    const StorageEntry& storage = layout.storage(layout.tensor(tensor).storage);
-    if (storage.block_sizes.empty()) return true;
-    const auto dim = static_cast<std::size_t>(storage.dim);
-    if (dim >= group.runs.size()) return true;
-    const int64_t block = interleave_of(storage, tensor).block;
-    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
-    const int64_t lo = plan_.region_offsets[start + dim], hi = lo + plan_.region_sizes[start + dim];
-    for (const Run& run : group.runs[dim]) {
-      if (lo >= run.global_start && hi <= run.global_start + run.length) {
-        const int64_t local = run.local_start + (lo - run.global_start);
-        return local / block == (local + (hi - lo) - 1) / block;
-      }
-    }
-    return false;
-  }
-
   void problem(std::size_t move, const std::string& what) {
     if (problems_.size() < max_) problems_.push_back("move " + std::to_string(move) + ": " + what);
-  }
-
-  int64_t volume(int32_t region) const {
-    int64_t v = 1;
-    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
-    const std::size_t ndim = src_.tensor(plan_.region_tensor[region]).shape.size();
-    for (std::size_t d = 0; d < ndim; ++d) v *= plan_.region_sizes[start + d];
-    return v;
-  }
-
-  int64_t overlap(int32_t a, int32_t b) const {
-    const std::size_t ndim = src_.tensor(plan_.region_tensor[a]).shape.size();
-    const auto sa = static_cast<std::size_t>(plan_.region_dims_start[a]);
-    const auto sb = static_cast<std::size_t>(plan_.region_dims_start[b]);
-    int64_t v = 1;
-    for (std::size_t d = 0; d < ndim; ++d) {
-      const auto [lo, hi] = intersect(plan_.region_offsets[sa + d], plan_.region_offsets[sa + d] + plan_.region_sizes[sa + d],
-                                      plan_.region_offsets[sb + d], plan_.region_offsets[sb + d] + plan_.region_sizes[sb + d]);
-      v *= hi - lo;
-    }
-    return v;
-  }
-
-  // Whether the group's runs cover the region along every dim.
-  bool inside(int32_t region, const HoldingGroup& group) const {
-    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
-    for (std::size_t d = 0; d < group.runs.size(); ++d) {
-      const int64_t lo = plan_.region_offsets[start + d], hi = lo + plan_.region_sizes[start + d];
-      int64_t covered = 0;
-      for (const Run& r : group.runs[d]) {
-        const auto [a, b] = intersect(lo, hi, r.global_start, r.global_start + r.length);
-        covered += b - a;
-      }
-      if (covered != hi - lo) return false;
-    }
-    return true;
   }
 
   bool earlier(std::size_t a, std::size_t b) const {
@@ -1195,13 +997,15 @@ class Validator {
       const int64_t sgroup = src_group_[k][s];
       const uint8_t expected = s == d ? kLocal : (s / options_.domain_size == d / options_.domain_size ? kDomain : kNetwork);
       if (plan_.move_kind[i] != expected) problem(i, "kind does not match the ranks' domains");
-      if (plan_.move_src_space[i] == kSource && (sgroup < 0 || !inside(region, sgroups[sgroup]))) {
+      if (plan_.move_src_space[i] == kSource && (sgroup < 0 || !regions_.inside(region, sgroups[sgroup]))) {
         problem(i, "reads what rank " + std::to_string(s) + " does not hold in the source layout");
       }
-      if (plan_.move_src_space[i] == kDestination && (dst_group_[s] < 0 || !inside(region, dgroups[dst_group_[s]]))) {
+      if (plan_.move_src_space[i] == kDestination &&
+          (dst_group_[s] < 0 || !regions_.inside(region, dgroups[dst_group_[s]]))) {
         problem(i, "relays what rank " + std::to_string(s) + " does not hold in the destination layout");
       }
-      if (plan_.move_dst_space[i] == kDestination && (dst_group_[d] < 0 || !inside(region, dgroups[dst_group_[d]]))) {
+      if (plan_.move_dst_space[i] == kDestination &&
+          (dst_group_[d] < 0 || !regions_.inside(region, dgroups[dst_group_[d]]))) {
         problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
       }
       if (plan_.move_dst_space[i] == kSource) problem(i, "writes into a source storage");
@@ -1209,9 +1013,9 @@ class Validator {
         problem(i, "writes to rank " + std::to_string(d) + ", which the plan does not fill");
       }
       if ((plan_.move_src_space[i] == kSource && sgroup >= 0 &&
-           !within_one_block(region, sgroups[sgroup], *srcs_[k])) ||
+           !regions_.within_one_block(region, sgroups[sgroup], *srcs_[k])) ||
           (plan_.move_dst_space[i] == kDestination && dst_group_[d] >= 0 &&
-           !within_one_block(region, dgroups[dst_group_[d]], dst_))) {
+           !regions_.within_one_block(region, dgroups[dst_group_[d]], dst_))) {
         problem(i, "spans two blocks of an interleaved storage");
       }
       writes[{d, plan_.move_dst_space[i]}].push_back(i);
@@ -1224,10 +1028,10 @@ class Validator {
       auto found = writes.find({plan_.move_src[i], plan_.move_src_space[i]});
       if (found != writes.end()) {
         for (std::size_t w : found->second) {
-          if (earlier(w, i)) covered += overlap(plan_.move_region[w], region);
+          if (earlier(w, i)) covered += regions_.overlap(plan_.move_region[w], region);
         }
       }
-      if (covered != volume(region)) problem(i, "reads data that no earlier move delivered");
+      if (covered != regions_.volume(region)) problem(i, "reads data that no earlier move delivered");
     }
     // No rank stages more than the budget in one bucket (send and receive sides together).
     for (std::size_t i = begin; i < end; ++i) {
@@ -1245,7 +1049,7 @@ class Validator {
     for (const auto& [key, list] : writes) {
       for (std::size_t a = 0; a < list.size(); ++a) {
         for (std::size_t b = a + 1; b < list.size(); ++b) {
-          if (overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
+          if (regions_.overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
             problem(list[b], "writes bytes that move " + std::to_string(list[a]) + " also writes");
           }
         }
@@ -1262,19 +1066,13 @@ class Validator {
   // Every destination rank receives exactly its holding (writes are disjoint and inside it).
   void check_writes_cover(int32_t tensor, const std::map<Key, std::vector<std::size_t>>& writes) {
     for (const HoldingGroup& g : dst_groups_.groups(tensor)) {
-      int64_t held = 1;
-      for (const auto& runs : g.runs) held *= runs_length(runs);
+      const int64_t held = holding_volume(g);
       for (int64_t rank : g.ranks) {
         if (!fill_[static_cast<std::size_t>(rank)]) continue;  // checked above: nothing written there
-        int64_t written = 0;
         auto found = writes.find({rank, kDestination});
-        if (found != writes.end()) {
-          for (std::size_t w : found->second) written += volume(plan_.move_region[w]);
-        }
+        const int64_t written = found != writes.end() ? regions_.written(found->second) : 0;
         if (written != held && problems_.size() < max_) {
-          problems_.push_back("tensor " + std::to_string(tensor) + " on rank " + std::to_string(rank) + ": " +
-                              std::to_string(written) + " of its " + std::to_string(held) +
-                              " destination elements are written");
+          problems_.push_back(cover_problem(tensor, rank, written, held));
         }
       }
     }
@@ -1292,6 +1090,7 @@ class Validator {
   std::vector<char> fill_;  // the destination ranks the plan fills
   std::vector<std::vector<int64_t>> src_group_;  // per source, per rank
   std::vector<int64_t> dst_group_;
+  PlanRegions regions_;
   std::map<std::pair<int32_t, int64_t>, int64_t> staged_;  // (bucket, rank) -> bytes
   std::vector<std::string> problems_;
 };

@@ -5,6 +5,7 @@
 #include <tuple>
 #include <unordered_map>
 
+#include "plan_geometry.hpp"
 #include "replica_groups.hpp"
 
 namespace layoutlang {
@@ -16,42 +17,6 @@ uint64_t mix(uint64_t h, uint64_t v) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
-}
-
-// A piece of one dim: global run plus its local position on each side.
-struct Piece {
-  int64_t global_start;
-  int64_t length;
-  int64_t src_local;
-  int64_t dst_local;
-};
-
-int64_t runs_length(const std::vector<Run>& runs) {
-  int64_t n = 0;
-  for (const Run& r : runs) n += r.length;
-  return n;
-}
-
-int64_t holding_volume(const HoldingGroup& g) {
-  int64_t v = 1;
-  for (const auto& runs : g.runs) v *= runs_length(runs);
-  return v;
-}
-
-// Cuts pieces where the local position (source or destination side) crosses a multiple of
-// `block`, so every piece lands in one block of an interleaved storage.
-void cut_at_blocks(std::vector<Piece>& pieces, int64_t block, bool source_side) {
-  std::vector<Piece> out;
-  for (const Piece& p : pieces) {
-    int64_t done = 0;
-    while (done < p.length) {
-      const int64_t local = (source_side ? p.src_local : p.dst_local) + done;
-      const int64_t take = std::min(block - local % block, p.length - done);
-      out.push_back(Piece{p.global_start + done, take, p.src_local + done, p.dst_local + done});
-      done += take;
-    }
-  }
-  pieces.swap(out);
 }
 
 // The index of the replica group of `tensor` holding `rank`, -1 when none: one table per
@@ -222,94 +187,14 @@ class PairwiseBuilder {
     const std::size_t ndim = dg.runs.size();
     std::vector<std::vector<Piece>> pieces(ndim);
     for (std::size_t d = 0; d < ndim; ++d) {
-      for (const Run& b : dg.runs[d]) {
-        for (const Run& a : sg.runs[d]) {
-          const auto [lo, hi] =
-              intersect(a.global_start, a.global_start + a.length, b.global_start, b.global_start + b.length);
-          if (hi <= lo) continue;
-          pieces[d].push_back(
-              Piece{lo, hi - lo, a.local_start + (lo - a.global_start), b.local_start + (lo - b.global_start)});
-        }
-      }
+      meet_runs(dg.runs[d], sg.runs[d], pieces[d]);
       if (pieces[d].empty()) return;
     }
-    const std::pair<const LayoutCore*, bool> sides[] = {{&src_, true}, {&dst_, false}};
-    for (const auto& [layout, source_side] : sides) {
-      const StorageEntry& storage = layout->storage(layout->tensor(tensor).storage);
-      if (storage.block_sizes.empty()) continue;
-      const auto dim = static_cast<std::size_t>(storage.dim);
-      if (dim < pieces.size()) cut_at_blocks(pieces[dim], interleave_of(storage, tensor).block, source_side);
-    }
-    product(tensor, pieces, [&](const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
+    cut_interleaved(tensor, pieces, &src_, &dst_);
+    auto emit = [&](const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes) {
       deliver(tensor, offsets, sizes, sg.ranks, dg.ranks);
-    });
-  }
-
-  // Every combination of one piece per dim, cut into slabs of at most bucket_bytes.
-  template <class Emit>
-  void product(int32_t tensor, const std::vector<std::vector<Piece>>& pieces, Emit emit) {
-    const std::size_t ndim = pieces.size();
-    std::vector<std::size_t> pick(ndim, 0);
-    std::vector<int64_t> offsets(ndim), sizes(ndim);
-    while (true) {
-      for (std::size_t d = 0; d < ndim; ++d) {
-        offsets[d] = pieces[d][pick[d]].global_start;
-        sizes[d] = pieces[d][pick[d]].length;
-      }
-      slabs(tensor, offsets, sizes, emit);
-      if (ndim == 0) return;
-      std::size_t d = ndim;
-      while (d > 0) {
-        --d;
-        if (++pick[d] < pieces[d].size()) break;
-        pick[d] = 0;
-        if (d == 0) return;
-      }
-    }
-  }
-
-  // Splits a box into slabs of at most bucket_bytes along its outermost dims.
-  template <class Emit>
-  void slabs(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes, Emit& emit) {
-    const int64_t itemsize = src_.tensor(tensor).itemsize;
-    const std::size_t ndim = sizes.size();
-    int64_t bytes = itemsize;
-    for (int64_t s : sizes) bytes *= s;
-    if (bytes <= options_.bucket_bytes || ndim == 0) {
-      emit(offsets, sizes);
-      return;
-    }
-    std::size_t cut = ndim - 1;
-    int64_t inner = itemsize;
-    for (std::size_t d = ndim; d-- > 0;) {
-      if (inner * sizes[d] > options_.bucket_bytes) {
-        cut = d;
-        break;
-      }
-      inner *= sizes[d];
-    }
-    const int64_t rows = std::max<int64_t>(1, options_.bucket_bytes / inner);
-    std::vector<int64_t> at(offsets), size(sizes), outer(cut, 0);
-    for (std::size_t d = 0; d < cut; ++d) size[d] = 1;
-    while (true) {
-      for (std::size_t d = 0; d < cut; ++d) at[d] = offsets[d] + outer[d];
-      const std::vector<int64_t>& block = dst_.tensor(tensor).quant_block;  // slabs of whole blocks
-      const int64_t along = cut < block.size() ? block[cut] : 1;
-      for (int64_t row = 0; row < sizes[cut];) {
-        at[cut] = offsets[cut] + row;
-        size[cut] = slab_end(at[cut], rows, offsets[cut] + sizes[cut], along) - at[cut];
-        emit(at, size);
-        row += size[cut];
-      }
-      if (cut == 0) return;
-      std::size_t d = cut;
-      while (d > 0) {
-        --d;
-        if (++outer[d] < sizes[d]) break;
-        outer[d] = 0;
-        if (d == 0) return;
-      }
-    }
+    };
+    for_each_slab_of_product(src_, dst_, options_.bucket_bytes, tensor, pieces, emit);
   }
 
   bool involved(int64_t s, int64_t d) const { return whole() || s == rank_ || d == rank_; }
@@ -378,13 +263,7 @@ class PairwiseBuilder {
 
   int32_t add_region(int32_t tensor, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
                      int64_t bytes) {
-    const auto id = static_cast<int32_t>(plan_.region_tensor.size());
-    plan_.region_tensor.push_back(tensor);
-    plan_.region_dims_start.push_back(static_cast<int64_t>(plan_.region_offsets.size()));
-    plan_.region_offsets.insert(plan_.region_offsets.end(), offsets.begin(), offsets.end());
-    plan_.region_sizes.insert(plan_.region_sizes.end(), sizes.begin(), sizes.end());
-    plan_.region_bytes.push_back(bytes);
-    return id;
+    return append_region(plan_, tensor, offsets, sizes, bytes);
   }
 
   // The move's bucket is its chunk among its pair's moves of its stage (pair-local).
@@ -401,15 +280,8 @@ class PairwiseBuilder {
       filled += bytes;
       bucket = chunk;
     }
-    plan_.move_region.push_back(region);
-    plan_.move_src.push_back(static_cast<int32_t>(s));
-    plan_.move_dst.push_back(static_cast<int32_t>(d));
+    append_move(plan_, region, s, d, kind, stage, src_space, kDestination, 0);
     plan_.move_bucket.push_back(bucket);
-    plan_.move_kind.push_back(kind);
-    plan_.move_stage.push_back(stage);
-    plan_.move_src_space.push_back(src_space);
-    plan_.move_dst_space.push_back(kDestination);
-    plan_.move_source.push_back(0);
   }
 
   const LayoutCore& src_;
@@ -433,7 +305,7 @@ class PairwiseValidator {
   PairwiseValidator(const PlanData& plan, const LayoutCore& src, const LayoutCore& dst, const PlanOptions& options,
                     int64_t rank, std::size_t max_problems)
       : plan_(plan), src_(src), dst_(dst), options_(options), rank_(rank), max_(max_problems), src_groups_(src),
-        dst_groups_(dst), src_index_(src, src_groups_), dst_index_(dst, dst_groups_) {}
+        dst_groups_(dst), src_index_(src, src_groups_), dst_index_(dst, dst_groups_), regions_(plan, src) {}
 
   std::vector<std::string> run() {
     const std::size_t n = plan_.move_region.size();
@@ -474,32 +346,8 @@ class PairwiseValidator {
 
  private:
   bool check_regions() {
+    if (!check_region_columns(plan_, src_, problems_, max_, true)) return false;
     const std::size_t regions = plan_.region_tensor.size();
-    if (plan_.region_dims_start.size() != regions || plan_.region_bytes.size() != regions ||
-        plan_.region_offsets.size() != plan_.region_sizes.size()) {
-      problems_.push_back("region columns have different lengths");
-      return false;
-    }
-    for (std::size_t r = 0; r < regions; ++r) {
-      const int32_t tensor = plan_.region_tensor[r];
-      if (tensor < 0 || static_cast<std::size_t>(tensor) >= src_.num_tensors()) {
-        problems_.push_back("region " + std::to_string(r) + " refers to a tensor that does not exist");
-        return false;
-      }
-      const std::size_t ndim = src_.tensor(tensor).shape.size();
-      const int64_t start = plan_.region_dims_start[r];
-      if (start < 0 || static_cast<std::size_t>(start) + ndim > plan_.region_offsets.size()) {
-        problems_.push_back("region " + std::to_string(r) + " has its dims outside the coordinate columns");
-        return false;
-      }
-      int64_t bytes = src_.tensor(tensor).itemsize;
-      for (std::size_t d = 0; d < ndim; ++d) bytes *= plan_.region_sizes[static_cast<std::size_t>(start) + d];
-      if (bytes != plan_.region_bytes[r]) {
-        problems_.push_back("region " + std::to_string(r) + " claims " + std::to_string(plan_.region_bytes[r]) +
-                            " bytes, its sizes give " + std::to_string(bytes));
-        return false;
-      }
-    }
     for (std::size_t i = 0; i < plan_.move_region.size(); ++i) {
       if (plan_.move_region[i] < 0 || static_cast<std::size_t>(plan_.move_region[i]) >= regions) {
         problem(i, "refers to a region that does not exist");
@@ -518,58 +366,6 @@ class PairwiseValidator {
     if (problems_.size() < max_) problems_.push_back("move " + std::to_string(move) + ": " + what);
   }
 
-  std::size_t ndim(int32_t region) const {
-    return src_.tensor(plan_.region_tensor[static_cast<std::size_t>(region)]).shape.size();
-  }
-  int64_t lo(int32_t region, std::size_t d) const {
-    return plan_.region_offsets[static_cast<std::size_t>(plan_.region_dims_start[static_cast<std::size_t>(region)]) + d];
-  }
-  int64_t size(int32_t region, std::size_t d) const {
-    return plan_.region_sizes[static_cast<std::size_t>(plan_.region_dims_start[static_cast<std::size_t>(region)]) + d];
-  }
-  int64_t volume(int32_t region) const {
-    int64_t v = 1;
-    for (std::size_t d = 0; d < ndim(region); ++d) v *= size(region, d);
-    return v;
-  }
-  int64_t overlap(int32_t a, int32_t b) const {
-    int64_t v = 1;
-    for (std::size_t d = 0; d < ndim(a); ++d) {
-      const auto [l, h] = intersect(lo(a, d), lo(a, d) + size(a, d), lo(b, d), lo(b, d) + size(b, d));
-      v *= h - l;
-    }
-    return v;
-  }
-  bool inside(int32_t region, const HoldingGroup& group) const {
-    for (std::size_t d = 0; d < group.runs.size(); ++d) {
-      const int64_t a = lo(region, d), b = a + size(region, d);
-      int64_t covered = 0;
-      for (const Run& r : group.runs[d]) {
-        const auto [l, h] = intersect(a, b, r.global_start, r.global_start + r.length);
-        covered += h - l;
-      }
-      if (covered != b - a) return false;
-    }
-    return true;
-  }
-  // A region read from or written to an interleaved storage sits in one block there.
-  bool within_one_block(int32_t region, const HoldingGroup& group, const LayoutCore& layout) const {
-    const int32_t tensor = plan_.region_tensor[static_cast<std::size_t>(region)];
-    const StorageEntry& storage = layout.storage(layout.tensor(tensor).storage);
-    if (storage.block_sizes.empty()) return true;
-    const auto dim = static_cast<std::size_t>(storage.dim);
-    if (dim >= group.runs.size()) return true;
-    const int64_t block = interleave_of(storage, tensor).block;
-    const int64_t a = lo(region, dim), b = a + size(region, dim);
-    for (const Run& run : group.runs[dim]) {
-      if (a >= run.global_start && b <= run.global_start + run.length) {
-        const int64_t local = run.local_start + (a - run.global_start);
-        return local / block == (local + (b - a) - 1) / block;
-      }
-    }
-    return false;
-  }
-
   void check_tensor(int32_t tensor, std::size_t begin, std::size_t end) {
     const auto& sgroups = src_groups_.groups(tensor);
     const auto& dgroups = dst_groups_.groups(tensor);
@@ -583,7 +379,8 @@ class PairwiseValidator {
         continue;
       }
       for (std::size_t k = 0; k < shape.size(); ++k) {
-        if (lo(region, k) < 0 || size(region, k) < 1 || lo(region, k) + size(region, k) > shape[k]) {
+        const int64_t lo = regions_.lo(region, k), size = regions_.size(region, k);
+        if (lo < 0 || size < 1 || lo + size > shape[k]) {
           problem(i, "region lies outside its tensor");
         }
       }
@@ -595,17 +392,17 @@ class PairwiseValidator {
       const int64_t ddg = dst_index_.of(tensor, d);
       if (plan_.move_src_space[i] == kSource) {
         if (plan_.move_stage[i] != 0) problem(i, "reads a source storage after stage 0");
-        if (sg < 0 || !inside(region, sgroups[static_cast<std::size_t>(sg)])) {
+        if (sg < 0 || !regions_.inside(region, sgroups[static_cast<std::size_t>(sg)])) {
           problem(i, "reads what rank " + std::to_string(s) + " does not hold in the source layout");
-        } else if (!within_one_block(region, sgroups[static_cast<std::size_t>(sg)], src_)) {
+        } else if (!regions_.within_one_block(region, sgroups[static_cast<std::size_t>(sg)], src_)) {
           problem(i, "spans two blocks of an interleaved storage");
         }
-      } else if (sdg < 0 || !inside(region, dgroups[static_cast<std::size_t>(sdg)])) {
+      } else if (sdg < 0 || !regions_.inside(region, dgroups[static_cast<std::size_t>(sdg)])) {
         problem(i, "relays what rank " + std::to_string(s) + " does not hold in the destination layout");
       }
-      if (ddg < 0 || !inside(region, dgroups[static_cast<std::size_t>(ddg)])) {
+      if (ddg < 0 || !regions_.inside(region, dgroups[static_cast<std::size_t>(ddg)])) {
         problem(i, "writes what rank " + std::to_string(d) + " does not hold in the destination layout");
-      } else if (!within_one_block(region, dgroups[static_cast<std::size_t>(ddg)], dst_)) {
+      } else if (!regions_.within_one_block(region, dgroups[static_cast<std::size_t>(ddg)], dst_)) {
         problem(i, "spans two blocks of an interleaved storage");
       }
       writes[d].push_back(i);
@@ -622,16 +419,18 @@ class PairwiseValidator {
       auto found = writes.find(s);
       if (found != writes.end()) {
         for (std::size_t w : found->second) {
-          if (plan_.move_stage[w] < plan_.move_stage[i]) covered += overlap(plan_.move_region[w], plan_.move_region[i]);
+          if (plan_.move_stage[w] < plan_.move_stage[i]) {
+            covered += regions_.overlap(plan_.move_region[w], plan_.move_region[i]);
+          }
         }
       }
-      if (covered != volume(plan_.move_region[i])) problem(i, "relays data that no earlier stage delivered");
+      if (covered != regions_.volume(plan_.move_region[i])) problem(i, "relays data that no earlier stage delivered");
     }
     for (const auto& [rank, list] : writes) {
       if (rank_ >= 0 && rank != rank_) continue;
       for (std::size_t a = 0; a < list.size(); ++a) {
         for (std::size_t b = a + 1; b < list.size(); ++b) {
-          if (overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
+          if (regions_.overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
             problem(list[b], "writes bytes that move " + std::to_string(list[a]) + " also writes");
           }
         }
@@ -645,16 +444,9 @@ class PairwiseValidator {
     const auto& dgroups = dst_groups_.groups(tensor);
     auto check = [&](const HoldingGroup& g, int64_t rank) {
       const int64_t held = holding_volume(g);
-      int64_t written = 0;
       auto found = writes.find(rank);
-      if (found != writes.end()) {
-        for (std::size_t w : found->second) written += volume(plan_.move_region[w]);
-      }
-      if (written != held && problems_.size() < max_) {
-        problems_.push_back("tensor " + std::to_string(tensor) + " on rank " + std::to_string(rank) + ": " +
-                            std::to_string(written) + " of its " + std::to_string(held) +
-                            " destination elements are written");
-      }
+      const int64_t written = found != writes.end() ? regions_.written(found->second) : 0;
+      if (written != held && problems_.size() < max_) problems_.push_back(cover_problem(tensor, rank, written, held));
     };
     if (rank_ < 0) {
       for (const HoldingGroup& g : dgroups)
@@ -673,6 +465,7 @@ class PairwiseValidator {
   std::size_t max_;
   GroupCache src_groups_, dst_groups_;
   GroupIndex src_index_, dst_index_;
+  PlanRegions regions_;
   std::map<std::tuple<int32_t, uint8_t, int64_t, int64_t>, int64_t> messages_;
   std::vector<std::string> problems_;
 };
