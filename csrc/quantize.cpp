@@ -356,31 +356,8 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
       amax = m;
       if (bad) finite = false;
     });
-    float divisor;  // what every value of the block is divided by
-    if constexpr (format == QuantFormat::mxfp8) {
-      uint8_t code = kNanE8m0;
-      divisor = float_of(kNan32);
-      if (finite) {
-        int e = -127;
-        if (amax > 0.0f) {
-          int exponent;
-          std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
-          e = std::clamp(exponent - 1 - 8, -127, 127);
-        }
-        divisor = e >= -126 ? float_of(static_cast<uint32_t>(e + 127) << 23) : float_of(0x00400000u);  // 2^e
-        code = static_cast<uint8_t>(convention == ScaleConvention::scale_inv ? e + 127 : 127 - e);
-      }
-      reinterpret_cast<uint8_t*>(scales.data)[scale_at] = code;
-    } else {
-      float scale_inv = float_of(kNan32);
-      if (finite) {
-        scale_inv = amax / fmax;
-        if (scale_inv == 0.0f) scale_inv = 1.0f;  // zero block: values are zeros, scale 1
-      }
-      divisor = scale_inv;
-      reinterpret_cast<float*>(scales.data)[scale_at] =
-          convention == ScaleConvention::scale_inv || !finite ? scale_inv : 1.0f / scale_inv;
-    }
+    // what every value of the block is divided by (its scale written on the way)
+    const float divisor = block_divisor<format>(amax, finite, convention, scales.data, scale_at);
     for_each_row(extent, source, values, [&](int64_t s, int64_t v, int64_t length) {
       if (!finite) {
         for (int64_t i = 0; i < length; ++i) out[v + i * val_last] = kNan8;
