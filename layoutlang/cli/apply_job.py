@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import AgreementError, LayoutError
+from ..errors import AgreementError, LayoutError, LayoutValueError, RuntimeFailure
 from ..io.quantize import quantize
 from ..io.safetensors import tensors_from_safetensors
 from ..io.torch_dtypes import torch_dtype
@@ -128,19 +129,27 @@ def _run_policy(
 ) -> dict[str, Any]:
     """Fill the sources, run the plan ``options.repeat`` times, verify (and write) the destinations."""
     plan, rank = resharder.plan, resharder.rank
-    if isinstance(checkpoint, _AsStored):
-        sources = _allocate_as_stored(resharder, checkpoint.stored, device)
-    else:
-        sources = resharder.allocate("source", device=device)
-    problem = None
-    if rank in plan.source.mesh:
-        try:
-            (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
-        except LayoutError as err:  # every rank learns of it in the run's agreement
-            problem = err
     dtype = getattr(torch, options.cast) if options.cast else None
-    # a quantized destination gets its fp8 value storages and its scale storages here too
-    destinations = resharder.allocate("destination", dtype=dtype, device=device)
+    sources: dict[str, torch.Tensor] = {}
+    destinations: dict[str, torch.Tensor] = {}
+    output = Path(options.to_dir) / f"rank{rank:05d}.safetensors" if options.to_dir and write else None
+    problem: Exception | None = None
+    # Whatever this rank finds before the run (its weights, its storages, the file it will
+    # write) goes into the run's agreement, so every rank stops with it at once; raised here,
+    # it would leave the others waiting in that agreement for the whole timeout.
+    try:
+        if isinstance(checkpoint, _AsStored):
+            sources = _allocate_as_stored(resharder, checkpoint.stored, device)
+        else:
+            sources = resharder.allocate("source", device=device)
+        if rank in plan.source.mesh:
+            (checkpoint.fill if checkpoint else fill_synthetic)(plan.source, rank, sources)
+        # a quantized destination gets its fp8 value storages and its scale storages here too
+        destinations = resharder.allocate("destination", dtype=dtype, device=device)
+        if output is not None and rank in plan.destination.mesh:
+            _check_output(output, rank)
+    except Exception as err:  # a mistake or a bug: _run_once reports it in the agreement
+        problem = err
     reports = [
         _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem)
         for _ in range(max(1, options.repeat))
@@ -169,11 +178,11 @@ def _run_policy(
         if plan.quantization is not None:
             result["verified_bytes"] += scales_checked.bytes
             result["mismatches"] += scales_checked.mismatches
-        if options.to_dir and write:
-            # the launcher made the folder and checked it; write_safetensors names any failure
-            # (a folder removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
+        if output is not None:
+            # checked before the run; write_safetensors names any failure since (a folder
+            # removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
             write_safetensors(
-                Path(options.to_dir) / f"rank{rank:05d}.safetensors",
+                output,
                 destinations,
                 {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
             )
@@ -187,23 +196,57 @@ def _run_once(
     cast: bool,
     cast_sources: bool,
     progress: Callable[[int, int], None] | None,
-    problem: LayoutError | None,
+    problem: Exception | None,
 ) -> RunReport:
-    """One run of the plan; a rank whose sources could not be filled stops every rank."""
-    not_ready = problem.message if problem is not None else None
+    """One run of the plan; a rank that could not prepare it (its sources, its storages, its
+    output) stops every rank in the run's agreement."""
     try:
         resharder.run(
-            sources, destinations, cast=cast, cast_sources=cast_sources, progress=progress, not_ready=not_ready
+            sources,
+            destinations,
+            cast=cast,
+            cast_sources=cast_sources,
+            progress=progress,
+            not_ready=_not_ready_text(problem, resharder.rank) if problem is not None else None,
         )
     except AgreementError as stopped:
-        if problem is None:
-            raise
-        # Every rank stopped on this rank's mistake: report it as the user's (exit 2), in the
-        # words every rank saw.
-        raise type(problem)(stopped.message, hint=problem.hint) from stopped
+        if isinstance(problem, LayoutError):
+            # Every rank stopped on this rank's mistake: report it as the user's (exit 2), in
+            # the words every rank saw.
+            raise type(problem)(stopped.message, hint=problem.hint) from stopped
+        if problem is None or isinstance(problem, RuntimeFailure):
+            raise  # a failure at run time (exit 1), as every other rank reports it
+    if problem is not None:  # a bug: every rank stopped on it; here it keeps its own traceback
+        raise problem
     if resharder.last_report is None:
         raise AssertionError("Resharder.run returned without a report")
     return resharder.last_report
+
+
+def _not_ready_text(problem: Exception, rank: int) -> str:
+    """What the run's agreement says of what ``rank`` found before the run: a mistake's or a
+    failure's own message; for anything else (a bug) its type and message, named internal."""
+    if isinstance(problem, (LayoutError, RuntimeFailure)):
+        return problem.message
+    return f"internal error on rank {rank} before the run: {type(problem).__name__}: {problem}"
+
+
+def _check_output(path: Path, rank: int) -> None:
+    """Refuse, before any byte moves, a rank's output file that cannot be written: its name
+    taken by a folder or another non-file, its folder gone or read-only (the launcher checked
+    the folder once for every rank; a file of one rank, or a folder on one host, differs)."""
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise LayoutValueError(f"rank {rank}: cannot write {path}: it is {kind}", rank=rank)
+    try:
+        # the one sure test (root ignores permission bits; a mount may be read-only), named as
+        # write_safetensors names its temporary files, which --overwrite removes if one is left
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        why = f"{exc.strerror or exc} (its folder is missing, read-only or not a folder)"
+        raise LayoutValueError(f"rank {rank}: cannot write {path}: {why}", rank=rank) from None
 
 
 @attrs.frozen

@@ -44,6 +44,11 @@ __all__ = ["LAUNCHER_GONE", "LocalWorkers", "WorkerError", "watch_launcher", "wo
 LAUNCHER_GONE = 75
 #: How often a worker looks for its launcher (seconds).
 WATCH_PERIOD = 0.25
+#: How long the other workers may take to report once one has failed (seconds; their
+#: timeout + 5 s when that is shorter). Failures found before a byte moves stop every rank in
+#: one agreement, and each rank reports within a second of the first; the rest covers a
+#: loaded machine (16 workers on 2 cores). A worker silent past it is stopped or hung.
+FAILURE_GRACE = 8.0
 
 
 class WorkerError(RuntimeError):
@@ -54,10 +59,11 @@ class WorkerError(RuntimeError):
     failure at run time (a :class:`~layoutlang.errors.RuntimeFailure`: a peer that died or
     hung, an agreement that failed); ``died`` for a worker that exited (its exit code, or the
     signal that killed it), ``hung`` for workers that did not finish in time, ``internal`` for
-    anything else. Once a worker has failed, the others get one more timeout (+5 s): the
-    failure is then reported with the workers that never answered (stopped or hung), so a
-    stopped peer ends a plain ``apply`` about two timeouts after it stopped, whatever
-    ``--repeat`` says. ``exit_code`` says who must
+    anything else. Once a worker has failed, the others get a short grace
+    (:data:`FAILURE_GRACE`, or their timeout + 5 s when that is shorter): the failure is then
+    reported with the workers that never answered (stopped or hung, and killed), so a
+    stopped peer ends a plain ``apply`` one timeout and a few seconds after it stopped,
+    whatever ``--repeat`` says. ``exit_code`` says who must
     act (:class:`~layoutlang.errors.ExitCode`); ``message`` is the worker's error text
     without the rank prefix.
     """
@@ -119,6 +125,7 @@ def _worker_main(
     default_group: bool = True,
     launcher: int | None = None,
     secret: str | None = None,
+    prefix: str = "layoutlang",
 ) -> None:
     if launcher is not None:
         watch_launcher(launcher, rank)
@@ -140,7 +147,7 @@ def _worker_main(
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore("layoutlang", store),
+            store=dist.PrefixStore(prefix, store),  # each start of the pool's workers has its own
             rank=rank,
             world_size=size,
             timeout=timedelta(seconds=timeout),
@@ -182,6 +189,11 @@ class LocalWorkers:
     (:func:`elastic.auth.remember`), so an :class:`~elastic.ExitWatcher` on that store signs
     with it. Every worker ends within about a second if this process dies
     (:func:`watch_launcher`).
+
+    ``grace`` is how long :meth:`collect` waits for the other workers once one has failed
+    (at most their ``timeout`` + 5 s). Workers still silent then are killed, and the pool
+    starts all its workers afresh (a new process group) before its next task: a worker
+    killed in the middle of a task leaves its peers' group without it.
     """
 
     def __init__(
@@ -191,30 +203,64 @@ class LocalWorkers:
         timeout: float = 120.0,
         start_timeout: float = 180.0,
         secret: JobSecret | None = None,
+        grace: float = FAILURE_GRACE,
     ):
 
         self.size = size
         self.timeout = timeout
+        self.grace = min(grace, timeout + 5)
         self.secret: JobSecret = secret or JobSecret.from_environment() or JobSecret.generate()
         self.store = serve_store("127.0.0.1", 0, size + 1, timeout=start_timeout)
         remember(self.store, self.secret)
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers, read at their start
-        ctx = mp.get_context("spawn")
-        self._results = ctx.Queue()
-        self._tasks = [ctx.SimpleQueue() for _ in range(size)]
-        self.processes = [
-            ctx.Process(
-                target=_worker_main,
-                args=(rank, size, self.store.port, timeout, self._tasks[rank], self._results, True, os.getpid(),
-                      self.secret.text()),
-                daemon=True,
-                name=f"layoutlang-worker-{rank}",
-            )
-            for rank in range(size)
-        ]
-        self._ctx = ctx
+        self._ctx = mp.get_context("spawn")
+        self._starts = 0  # how many times the whole pool was started: its group's store prefix
+        self._stale = False  # workers were killed mid-task: start afresh before the next task
+        self._start_all()
+
+    def _start_all(self) -> None:
+        """Start ``size`` workers that build one process group together, on fresh queues."""
+        self._results = self._ctx.Queue()
+        self._tasks = [self._ctx.SimpleQueue() for _ in range(self.size)]
+        prefix = "layoutlang" if self._starts == 0 else f"layoutlang/start{self._starts}"
+        self._starts += 1
+        self.processes = [self._spawn(rank, prefix) for rank in range(self.size)]
         for p in self.processes:
             p.start()
+
+    def _spawn(self, rank: int, prefix: str | None) -> Any:
+        """The process of worker ``rank`` (not started); ``prefix`` None: no default group."""
+        return self._ctx.Process(
+            target=_worker_main,
+            args=(
+                rank,
+                self.size,
+                self.store.port,
+                self.timeout,
+                self._tasks[rank],
+                self._results,
+                prefix is not None,
+                os.getpid(),
+                self.secret.text(),
+                prefix or "layoutlang",
+            ),
+            daemon=True,
+            name=f"layoutlang-worker-{rank}",
+        )
+
+    def _restart(self) -> None:
+        """Replace every worker by a fresh one, in a fresh process group: after workers were
+        killed in the middle of a task, the survivors' group misses them (and a killed worker
+        may have left the results queue unusable)."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()  # idle, or finished with a failure: nothing of theirs is lost
+        for p in self.processes:
+            p.join(timeout=10)
+        with contextlib.suppress(OSError, ValueError):
+            self._results.close()
+        self._start_all()
+        self._stale = False
 
     def respawn(self, ranks=None) -> list[int]:
         """Replace dead (or stopped: they are killed first) workers by fresh processes with
@@ -229,13 +275,7 @@ class LocalWorkers:
                 os.kill(old.pid, signal.SIGKILL)
                 old.join(timeout=10)
             self._tasks[rank] = self._ctx.SimpleQueue()
-            self.processes[rank] = self._ctx.Process(
-                target=_worker_main,
-                args=(rank, self.size, self.store.port, self.timeout, self._tasks[rank], self._results, False,
-                      os.getpid(), self.secret.text()),
-                daemon=True,
-                name=f"layoutlang-worker-{rank}",
-            )
+            self.processes[rank] = self._spawn(rank, None)
             self.processes[rank].start()
         return ranks
 
@@ -245,16 +285,18 @@ class LocalWorkers:
         Raises WorkerError naming the first failing rank (its LayoutError message, or the
         traceback of anything else), or a worker that died.
         """
-        for rank in range(self.size):
-            self._tasks[rank].put((fn, args, kwargs))
+        self.submit(fn, *args, **kwargs)
         return self.collect(timeout)
 
     def collect(self, timeout: float | None = None) -> list[Any]:
         """Every worker's result, by rank; raises :class:`WorkerError` for the first failure.
 
-        Once a worker has failed, the others get one more ``timeout`` (their own exchanges end
-        within it) rather than the whole task's deadline: a worker that is stopped (SIGSTOP, an
-        overloaded host) never answers, and the job must end with the failure, naming it.
+        Once a worker has failed, the others get :attr:`grace` seconds to report (a failure
+        found before a byte moves stops every rank at once; a rank waiting on the failed one
+        would wait its whole timeout) rather than the whole task's deadline: a worker that is
+        stopped (SIGSTOP, an overloaded host) or blocked never answers, and the job must end
+        with the failure, naming it. The silent workers are killed, and the next task starts
+        every worker afresh.
         """
         deadline = time.monotonic() + (timeout or self.timeout + 60)
         results: dict[int, tuple[bool, Any]] = {}
@@ -265,7 +307,7 @@ class LocalWorkers:
                 rank, ok, value = result
                 results[rank] = (ok, value)
                 if not ok and grace_until is None:
-                    grace_until = min(deadline, time.monotonic() + self.timeout + 5)
+                    grace_until = min(deadline, time.monotonic() + self.grace)
                 continue
             dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
             if dead:
@@ -280,22 +322,31 @@ class LocalWorkers:
                 raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
         silent = sorted(set(range(self.size)) - set(results))
         failed = sorted(r for r, (ok, _) in results.items() if not ok)
-        if failed and silent:
-            first = min(failed)
-            name, message, kind, exit_code = results[first][1]
-            note = (
-                f"; {'worker' if len(silent) == 1 else 'workers'} {rank_ranges(silent)} did not answer within "
-                f"{self.timeout + 5:g} s of it (stopped or hung)"
-            )
-            raise WorkerError(f"rank {first}: {name}: {message}{note}", kind, message + note, exit_code)
         if failed:
             # Prefer a user's mistake over the runtime failures it caused on other ranks, and
             # both over a bug: BAD_INPUT (2), then FAILURE (1), then INTERNAL (3).
             order = {ExitCode.BAD_INPUT: 0, ExitCode.FAILURE: 1}
             first = min(failed, key=lambda r: (order.get(results[r][1][3], 2), r))
             name, message, kind, exit_code = results[first][1]
-            raise WorkerError(f"rank {first}: {name}: {message}", kind, message, exit_code)
+            note = ""
+            if silent:
+                self._stop(silent)
+                one = len(silent) == 1
+                note = (
+                    f"; {'worker' if one else 'workers'} {rank_ranges(silent)} did not answer within "
+                    f"{self.grace:g} s of it (stopped or hung) and {'was' if one else 'were'} killed"
+                )
+            raise WorkerError(f"rank {first}: {name}: {message}{note}", kind, message + note, exit_code)
         return [results[r][1] for r in range(self.size)]
+
+    def _stop(self, ranks: list[int]) -> None:
+        """Kill the workers of ``ranks`` (silent in a task that failed elsewhere): a late result
+        of theirs would be taken for the next task's. The next task restarts the pool."""
+        for rank in ranks:
+            self.processes[rank].kill()  # SIGKILL ends a stopped (SIGSTOP) process too
+        for rank in ranks:
+            self.processes[rank].join(timeout=10)
+        self._stale = True
 
     def results_by_rank(self, timeout: float | None = None) -> dict[int, tuple[bool, Any]]:
         """Every worker's (ok, value) without raising: for tests of failures."""
@@ -318,7 +369,10 @@ class LocalWorkers:
             return None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Start ``fn`` on every worker without waiting (collect with results_by_rank)."""
+        """Start ``fn`` on every worker without waiting (collect with results_by_rank); after a
+        task whose silent workers were killed, every worker is started afresh first."""
+        if self._stale:
+            self._restart()
         for rank in range(self.size):
             self._tasks[rank].put((fn, args, kwargs))
 

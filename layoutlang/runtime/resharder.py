@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from .._text import rank_ranges, ranks_phrase
-from ..errors import ExecutionError, LayoutError
+from ..errors import AgreementError, ExecutionError, LayoutError
 from ..io.torch_dtypes import torch_dtype
 from ..lang import load
 from ..model import Program
@@ -53,6 +54,14 @@ class Resharder:
     ``problem`` reports what this rank found wrong before the plan is agreed (an engine whose
     parameters do not match the destination layout): the agreement fails on every rank with
     it, naming this rank, and nothing moves.
+
+    The rank's :class:`Executor` is built before that agreement, so what its constructor
+    refuses on one rank alone stops every rank in it too: every rank raises
+    :class:`~layoutlang.errors.AgreementError` naming the rank and why (the refusing rank
+    raises its own :class:`~layoutlang.errors.LayoutError` in the same words when the refusal
+    is a user's mistake). An unexpected exception there (a bug) reaches the agreement as an
+    internal error, its type and message; the rank it happened on then raises it itself, with
+    its traceback.
     """
 
     def __init__(
@@ -107,11 +116,35 @@ class Resharder:
                 rank=rank,
             )
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
+        # The executor is built before the agreement: what its constructor refuses on this
+        # rank alone (a per-rank plan of another rank, a quantized tensor moved by broadcast,
+        # anything its schedule raises) then stops every rank at once instead of leaving the
+        # others waiting in the run's agreement for the whole timeout.
+        executor: Executor | None = None
+        refused: LayoutError | ExecutionError | None = None
+        bug: Exception | None = None
+        if plan is not None and error is None:
+            try:
+                executor = Executor(plan, rank, self.transport, timeout=timeout)
+            except (LayoutError, ExecutionError) as err:
+                refused, error = err, err.message  # it names the rank (and the tensor)
+            except Exception as err:  # a bug: every rank learns of it; this one raises it below
+                bug, error = err, _internal(rank, plan, err)
         fingerprint = plan.fingerprint if plan else None
-        agree(self.transport, rank, participants, fingerprint, error, timeout, ready=problem is None)
-        assert plan is not None  # a rank without a plan reported its error: agree() raised it everywhere
+        ready = problem is None and refused is None and bug is None
+        try:
+            agree(self.transport, rank, participants, fingerprint, error, timeout, ready=ready)
+        except AgreementError as stopped:
+            if isinstance(refused, LayoutError):
+                # this rank's own mistake (exit 2), in the words every rank saw
+                raise _reworded(refused, stopped.message) from stopped
+            if bug is None:
+                raise
+        if bug is not None:  # raised outside the handler: its own traceback, not the agreement's
+            raise bug
+        assert plan is not None and executor is not None  # else agree() raised on every rank
         self.plan: Plan = plan
-        self.executor = Executor(plan, rank, self.transport, timeout=timeout)
+        self.executor = executor
         self.last_report: RunReport | None = None
 
     @property
@@ -188,6 +221,19 @@ class Resharder:
             not_ready=not_ready,
         )
         return dict(destinations)
+
+
+def _internal(rank: int, plan: Plan, err: Exception) -> str:
+    """What the agreement says of a bug that stopped this rank building its executor."""
+    return f"internal error building the executor of plan '{plan.name}' on rank {rank}: {type(err).__name__}: {err}"
+
+
+def _reworded(err: LayoutError, message: str) -> LayoutError:
+    """``err`` (its type, tensor, rank and hint) saying ``message``."""
+    out = copy.copy(err)
+    out.message = message
+    out.args = (message,)
+    return out
 
 
 def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool:
