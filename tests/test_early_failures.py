@@ -126,11 +126,59 @@ def _apply(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.Co
     return result, time.monotonic() - started
 
 
-# Through the command line no user's mistake reaches one rank alone: the launcher checks the
-# --from checkpoint (every tensor, from the headers) and the --to folder before any worker
-# starts. A bug does: here one injected into the spawned workers by a sitecustomize module on
-# PYTHONPATH, so that rank 3's destination storages cannot be allocated (486eed0 fixed such a
-# bug: apply --to an FP8 layout hung until the timeout).
+# 3 rows over tp = 2 are 2 rows and 1 (torch.chunk): rank 1's file holds 128 KiB of tensors,
+# rank 2's 64 KiB.
+UNEVEN = """\
+mesh train [tp = 1] on ranks 0..0
+mesh infer [tp = 2] on ranks 1..2
+tensor "w" [3, 16384] fp32
+layout train on train { "w": replicate }
+layout serve on infer { "w": tp = shard(0) }
+reshard train -> serve
+"""
+FILE_LIMIT = 96 * 1024  # between the two ranks' files
+
+
+def _limit_file_size() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+
+
+def test_apply_whose_output_one_rank_cannot_write_whole_exits_1_before_a_byte_moves(tmp_path):
+    """``ulimit -f`` below rank 1's file but above rank 2's: a mistake of one rank alone (the
+    launcher checks the --to folder, not each rank's file). Every rank stops in the run's
+    agreement, ``apply`` exits 1 with one message naming rank 1, no traceback, and no rank
+    writes its file (no partial checkpoint)."""
+    program = tmp_path / "uneven.layout"
+    program.write_text(UNEVEN)
+    out = tmp_path / "out"
+    environment = os.environ.copy()
+    environment.pop("RANK", None)
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "layoutlang.cli", "apply", str(program), "--to", str(out), "--timeout", f"{TIMEOUT:g}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=environment,
+        preexec_fn=_limit_file_size,  # inherited by the launcher's workers
+    )
+    seconds = time.monotonic() - started
+    assert result.returncode == ExitCode.FAILURE, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert result.stderr.strip() == (
+        f"error: rank 1 is not ready: rank 1: cannot write {out}/rank00001.safetensors: its {2 * 16384 * 4} bytes "
+        f"of tensors exceed the file size limit of {FILE_LIMIT} bytes (ulimit -f); nothing was moved"
+    )
+    assert list(out.iterdir()) == []
+    assert seconds < 60  # the workers' start included: a few seconds each on a busy machine
+
+
+# A bug reaches one rank alone too: here one injected into the spawned workers by a
+# sitecustomize module on PYTHONPATH, so that rank 3's destination storages cannot be allocated
+# (486eed0 fixed such a bug: apply --to an FP8 layout hung until the timeout).
 ALLOCATE_FAILS = """\
 from layoutlang.runtime.resharder import Resharder
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from ..errors import AgreementError, LayoutError, LayoutValueError, RuntimeFailure
+from ..errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..io.quantize import quantize
 from ..io.safetensors import tensors_from_safetensors
 from ..io.torch_dtypes import torch_dtype
@@ -91,9 +92,13 @@ def apply_on_rank(
 
     program = load(options.path)
     checkpoint = None
+    opening: Exception | None = None
     if options.from_dir:
         opened = _AsStored if options.cast_sources else SafetensorsCheckpoint
-        checkpoint = opened(options.from_dir, allow_outside_paths=options.allow_outside_paths)
+        try:
+            checkpoint = opened(options.from_dir, allow_outside_paths=options.allow_outside_paths)
+        except Exception as err:  # a checkpoint this rank alone cannot open (another host's copy)
+            opening = err  # reported in the plan's agreement, so that no rank waits for this one
     policies = [options.policy or "reshard"]
     if options.compare and policies[0] != "broadcast":
         policies.append("broadcast")
@@ -101,18 +106,26 @@ def apply_on_rank(
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     transport = _transport(options, program, rank) if options.transport == "nccl" else None
     for index, policy in enumerate(policies):
-        resharder = Resharder(
-            program,
-            options.reshard,
-            rank=rank,
-            rank_map=rank_map,
-            transport=transport,
-            memory_budget=options.memory_budget,
-            policy=None if policy == "reshard" and options.policy is None else policy,
-            timeout=options.timeout,
-            # gather-and-broadcast has the whole fleet's plan only (the comparison run)
-            per_rank=False if policy == "broadcast" else _PER_RANK[options.plan_mode],
-        )
+        try:
+            resharder = Resharder(
+                program,
+                options.reshard,
+                rank=rank,
+                rank_map=rank_map,
+                transport=transport,
+                memory_budget=options.memory_budget,
+                policy=None if policy == "reshard" and options.policy is None else policy,
+                timeout=options.timeout,
+                # gather-and-broadcast has the whole fleet's plan only (the comparison run)
+                per_rank=False if policy == "broadcast" else _PER_RANK[options.plan_mode],
+                problem=_not_ready_text(opening, rank) if opening is not None else None,
+            )
+        except AgreementError as stopped:
+            _raise_own(opening, stopped)
+            if opening is None or isinstance(opening, RuntimeFailure):
+                raise
+        if opening is not None:  # a bug: every rank stopped on it; here it keeps its own traceback
+            raise opening
         notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
         report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0)
     report["peak_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
@@ -147,7 +160,7 @@ def _run_policy(
         # a quantized destination gets its fp8 value storages and its scale storages here too
         destinations = resharder.allocate("destination", dtype=dtype, device=device)
         if output is not None and rank in plan.destination.mesh:
-            _check_output(output, rank)
+            _check_output(output, rank, sum(t.numel() * t.element_size() for t in destinations.values()))
     except Exception as err:  # a mistake or a bug: _run_once reports it in the agreement
         problem = err
     reports = [
@@ -210,10 +223,7 @@ def _run_once(
             not_ready=_not_ready_text(problem, resharder.rank) if problem is not None else None,
         )
     except AgreementError as stopped:
-        if isinstance(problem, LayoutError):
-            # Every rank stopped on this rank's mistake: report it as the user's (exit 2), in
-            # the words every rank saw.
-            raise type(problem)(stopped.message, hint=problem.hint) from stopped
+        _raise_own(problem, stopped)
         if problem is None or isinstance(problem, RuntimeFailure):
             raise  # a failure at run time (exit 1), as every other rank reports it
     if problem is not None:  # a bug: every rank stopped on it; here it keeps its own traceback
@@ -221,6 +231,13 @@ def _run_once(
     if resharder.last_report is None:
         raise AssertionError("Resharder.run returned without a report")
     return resharder.last_report
+
+
+def _raise_own(problem: Exception | None, stopped: AgreementError) -> None:
+    """Every rank stopped on this rank's mistake: raise it as the user's (exit 2), in the words
+    every rank saw; return for anything else (the caller raises it)."""
+    if isinstance(problem, LayoutError):
+        raise type(problem)(stopped.message, hint=problem.hint) from stopped
 
 
 def _not_ready_text(problem: Exception, rank: int) -> str:
@@ -231,10 +248,12 @@ def _not_ready_text(problem: Exception, rank: int) -> str:
     return f"internal error on rank {rank} before the run: {type(problem).__name__}: {problem}"
 
 
-def _check_output(path: Path, rank: int) -> None:
+def _check_output(path: Path, rank: int, nbytes: int) -> None:
     """Refuse, before any byte moves, a rank's output file that cannot be written: its name
     taken by a folder or another non-file, its folder gone or read-only (the launcher checked
-    the folder once for every rank; a file of one rank, or a folder on one host, differs)."""
+    the folder once for every rank; a file of one rank, or a folder on one host, differs), or
+    its ``nbytes`` of tensors more than the process may write into one file (``ulimit -f``)
+    or than its disk has free: each rank's file has its own size, so one rank alone may fail."""
     if path.is_dir() or (path.exists() and not path.is_file()):
         kind = "a folder" if path.is_dir() else "not a regular file"
         raise LayoutValueError(f"rank {rank}: cannot write {path}: it is {kind}", rank=rank)
@@ -247,6 +266,22 @@ def _check_output(path: Path, rank: int) -> None:
     except OSError as exc:
         why = f"{exc.strerror or exc} (its folder is missing, read-only or not a folder)"
         raise LayoutValueError(f"rank {rank}: cannot write {path}: {why}", rank=rank) from None
+    # the header comes on top: these are sure failures, found now rather than after the run
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and nbytes > limit:
+        raise ExecutionError(
+            f"rank {rank}: cannot write {path}: its {nbytes} bytes of tensors exceed the file size limit of "
+            f"{limit} bytes (ulimit -f)",
+            rank=rank,
+            hint="raise the limit (ulimit -f unlimited) before running apply",
+        )
+    free = shutil.disk_usage(path.parent).free
+    if nbytes > free:
+        raise ExecutionError(
+            f"rank {rank}: cannot write {path}: its {nbytes} bytes of tensors exceed the {free} bytes free on its disk",
+            rank=rank,
+            hint="free space on that disk or write to another folder",
+        )
 
 
 @attrs.frozen
