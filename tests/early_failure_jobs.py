@@ -16,9 +16,10 @@ from typing import Any
 import torch.distributed as dist
 
 import layoutlang
+from layoutlang.cli import apply_job
 from layoutlang.cli.apply_job import ApplyOptions, apply_on_rank
 from layoutlang.cli.launch import worker_context
-from layoutlang.errors import LayoutValueError
+from layoutlang.errors import LayoutValueError, ModelDescriptionError
 from layoutlang.runtime import Resharder, executor, resharder
 
 
@@ -85,6 +86,25 @@ def apply_into(options: ApplyOptions, participants: list[int]) -> dict | None:
     except Exception as err:
         error = err
     return _outcome(started, error, rank=rank, ok=report is not None, hint=getattr(error, "hint", None))
+
+
+def apply_without_the_checkpoint_on(options: ApplyOptions, participants: list[int], victim: int) -> dict | None:
+    """``apply_into``, where program rank ``victim`` cannot open the ``--from`` checkpoint (its
+    host's copy is missing: the launcher, on another host, checked its own)."""
+    index = dist.get_rank()
+    if index >= len(participants) or participants[index] != victim:
+        return apply_into(options, participants)
+    opened = apply_job.SafetensorsCheckpoint
+
+    class Missing(opened):  # type: ignore[misc,valid-type]
+        def __init__(self, path: str, **_: Any):
+            raise ModelDescriptionError(f"{path}: cannot read safetensors file: No such file or directory")
+
+    apply_job.SafetensorsCheckpoint = Missing  # type: ignore[misc]
+    try:
+        return apply_into(options, participants)
+    finally:
+        apply_job.SafetensorsCheckpoint = opened  # type: ignore[misc]
 
 
 def fail_on_rank_0_block_elsewhere() -> int:

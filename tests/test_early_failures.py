@@ -110,6 +110,31 @@ def test_an_output_file_one_rank_cannot_write_stops_every_rank_before_a_byte_mov
     assert sorted(p.name for p in out.iterdir()) == ["rank00003.safetensors"]  # nothing else written
 
 
+@pytest.mark.workers(4)
+def test_a_checkpoint_one_rank_cannot_open_stops_every_rank_in_the_plan_agreement(pool, tmp_path):
+    """Rank 1 cannot open the --from checkpoint (its host's copy is missing): every rank
+    stops in the plan's agreement, rank 1 with its user's mistake, the others with an
+    AgreementError in the same words, and nothing is read or moved."""
+    import torch
+
+    from layoutlang.io.weights import write_safetensors
+
+    program = tmp_path / "stages.layout"
+    program.write_text(STAGES)
+    checkpoint = tmp_path / "model.safetensors"
+    write_safetensors(checkpoint, {"a": torch.ones(64, 64), "b": torch.zeros(64, 64)})
+    options = ApplyOptions(path=str(program), from_dir=str(checkpoint), timeout=TIMEOUT)
+    results = pool.run(jobs.apply_without_the_checkpoint_on, options, PARTICIPANTS, 1, timeout=120)
+    outcomes = {r["rank"]: r for r in results if r is not None}
+    expected = (
+        f"rank 1 is not ready: {checkpoint}: cannot read safetensors file: No such file or directory; nothing was moved"
+    )
+    assert outcomes[1]["error"] == "ModelDescriptionError" and outcomes[1]["message"] == expected
+    for rank in (0, 2, 3):
+        assert outcomes[rank]["error"] == "AgreementError" and outcomes[rank]["message"] == expected
+    assert all(o["seconds"] < HANG_BOUND for o in outcomes.values()), outcomes
+
+
 def _apply(*args: str, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, float]:
     environment = os.environ.copy()
     environment.pop("RANK", None)
