@@ -83,8 +83,9 @@ def peak_staging_and_scratch(plan) -> dict[int, int]:
     """Per rank, the most it holds in one bucket: what its moves stage there (both sides of
     every move between two ranks, except what the executor moves in place: a region of
     OWN_TRANSFER_BYTES or more received into scratch, into its own scratch buffer, or sent
-    from scratch as the very box one earlier move received there) plus every region of scratch written there or before and read there or after (a
-    region lives from its write to its last read; one never read, in its write's bucket)."""
+    from scratch as the very box one earlier move received there) plus every region of
+    scratch written there or before and read there or after (a region lives from its write
+    to its last read; one never read, in its write's bucket)."""
     a = plan.arrays
     _, boxes = _boxes(plan)
     held: dict[tuple[int, int], int] = defaultdict(int)  # (rank, bucket) -> bytes
