@@ -427,6 +427,38 @@ class Builder {
     }
   }
 
+  // The bytes above which a broadcast tensor is cut into parts, each gathered, broadcast and
+  // extracted on its own: half a bucket, so that a part's scratch on a rank and one move of
+  // it into or out of that scratch fit one bucket's budget together (see first_fit_broadcast).
+  int64_t broadcast_share() const { return std::max<int64_t>(1, options_.bucket_bytes / 2); }
+  // layoutlang/runtime/schedule.py's OWN_TRANSFER_BYTES: a region this large travels alone.
+  static constexpr int64_t kOwnTransferBytes = int64_t{1} << 20;
+
+  // The pieces of `pieces` (per dim, a group's own runs) that lie in the box [at, at + size):
+  // local starts shift with the global one. A dim may come out empty.
+  static void clip_pieces(std::vector<std::vector<Piece>>& pieces, const std::vector<int64_t>& at,
+                          const std::vector<int64_t>& size) {
+    for (std::size_t d = 0; d < pieces.size(); ++d) {
+      std::vector<Piece> kept;
+      for (const Piece& p : pieces[d]) {
+        const auto [lo, hi] = intersect(p.global_start, p.global_start + p.length, at[d], at[d] + size[d]);
+        if (hi <= lo) continue;
+        const int64_t shift = lo - p.global_start;
+        kept.push_back(Piece{lo, hi - lo, p.src_local + shift, p.dst_local + shift});
+      }
+      pieces[d].swap(kept);
+    }
+  }
+
+  // Gathers and broadcasts a tensor. A tensor of at most broadcast_share() bytes is one part:
+  // gathered whole into one root's scratch (stage 0), sent from there slab by slab to one rank
+  // per domain (stage 1), relayed inside the domain (stage 2), and every receiver keeps its
+  // own boxes (stage 3). A larger tensor (an embedding of hundreds of MiB) is cut along its
+  // leading dims into parts of at most the share (on the destination's quantization blocks,
+  // as slabs are), each planned so with its own root, the least loaded rank among those
+  // holding most of it, so no rank holds more than a part in scratch and the parts spread
+  // over the source ranks. Every part goes to every receiver of the tensor, as the whole
+  // tensor did: the baseline moves the same bytes, cut finer.
   void plan_broadcast(int32_t tensor, const std::vector<HoldingGroup>& sgroups,
                       const std::vector<HoldingGroup>& dgroups, int64_t tensor_bytes) {
     std::vector<int64_t> receivers;
@@ -440,16 +472,70 @@ class Builder {
     std::vector<int64_t> holders;
     for (const HoldingGroup& g : sgroups) holders.insert(holders.end(), g.ranks.begin(), g.ranks.end());
     std::sort(holders.begin(), holders.end());
-    const int64_t root = least_loaded(holders, root_load_);
-    root_load_[root] += tensor_bytes;
     plan_.broadcast_payload_bytes += 2 * tensor_bytes;
+    const TensorEntry& entry = src_.tensor(tensor);
+    const std::vector<int64_t> zeros(entry.shape.size(), 0);
+    if (tensor_bytes <= broadcast_share()) {
+      broadcast_part(tensor, sgroups, dgroups, receivers, holders, zeros, entry.shape, tensor_bytes, false);
+      return;
+    }
+    std::vector<int64_t> candidates;
+    auto part = [&](const std::vector<int64_t>& at, const std::vector<int64_t>& size) {
+      int64_t bytes = entry.itemsize, most = 0;
+      for (int64_t s : size) bytes *= s;
+      candidates.clear();
+      for (const HoldingGroup& g : sgroups) {  // the groups holding most of the part
+        int64_t volume = 1;
+        for (std::size_t d = 0; d < size.size(); ++d) {
+          int64_t common = 0;
+          for (const Run& r : g.runs[d]) {
+            const auto [lo, hi] = intersect(r.global_start, r.global_start + r.length, at[d], at[d] + size[d]);
+            common += std::max<int64_t>(0, hi - lo);
+          }
+          volume *= common;
+        }
+        if (volume > most) {
+          most = volume;
+          candidates.clear();
+        }
+        if (volume == most && volume > 0) candidates.insert(candidates.end(), g.ranks.begin(), g.ranks.end());
+      }
+      std::sort(candidates.begin(), candidates.end());
+      broadcast_part(tensor, sgroups, dgroups, receivers, candidates.empty() ? holders : candidates, at, size, bytes,
+                     true);
+    };
+    for_each_slab(src_, dst_, broadcast_share(), tensor, zeros, entry.shape, part);
+  }
+
+  // Whether region `region` is the box [at, at + size).
+  bool same_box(int32_t region, const std::vector<int64_t>& at, const std::vector<int64_t>& size) const {
+    const auto start = static_cast<std::size_t>(plan_.region_dims_start[region]);
+    for (std::size_t d = 0; d < at.size(); ++d) {
+      if (plan_.region_offsets[start + d] != at[d] || plan_.region_sizes[start + d] != size[d]) return false;
+    }
+    return true;
+  }
+
+  // One part of a broadcast tensor, the box [at, at + size) (`clip`: less than the whole
+  // tensor), gathered on the least loaded of `candidates` (ascending) and broadcast to
+  // `receivers` (ascending); its moves are contiguous and make one unit of
+  // first_fit_broadcast.
+  void broadcast_part(int32_t tensor, const std::vector<HoldingGroup>& sgroups, const std::vector<HoldingGroup>& dgroups,
+                      const std::vector<int64_t>& receivers, const std::vector<int64_t>& candidates,
+                      const std::vector<int64_t>& at, const std::vector<int64_t>& size, int64_t part_bytes, bool clip) {
+    const std::size_t first_move = plan_.move_region.size();
+    const int64_t root = least_loaded(candidates, root_load_);
+    root_load_[root] += part_bytes;
     const std::vector<int64_t> at_root{root};
 
-    // Stage 0: gather the whole tensor into the root's scratch buffer.
+    // Stage 0: gather the part into the root's scratch buffer.
+    int32_t gathered = -1;  // the part's one gathered region (-2: several)
     for (const HoldingGroup& sg : sgroups) {
       auto pieces = own_pieces(sg);
+      if (clip) clip_pieces(pieces, at, size);
       interleave_cuts(tensor, pieces, true, false);
       product(tensor, pieces, [&](int32_t region) {
+        gathered = gathered == -1 ? region : -2;
         if (std::binary_search(sg.ranks.begin(), sg.ranks.end(), root)) {
           add_move(region, root, root, kLocal, 0, kSource, kScratch);
         } else {
@@ -457,26 +543,30 @@ class Builder {
         }
       });
     }
-    // Stages 1-2: the whole tensor to every receiver's scratch buffer (once per domain,
-    // relayed inside it, as a broadcast over NVLink domains would).
+    // Stages 1-2: the part to every receiver's scratch buffer (once per domain, relayed
+    // inside it, as a broadcast over NVLink domains would).
     std::vector<int64_t> others;
     for (int64_t r : receivers) {
       if (r != root) others.push_back(r);
     }
-    const TensorEntry& entry = src_.tensor(tensor);
-    if (!others.empty()) {
-      std::vector<int64_t> zeros(entry.shape.size(), 0);
-      slabs(tensor, zeros, entry.shape, [&](int32_t region) { deliver(region, at_root, kScratch, others, kScratch, 1); });
+    // A part gathered as one region of its own box is sent as that region (a root that
+    // received it sends it in place); a whole tensor keeps its slabs.
+    if (clip && gathered >= 0 && same_box(gathered, at, size) && part_bytes <= options_.bucket_bytes) {
+      if (!others.empty()) deliver(gathered, at_root, kScratch, others, kScratch, 1);
+    } else if (!others.empty()) {
+      slabs(tensor, at, size, [&](int32_t region) { deliver(region, at_root, kScratch, others, kScratch, 1); });
     }
     // Stage 3: every receiver keeps its own boxes.
     for (const HoldingGroup& dg : dgroups) {
       auto pieces = own_pieces(dg);
+      if (clip) clip_pieces(pieces, at, size);
       interleave_cuts(tensor, pieces, false, true);
       for (int64_t rank : dg.ranks) {
         if (!std::binary_search(receivers.begin(), receivers.end(), rank)) continue;
         product(tensor, pieces, [&](int32_t region) { add_move(region, rank, rank, kLocal, 3, kScratch, kDestination); });
       }
     }
+    if (plan_.move_region.size() > first_move) broadcast_units_.emplace_back(first_move, plan_.move_region.size());
   }
 
   // ---------------------------------------------------------------- buckets
@@ -822,44 +912,215 @@ class Builder {
     }
   }
 
-  // First fit for the moves of broadcast tensors, tensor by tensor: a move goes to the first
-  // bucket where both of its ranks still have room for its bytes of staging; a move that
-  // reads what an earlier stage of its tensor wrote never goes to an earlier bucket than
-  // those writes. Returns the last bucket used (0 when none).
+  // First fit for the moves of broadcast tensors, unit by unit (a unit: one part of a
+  // tensor, see plan_broadcast; moves in plan order). Two loads per rank and bucket: its
+  // staging, as the validator counts it (both sides of every move between two ranks), and
+  // its memory: the scratch the units hold there plus what is staged besides. A unit's
+  // scratch on a rank (every byte its moves write into that rank's scratch) counts from the
+  // bucket of the first of those writes to the bucket of the last move that reads it. A
+  // region of kOwnTransferBytes or more travels alone and in place (layoutlang/runtime/
+  // schedule.py's OWN_TRANSFER_BYTES): received into its own scratch buffer, it takes no
+  // memory besides that buffer; sent from the buffer it was received in (a relay), none
+  // either. A move goes to the first bucket where both loads of both of its ranks have room
+  // for it, so no rank's staging, nor its staging plus live scratch, exceeds the budget in a
+  // bucket (a part is at most half a bucket: its scratch and one move of it fit an empty
+  // one). A move that reads a rank's scratch goes no earlier than the latest write into it so
+  // far (a relay after the delivery to its landing rank, a root's sends after the gather, an
+  // extraction after the last write: steps run (bucket, stage) in order, so the same bucket
+  // serves a later stage). Where a unit's scratch would have to live through a bucket without
+  // room for it, the unit is placed again from the bucket after that one. The memory is left
+  // in `staging` where it exceeds the staging, so the reshard's moves placed after these
+  // keep room for the scratch. Returns the last bucket used (0 when none).
   int32_t first_fit_broadcast(Loads& staging) {
-    const std::size_t n = plan_.move_region.size();
-    std::vector<int32_t> open(net_send_.size(), 0);  // first bucket not yet full
-    int32_t stage_max[4] = {0, 0, 0, 0};
-    int32_t tensor = -1;
-    int32_t last = 0;
+    if (broadcast_units_.empty()) return 0;
+    const std::size_t R = net_send_.size();
+    BroadcastFit fit{Loads(R, static_cast<std::size_t>(1) << 4),
+                     std::vector<int32_t>(R, 0),
+                     std::vector<int32_t>(R, 0),
+                     std::vector<int64_t>(R, 0),
+                     std::vector<int64_t>(R, 0),
+                     std::vector<int32_t>(R, -1),
+                     std::vector<int32_t>(R, -1),
+                     std::vector<int32_t>(R, -1),
+                     std::vector<int32_t>(R, -1),
+                     {},
+                     {}};
     const int64_t budget = options_.bucket_bytes;
-    for (std::size_t i = 0; i < n; ++i) {
-      const int32_t region = plan_.move_region[i];
-      if (policies_[plan_.region_tensor[region]] != kBroadcast) continue;
-      if (plan_.region_tensor[region] != tensor) {
-        tensor = plan_.region_tensor[region];
-        std::fill(std::begin(stage_max), std::end(stage_max), 0);
-      }
-      const uint8_t stage = plan_.move_stage[i];
-      int32_t bucket = 0;
-      for (uint8_t k = 0; k < stage; ++k) bucket = std::max(bucket, stage_max[k]);
-      const int64_t s = plan_.move_src[i], d = plan_.move_dst[i];
-      if (plan_.move_kind[i] != kLocal) {  // a copy on one rank needs no staging
-        const int64_t bytes = plan_.region_bytes[region];
-        bucket = std::max({bucket, open[s], open[d]});
-        while (staging.at(s, bucket) + bytes > budget || staging.at(d, bucket) + bytes > budget) ++bucket;
-        for (int64_t r : {s, d}) {
-          staging.add(r, bucket, bytes);
-          // A bucket with less than 1/64 of the budget left counts as full: searching it again
-          // for every later move would cost more than the space is worth.
-          while (staging.at(r, open[r]) > budget - budget / 64) ++open[r];
+    int32_t last = 0;
+    for (const auto& [begin, end] : broadcast_units_) {
+      for (std::size_t i = begin; i < end; ++i) {
+        const int32_t region = plan_.move_region[i];
+        if (plan_.move_src_space[i] == kScratch && plan_.move_kind[i] != kLocal &&
+            !sent_in_place(i, fit.last_region[plan_.move_src[i]])) {
+          fit.sends[plan_.move_src[i]] += plan_.region_bytes[region];
         }
+        if (plan_.move_dst_space[i] != kScratch) continue;
+        const int64_t d = plan_.move_dst[i];
+        if (fit.scratch[d] == 0) fit.ranks.push_back(d);
+        fit.scratch[d] += plan_.region_bytes[region];
+        fit.last_region[d] = plan_.move_kind[i] != kLocal ? region : -1;
       }
-      stage_max[stage] = std::max(stage_max[stage], bucket);
-      plan_.move_bucket[i] = bucket;
-      last = std::max(last, bucket);
+      for (int64_t r : fit.ranks) fit.last_region[r] = -1;
+      int32_t start = 0;
+      while (true) {
+        const int32_t conflict = place_broadcast_unit(begin, end, start, staging, fit);
+        if (conflict < 0) break;
+        for (const auto& [r, b, bytes, memory] : fit.log) (memory ? fit.memory : staging).add(r, b, -bytes);
+        fit.log.clear();
+        for (int64_t r : fit.ranks) fit.written[r] = fit.from[r] = fit.to[r] = fit.last_region[r] = -1;
+        start = conflict;
+      }
+      for (const auto& [r, b, bytes, memory] : fit.log) {
+        if (memory) fit.frontier[r] = std::max(fit.frontier[r], b + 1);
+        // A bucket with less than 1/64 of the budget left counts as full: searching it again
+        // for every later move would cost more than the space is worth.
+        while (std::max(staging.at(r, fit.open[r]), fit.memory.at(r, fit.open[r])) > budget - budget / 64) ++fit.open[r];
+        last = std::max(last, b);
+      }
+      for (std::size_t i = begin; i < end; ++i) last = std::max(last, plan_.move_bucket[i]);
+      for (int64_t r : fit.ranks) {
+        fit.scratch[r] = fit.sends[r] = 0;
+        fit.written[r] = fit.from[r] = fit.to[r] = fit.last_region[r] = -1;
+      }
+      fit.ranks.clear();
+      fit.log.clear();
+    }
+    for (std::size_t r = 0; r < R; ++r) {
+      for (int32_t b = 0; b <= last; ++b) {
+        const auto rank = static_cast<int64_t>(r);
+        const int64_t more = fit.memory.at(rank, b) - staging.at(rank, b);
+        if (more > 0) staging.add(rank, b, more);
+      }
     }
     return last;
+  }
+
+  // first_fit_broadcast's state: every rank's memory per bucket; per rank, `open`, the first
+  // bucket not yet full, and `frontier`, the first after every bucket it has memory in; for the unit being placed, its scratch bytes there, what it sends
+  // from them not in place, the latest bucket of a write into it, the buckets [from, to] its
+  // scratch counts in (-1: none yet) and the region last written into it; the ranks it writes
+  // scratch on, and what it added (rank, bucket, bytes, to the memory: else the staging),
+  // undone when it is placed again.
+  struct BroadcastFit {
+    Loads memory;
+    std::vector<int32_t> open, frontier;
+    std::vector<int64_t> scratch, sends;
+    std::vector<int32_t> written, from, to, last_region;
+    std::vector<int64_t> ranks;
+    std::vector<std::tuple<int64_t, int32_t, int64_t, bool>> log;
+  };
+
+  // Whether move i sends from scratch, in place, the region last received into its sending
+  // rank's scratch (`last_region`): a relay of what its landing rank received, a part's
+  // sends from a root that received it whole. (What a rank copied into its own scratch is
+  // sent from there in place only where the copy aliases its source: not counted on.)
+  bool sent_in_place(std::size_t i, int32_t last_region) const {
+    return plan_.move_src_space[i] == kScratch && plan_.move_region[i] == last_region &&
+           plan_.region_bytes[plan_.move_region[i]] >= kOwnTransferBytes;
+  }
+
+  // Places the moves of plan_[begin:end) (one broadcast unit) in buckets from `start` on;
+  // -1 when done, else the bucket from which to place the unit again: its scratch on some
+  // rank would have to live through a bucket without room for it (the bucket before that).
+  int32_t place_broadcast_unit(std::size_t begin, std::size_t end, int32_t start, Loads& staging, BroadcastFit& fit) {
+    const int64_t budget = options_.bucket_bytes;
+    Loads& memory = fit.memory;
+    for (std::size_t i = begin; i < end; ++i) {
+      const int64_t s = plan_.move_src[i], d = plan_.move_dst[i];
+      const bool staged = plan_.move_kind[i] != kLocal;  // a copy on one rank needs no staging
+      const int64_t bytes = staged ? plan_.region_bytes[plan_.move_region[i]] : 0;
+      const bool received_in_place = plan_.move_dst_space[i] == kScratch && bytes >= kOwnTransferBytes;
+      const bool sent = sent_in_place(i, fit.last_region[s]);
+      // what the move stages on rank r besides the scratch (0 on a rank it moves nothing on)
+      auto besides = [&](int64_t r) {
+        if (!staged || (r != s && r != d)) return int64_t{0};
+        return (r == d && received_in_place) || (r == s && sent) ? int64_t{0} : bytes;
+      };
+      // the ranks whose scratch of this unit the move reads or writes (at most two)
+      int64_t holds[2];
+      std::size_t n = 0;
+      int32_t bucket = start;
+      if (plan_.move_src_space[i] == kScratch) {
+        holds[n++] = s;
+        bucket = std::max(bucket, fit.written[s]);
+      }
+      if (plan_.move_dst_space[i] == kScratch && (n == 0 || d != s)) {
+        holds[n++] = d;
+        bucket = std::max(bucket, fit.from[d]);  // a rank's scratch range only grows later
+        // A rank whose scratch and sends of the unit exceed a bucket keeps its scratch over
+        // several buckets: from the first bucket after all it holds so far, where nothing can
+        // be in the way, rather than through the gaps others left (each a new placement).
+        if (fit.from[d] < 0 && fit.scratch[d] + fit.sends[d] > budget) bucket = std::max(bucket, fit.frontier[d]);
+      }
+      if (staged) bucket = std::max({bucket, fit.open[s], fit.open[d]});
+      for (std::size_t k = 0; k < n; ++k) bucket = std::max(bucket, fit.open[holds[k]]);
+      // The buckets between a rank's scratch range and `bucket` would hold its scratch too.
+      auto through = [&](int64_t r, int32_t b) {
+        return fit.from[r] < 0 || b <= fit.to[r] || memory.at(r, b) == 0 || memory.at(r, b) + fit.scratch[r] <= budget;
+      };
+      for (std::size_t k = 0; k < n; ++k) {
+        const int64_t r = holds[k];
+        if (fit.from[r] < 0) continue;
+        for (int32_t b = fit.to[r] + 1; b < bucket; ++b) {
+          if (!through(r, b)) return b + 1;
+        }
+      }
+      // What the move adds to rank r's memory in bucket b: its staging besides the scratch,
+      // and the unit's scratch there where b is outside the rank's range so far. The first
+      // write into a rank's scratch also asks for room for what the unit sends from it (up to
+      // the whole bucket): the scratch then seldom has to live on into a bucket that other
+      // units filled, which would place the unit again. A load holding nothing on the rank
+      // takes the move whatever it needs (a part cut on quantization blocks may exceed half a
+      // bucket).
+      auto fits = [&](int64_t r, int32_t b) {
+        if (staged && (r == s || r == d) && staging.at(r, b) != 0 && staging.at(r, b) + bytes > budget) return false;
+        int64_t extra = besides(r);
+        for (std::size_t k = 0; k < n; ++k) {
+          if (holds[k] != r) continue;
+          if (fit.from[r] < 0) {
+            extra += fit.scratch[r] + std::min(fit.sends[r], std::max<int64_t>(0, budget - fit.scratch[r] - extra));
+          } else if (b > fit.to[r]) {
+            extra += fit.scratch[r];
+          }
+        }
+        const int64_t held = memory.at(r, b);
+        return held == 0 || held + extra <= budget;
+      };
+      while (true) {
+        bool ok = !staged || (fits(s, bucket) && fits(d, bucket));
+        for (std::size_t k = 0; k < n && ok; ++k) ok = fits(holds[k], bucket);
+        if (ok) break;
+        for (std::size_t k = 0; k < n; ++k) {
+          if (!through(holds[k], bucket)) return bucket + 1;
+        }
+        ++bucket;
+      }
+      if (staged) {
+        for (int64_t r : {s, d}) {
+          staging.add(r, bucket, bytes);
+          fit.log.emplace_back(r, bucket, bytes, false);
+          if (besides(r) == 0) continue;
+          memory.add(r, bucket, bytes);
+          fit.log.emplace_back(r, bucket, bytes, true);
+        }
+      }
+      for (std::size_t k = 0; k < n; ++k) {
+        const int64_t r = holds[k];
+        const int32_t from = fit.from[r] < 0 ? bucket : fit.to[r] + 1;
+        for (int32_t b = from; b <= bucket; ++b) {
+          memory.add(r, b, fit.scratch[r]);
+          fit.log.emplace_back(r, b, fit.scratch[r], true);
+        }
+        if (fit.from[r] < 0) fit.from[r] = bucket;
+        fit.to[r] = std::max(fit.to[r], bucket);
+      }
+      if (plan_.move_dst_space[i] == kScratch) {
+        fit.written[d] = std::max(fit.written[d], bucket);
+        fit.last_region[d] = staged ? plan_.move_region[i] : -1;
+      }
+      plan_.move_bucket[i] = bucket;
+    }
+    return -1;
   }
 
   std::vector<const LayoutCore*> srcs_;
@@ -876,6 +1137,8 @@ class Builder {
   uint8_t source_ = 0;  // the source layout of the moves being added
   PlanData plan_;
   std::vector<int64_t> net_send_, net_recv_, domain_send_, root_load_;
+  // the broadcast units (one part of a broadcast tensor each) as [first move, end)
+  std::vector<std::pair<std::size_t, std::size_t>> broadcast_units_;
   std::vector<std::vector<int64_t>> src_group_of_rank_;  // per source
   std::vector<int64_t> remote_, near_;
   std::vector<int64_t> job_;  // the job's ranks that may land a region in scratch, ascending
