@@ -22,11 +22,19 @@ from the plan; ``compile`` (``compile_plan(..., rank=r)`` end to end), ``validat
 (``plan total``), the rank's moves, messages, bytes sent and received, its peak RSS and its
 growth over the RSS after loading. The whole fleet's plan of the same program (the default
 ``fleet`` mode: what every rank compiled before) runs in one more subprocess: its compile
-time, moves and peak RSS (``--skip-fleet`` leaves it out: 15-50 s and 4-5 GiB).
+time, moves and peak RSS (``--skip-fleet`` leaves it out: 15-50 s and 4-6 GiB).
+
+``--baseline DIR`` compiles the whole fleet's plan with an earlier layoutlang too, side by
+side: DIR holds that version installed (``benchmarks/install_baseline.sh REV DIR`` builds
+it from a git revision), and the two run alternately, ``--fleet-runs`` times each (2 by
+default with a baseline), each in a fresh subprocess; the best CPU seconds of each are
+compared ("no slower than before": the issue-15 target, where the baseline is the revision
+before its first planner change, ff6ebca).
 
 Run:
 
     python benchmarks/bench_rank_plans.py [FILE] [--no-pin] [--skip-fleet] [--skip-scan] [--json OUT]
+    python benchmarks/bench_rank_plans.py --skip-scan --baseline DIR [--fleet-runs N]
 
 Exit status 1 when a per-rank plan is invalid.
 """
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -51,7 +60,22 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
+#: Set in a child that measures an earlier layoutlang (``--baseline``): the folder it is installed in.
+BASELINE_ENV = "LAYOUTLANG_BENCH_BASELINE"
+
+
+def _use_baseline() -> None:
+    """Import layoutlang from the baseline folder, when this child measures one: ahead of
+    sys.path and of the editable install's import hook (which would find this checkout)."""
+    folder = os.environ.get(BASELINE_ENV)
+    if not folder:
+        return
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__.lower()]
+    sys.path.insert(0, folder)
+
+
 def _load(path: str):
+    _use_baseline()
     import layoutlang
 
     program = layoutlang.load(path)
@@ -116,7 +140,10 @@ def child_fleet(path: str) -> dict:
     start, cpu = time.perf_counter(), time.process_time()
     plan = compile_plan(program)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    import layoutlang
+
     return {
+        "layoutlang": str(Path(layoutlang.__file__).parent),
         "compile_s": seconds,
         "compile_cpu_s": cpu,
         "moves": plan.num_moves,
@@ -152,11 +179,14 @@ def child_scan(path: str) -> dict:
     }
 
 
-def _run_child(args: list[str], pin: bool) -> dict:
+def _run_child(args: list[str], pin: bool, baseline: str | None = None) -> dict:
     command = [sys.executable, __file__, "--child", *args]
     if pin and shutil.which("taskset"):
         command = ["taskset", "-c", "0", *command]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {k: v for k, v in os.environ.items() if k != BASELINE_ENV}
+    if baseline:
+        env[BASELINE_ENV] = baseline
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -193,6 +223,42 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _fleet(args: argparse.Namespace, pin: bool, results: list[dict]) -> tuple[dict, dict | None]:
+    """The whole fleet's plan, best of ``--fleet-runs`` compiles; with ``--baseline``, the
+    baseline's too, the two versions alternating. Returns the best run of each."""
+    runs = args.fleet_runs or (2 if args.baseline else 1)
+    versions = [None, args.baseline] if args.baseline else [None]
+    measured: dict[str | None, list[dict]] = {v: [] for v in versions}
+    for _ in range(runs):
+        for version in versions:
+            measured[version].append(_run_child(["fleet", args.file], pin, version))
+    best = {v: min(m, key=lambda r: r["compile_cpu_s"]) for v, m in measured.items()}
+    fleet = best[None]
+    per_rank = max(r["compile_s"] for r in results) if results else None
+    for version, label in ((None, "this checkout"), (args.baseline, "baseline")):
+        if version not in best:
+            continue
+        r = best[version]
+        each = ", ".join(f"{m['compile_cpu_s']:.1f}" for m in measured[version])
+        print(
+            f"whole fleet's plan (fleet mode), {label} ({r['layoutlang']}): compile {r['compile_s']:.1f} s "
+            f"({r['compile_cpu_s']:.1f} s CPU; best of {runs}: {each}), {r['moves']:,} moves, "
+            f"{r['buckets']} buckets, peak RSS {_gib(r['peak_rss'])} (growth {_gib(r['peak_rss'] - r['rss_loaded'])})"
+        )
+    if per_rank:
+        print(f"per-rank plan of the worst rank: {fleet['compile_s'] / per_rank:.0f}x faster to compile than this")
+    if not args.baseline:
+        return fleet, None
+    baseline = best[args.baseline]
+    ratio = fleet["compile_cpu_s"] / baseline["compile_cpu_s"]
+    print(
+        f"whole fleet's compile against the baseline: {ratio:.2f}x its CPU seconds "
+        f"(target: no slower, <= 1.00x: {'met' if ratio <= 1.0 else 'MISSED'}); "
+        f"peak RSS {fleet['peak_rss'] / baseline['peak_rss']:.2f}x"
+    )
+    return fleet, baseline
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file", nargs="?", default=str(DEFAULT))
@@ -201,6 +267,12 @@ def main() -> int:
     parser.add_argument("--skip-fleet", action="store_true", help="do not compile the whole fleet's plan")
     parser.add_argument("--skip-scan", action="store_true", help="do not look for the heaviest rank")
     parser.add_argument("--json", metavar="OUT", help="write every figure as JSON")
+    parser.add_argument(
+        "--baseline", metavar="DIR", help="also compile the whole fleet's plan with the layoutlang installed in DIR"
+    )
+    parser.add_argument(
+        "--fleet-runs", type=int, help="whole-fleet compiles per version, alternating (default 1; 2 with --baseline)"
+    )
     args = parser.parse_args()
     if args.child:
         kind, path, *rest = args.child
@@ -259,19 +331,14 @@ def main() -> int:
         print("FAILED: the sampled ranks' fingerprints differ")
         return 1
     print(f"fingerprint on every sampled rank: {results[0]['fingerprint'][:16]}")
-    fleet = None
+    fleet = baseline = None
     if not args.skip_fleet:
-        fleet = _run_child(["fleet", args.file], pin)
-        print(
-            f"whole fleet's plan (fleet mode): compile {fleet['compile_s']:.1f} s "
-            f"({fleet['compile_cpu_s']:.1f} s CPU), {fleet['moves']:,} moves, "
-            f"{fleet['buckets']} buckets, peak RSS {_gib(fleet['peak_rss'])} "
-            f"(growth {_gib(fleet['peak_rss'] - fleet['rss_loaded'])}); per-rank plan of the worst rank: "
-            f"{fleet['compile_s'] / max(r['compile_s'] for r in results):.0f}x faster to compile"
-        )
+        fleet, baseline = _fleet(args, pin, results)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"file": args.file, "scan": scan, "ranks": results, "fleet": fleet}, f, indent=1)
+            json.dump(
+                {"file": args.file, "scan": scan, "ranks": results, "fleet": fleet, "baseline": baseline}, f, indent=1
+            )
     bad = [r for r in results if r["problem"]]
     for r in bad:
         print(f"FAILED: rank {r['rank']}'s plan is invalid: {r['problem']}")

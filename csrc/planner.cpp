@@ -691,22 +691,34 @@ class Builder {
       }
       group_by_receiver(order, start, latest > 0);
       chunks.clear();
+      // The moves are read in `order`, i.e. at random in the plan's columns: each one's bytes
+      // are asked for kPrefetch moves ahead, so that the misses overlap.
+      const std::size_t staged_moves = start[R];
+      auto move_bytes = [&](uint32_t i) {
+        return bytes_in_bucket ? int64_t{plan_.move_bucket[i]} : plan_.region_bytes[plan_.move_region[i]];
+      };
       for (std::size_t r = 0; r < R; ++r) {  // the sending rank's moves, by receiving rank
         uint64_t pair_dst = UINT64_MAX;
         int64_t cap = 0;
         for (std::size_t k = start[r]; k < start[r + 1]; ++k) {
+          if (k + kPrefetch < staged_moves) {
+            const auto ahead = static_cast<uint32_t>(order[k + kPrefetch]);
+            __builtin_prefetch(bytes_in_bucket ? static_cast<const void*>(&plan_.move_bucket[ahead])
+                                               : static_cast<const void*>(&plan_.move_region[ahead]));
+            if (latest > 0) __builtin_prefetch(&earliest[ahead]);
+          }
           const uint64_t dst = order[k] >> 32;
           const auto i = static_cast<uint32_t>(order[k]);
-          const int64_t bytes = bytes_in_bucket ? plan_.move_bucket[i] : plan_.region_bytes[plan_.move_region[i]];
+          const int64_t bytes = move_bytes(i);
           if (dst != pair_dst) {
             pair_dst = dst;
             cap = caps[domain(static_cast<int64_t>(r)) == domain(static_cast<int64_t>(dst)) ? 1 : 0];
-            chunks.push_back(Chunk{k, k, 0, 0});
+            chunks.push_back(Chunk{k, 0, 0, 0, static_cast<int32_t>(r), static_cast<int32_t>(dst)});
           } else if (chunks.back().bytes + bytes > cap) {
-            chunks.push_back(Chunk{k, k, 0, 0});
+            chunks.push_back(Chunk{k, 0, 0, 0, static_cast<int32_t>(r), static_cast<int32_t>(dst)});
           }
           Chunk& c = chunks.back();
-          c.end = k + 1;
+          ++c.moves;
           c.bytes += bytes;
           if (latest > 0) c.earliest = std::max(c.earliest, earliest[i]);
         }
@@ -722,9 +734,11 @@ class Builder {
         for (const Chunk& c : chunks) by_size[start[63 - size_class(c.bytes)]++] = c;
         chunks.swap(by_size);
       }
-      for (const Chunk& c : chunks) {
-        const auto first = static_cast<uint32_t>(order[c.begin]);
-        const int64_t s = plan_.move_src[first], d = static_cast<int64_t>(order[c.begin] >> 32);
+      for (std::size_t ci = 0; ci < chunks.size(); ++ci) {
+        const Chunk& c = chunks[ci];
+        const int64_t s = c.src, d = c.dst;
+        // chunks lie at random in `order` (by size): the next one's moves are asked for now
+        if (ci + 1 < chunks.size()) __builtin_prefetch(&order[chunks[ci + 1].begin]);
         const int network = domain(s) != domain(d) ? 0 : 2;
         Loads& out = ports[network];
         Loads& in = ports[network + 1];
@@ -774,7 +788,9 @@ class Builder {
           roof[best] = std::max({was, out.at(s, best), in.at(d, best)});
           if (was < tall && roof[best] >= tall) ++talls[network / 2];
         }
-        for (std::size_t k = c.begin; k < c.end; ++k) plan_.move_bucket[static_cast<uint32_t>(order[k])] = best;
+        for (std::size_t k = c.begin; k < c.begin + c.moves; ++k) {
+          plan_.move_bucket[static_cast<uint32_t>(order[k])] = best;
+        }
       }
     }
     int32_t top = 0;
@@ -855,12 +871,18 @@ class Builder {
     std::vector<int64_t> of_;
   };
 
-  // Consecutive moves (in `order`) of one pair of ranks that share a bucket.
+  // Consecutive moves (order[begin:begin + moves]) of one pair of ranks, src -> dst, that
+  // share a bucket. The pair is kept here so that placing a chunk reads nothing at random.
   struct Chunk {
-    std::size_t begin, end;
-    int64_t bytes;
+    std::size_t begin;
+    uint32_t moves;
     int32_t earliest;
+    int64_t bytes;
+    int32_t src, dst;
   };
+  // How many moves ahead assign_buckets asks for a move's bytes (the plan's columns are read
+  // at random there): enough misses in flight to cover memory's latency.
+  static constexpr std::size_t kPrefetch = 16;
 
   // For every resharded move of `stage` that reads what an earlier stage wrote: a relay
   // follows the network move that delivered its region to its sending rank, and goes no
