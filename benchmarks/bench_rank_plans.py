@@ -34,7 +34,11 @@ before its first planner change, ff6ebca).
 Run:
 
     python benchmarks/bench_rank_plans.py [FILE] [--no-pin] [--skip-fleet] [--skip-scan] [--json OUT]
-    python benchmarks/bench_rank_plans.py --skip-scan --baseline DIR [--fleet-runs N]
+    python benchmarks/bench_rank_plans.py --skip-scan --baseline DIR [--fleet-runs N] [--fleet-checks]
+
+``--fleet-checks`` also times what ``plan`` and the tests ask of the whole fleet's plan after
+compiling it: its statistics, its fingerprint and ``validate()``, with the peak RSS after
+each (an earlier version's validate() of the 4096 + 4096 program takes minutes).
 
 Exit status 1 when a per-rank plan is invalid.
 """
@@ -131,8 +135,14 @@ def child_rank(path: str, rank: int) -> dict:
     }
 
 
-def child_fleet(path: str) -> dict:
-    """The whole fleet's plan (fleet mode), measured in this (fresh) process."""
+#: What ``--fleet-checks`` asks of the whole fleet's plan after compiling it, in this order.
+FLEET_CHECKS = ("stats", "fingerprint", "validate")
+
+
+def child_fleet(path: str, checks: bool = False) -> dict:
+    """The whole fleet's plan (fleet mode), measured in this (fresh) process; with ``checks``,
+    then its statistics, fingerprint and validation, each with its CPU seconds and the peak
+    RSS after it."""
     program, _, _ = _load(path)
     rss_loaded = _rss()
     from layoutlang.plan import compile_plan
@@ -142,7 +152,7 @@ def child_fleet(path: str) -> dict:
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     import layoutlang
 
-    return {
+    result = {
         "layoutlang": str(Path(layoutlang.__file__).parent),
         "compile_s": seconds,
         "compile_cpu_s": cpu,
@@ -151,6 +161,14 @@ def child_fleet(path: str) -> dict:
         "rss_loaded": rss_loaded,
         "peak_rss": _rss(),
     }
+    if checks:
+        steps = {"stats": lambda: plan.stats, "fingerprint": lambda: plan.fingerprint, "validate": plan.validate}
+        for name in FLEET_CHECKS:
+            cpu = time.process_time()
+            steps[name]()
+            result[f"{name}_cpu_s"] = time.process_time() - cpu
+            result[f"{name}_peak_rss"] = _rss()
+    return result
 
 
 def child_scan(path: str) -> dict:
@@ -229,9 +247,10 @@ def _fleet(args: argparse.Namespace, pin: bool, results: list[dict]) -> tuple[di
     runs = args.fleet_runs or (2 if args.baseline else 1)
     versions = [None, args.baseline] if args.baseline else [None]
     measured: dict[str | None, list[dict]] = {v: [] for v in versions}
+    child = ["fleet", args.file, *(["checks"] if args.fleet_checks else [])]
     for _ in range(runs):
         for version in versions:
-            measured[version].append(_run_child(["fleet", args.file], pin, version))
+            measured[version].append(_run_child(child, pin, version))
     best = {v: min(m, key=lambda r: r["compile_cpu_s"]) for v, m in measured.items()}
     fleet = best[None]
     per_rank = max(r["compile_s"] for r in results) if results else None
@@ -245,6 +264,9 @@ def _fleet(args: argparse.Namespace, pin: bool, results: list[dict]) -> tuple[di
             f"({r['compile_cpu_s']:.1f} s CPU; best of {runs}: {each}), {r['moves']:,} moves, "
             f"{r['buckets']} buckets, peak RSS {_gib(r['peak_rss'])} (growth {_gib(r['peak_rss'] - r['rss_loaded'])})"
         )
+        if args.fleet_checks:
+            checks = [f"{n} {r[n + '_cpu_s']:.1f} s CPU (peak RSS {_gib(r[n + '_peak_rss'])})" for n in FLEET_CHECKS]
+            print("  then " + ", ".join(checks))
     if per_rank:
         print(f"per-rank plan of the worst rank: {fleet['compile_s'] / per_rank:.0f}x faster to compile than this")
     if not args.baseline:
@@ -273,12 +295,17 @@ def main() -> int:
     parser.add_argument(
         "--fleet-runs", type=int, help="whole-fleet compiles per version, alternating (default 1; 2 with --baseline)"
     )
+    parser.add_argument(
+        "--fleet-checks",
+        action="store_true",
+        help="after each whole-fleet compile, time its stats, fingerprint and validate() too",
+    )
     args = parser.parse_args()
     if args.child:
         kind, path, *rest = args.child
         result = {
             "rank": lambda: child_rank(path, int(rest[0])),
-            "fleet": lambda: child_fleet(path),
+            "fleet": lambda: child_fleet(path, checks=rest == ["checks"]),
             "scan": lambda: child_scan(path),
         }[kind]()
         print(json.dumps(result))

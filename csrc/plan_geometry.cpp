@@ -114,9 +114,9 @@ int64_t PlanRegions::volume(int32_t region) const {
   return v;
 }
 
-int64_t PlanRegions::written(const std::vector<std::size_t>& moves) const {
+int64_t PlanRegions::written(const std::size_t* first, const std::size_t* last) const {
   int64_t total = 0;
-  for (std::size_t w : moves) total += volume(plan_.move_region[w]);
+  for (const std::size_t* w = first; w != last; ++w) total += volume(plan_.move_region[*w]);
   return total;
 }
 

@@ -152,7 +152,8 @@ class PlanRegions {
   int64_t size(int32_t region, std::size_t d) const { return plan_.region_sizes[start(region) + d]; }
   int64_t volume(int32_t region) const;
   // The elements the moves `moves` write: their regions' volumes summed.
-  int64_t written(const std::vector<std::size_t>& moves) const;
+  int64_t written(const std::size_t* first, const std::size_t* last) const;
+  int64_t written(const std::vector<std::size_t>& moves) const { return written(moves.data(), moves.data() + moves.size()); }
   int64_t overlap(int32_t a, int32_t b) const;
   // Whether the group's runs cover the region along every dim.
   bool inside(int32_t region, const HoldingGroup& group) const;

@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 
 #include "plan_geometry.hpp"
 
@@ -1178,7 +1179,7 @@ class Validator {
             const std::optional<std::vector<int64_t>>& fill = std::nullopt)
       : plan_(plan), srcs_(sources), src_(*sources.at(0)), dst_(dst), options_(options), max_(max_problems),
         dst_groups_(dst), lost_(lost_mask(sources, dst, lost)), fill_(fill_mask(lost_.size(), dst, fill)),
-        regions_(plan, *sources.at(0)) {
+        regions_(plan, *sources.at(0)), writes_(lost_.size()) {
     for (const LayoutCore* s : srcs_) src_groups_.emplace_back(*s);
     src_group_.assign(srcs_.size(), std::vector<int64_t>(lost_.size(), -1));
     dst_group_.assign(lost_.size(), -1);
@@ -1218,23 +1219,81 @@ class Validator {
     }
     // Destinations of tensors that have no moves at all must hold nothing.
     for (std::size_t t = 0; t < seen.size() && problems_.size() < max_; ++t) {
-      if (!seen[t]) check_writes_cover(static_cast<int32_t>(t), {});
+      if (!seen[t]) {
+        writes_.clear();
+        check_writes_cover(static_cast<int32_t>(t));
+      }
     }
     return problems_;
   }
 
  private:
-  using Key = std::pair<int64_t, uint8_t>;  // rank, space
+  // The moves of one tensor that write into each (rank, space), in plan order: what
+  // check_tensor asks of every move, so kept flat (a tree of vectors per tensor took most of
+  // validate()'s time at thousands of ranks). add() every write, group(), then look up.
+  class Writes {
+   public:
+    struct Moves {
+      const std::size_t *first, *last;
+      const std::size_t* begin() const { return first; }
+      const std::size_t* end() const { return last; }
+      std::size_t size() const { return static_cast<std::size_t>(last - first); }
+      std::size_t operator[](std::size_t k) const { return first[k]; }
+    };
+    explicit Writes(std::size_t ranks) : slot_of_(ranks * kSpaces, -1) {}
+    void clear() {
+      for (std::size_t key : keys_) slot_of_[key] = -1;
+      keys_.clear();
+      pending_.clear();
+      start_.assign(1, 0);
+    }
+    void add(int64_t rank, uint8_t space, std::size_t move) { pending_.emplace_back(key(rank, space), move); }
+    // Slots in ascending (rank, space), each slot's moves in plan order.
+    void group() {
+      for (const auto& [k, move] : pending_) {
+        if (slot_of_[k] < 0) {
+          slot_of_[k] = 0;
+          keys_.push_back(k);
+        }
+      }
+      std::sort(keys_.begin(), keys_.end());
+      start_.assign(keys_.size() + 1, 0);
+      for (std::size_t slot = 0; slot < keys_.size(); ++slot) slot_of_[keys_[slot]] = static_cast<int64_t>(slot);
+      for (const auto& [k, move] : pending_) ++start_[static_cast<std::size_t>(slot_of_[k]) + 1];
+      for (std::size_t slot = 0; slot < keys_.size(); ++slot) start_[slot + 1] += start_[slot];
+      moves_.resize(pending_.size());
+      std::vector<std::size_t> at(start_.begin(), start_.end() - 1);
+      for (const auto& [k, move] : pending_) moves_[at[static_cast<std::size_t>(slot_of_[k])]++] = move;
+    }
+    std::size_t slots() const { return keys_.size(); }
+    Moves in_slot(std::size_t slot) const { return {moves_.data() + start_[slot], moves_.data() + start_[slot + 1]}; }
+    // The moves writing into (rank, space); none for a rank or space out of range.
+    Moves into(int64_t rank, uint8_t space) const {
+      if (rank < 0 || space >= kSpaces || static_cast<std::size_t>(rank) >= slot_of_.size() / kSpaces) return {};
+      const int64_t slot = slot_of_[key(rank, space)];
+      return slot < 0 ? Moves{} : in_slot(static_cast<std::size_t>(slot));
+    }
+
+   private:
+    static constexpr std::size_t kSpaces = 3;
+    static std::size_t key(int64_t rank, uint8_t space) { return static_cast<std::size_t>(rank) * kSpaces + space; }
+    std::vector<int64_t> slot_of_;  // per key: its slot (-1: none; 0 while group() collects keys)
+    std::vector<std::size_t> keys_, start_{0}, moves_;
+    std::vector<std::pair<std::size_t, std::size_t>> pending_;  // (key, move)
+  };
 
   // Every region's dims lie inside the coordinate columns and its bytes match its sizes.
   bool check_regions() {
     if (!check_region_columns(plan_, src_, problems_, max_, false)) return false;
+    int32_t last_bucket = 0;
     for (std::size_t i = 0; i < plan_.move_kind.size() && problems_.size() < max_; ++i) {
       if (plan_.move_kind[i] > kNetwork || plan_.move_src_space[i] > kScratch || plan_.move_dst_space[i] > kScratch ||
           plan_.move_stage[i] > 3 || plan_.move_bucket[i] < 0 || plan_.move_source[i] >= srcs_.size()) {
         problem(i, "has a kind, space, stage, bucket or source out of range");
       }
+      last_bucket = std::max(last_bucket, plan_.move_bucket[i]);
     }
+    staged_.size_for(lost_.size(), last_bucket);
     return problems_.empty();
   }
 
@@ -1249,8 +1308,11 @@ class Validator {
 
   void check_tensor(int32_t tensor, std::size_t begin, std::size_t end) {
     const auto& dgroups = dst_groups_.groups(tensor);
+    // each source's groups of the tensor, looked up once (the cache is a tree keyed by spec)
+    std::vector<const std::vector<HoldingGroup>*> groups_of(srcs_.size());
     for (std::size_t k = 0; k < srcs_.size(); ++k) {
       const auto& sgroups = src_groups_[k].groups(tensor);
+      groups_of[k] = &sgroups;
       for (std::size_t g = 0; g < sgroups.size(); ++g)
         for (int64_t r : sgroups[g].ranks) src_group_[k][r] = static_cast<int64_t>(g);
     }
@@ -1258,7 +1320,7 @@ class Validator {
       for (int64_t r : dgroups[g].ranks) dst_group_[r] = static_cast<int64_t>(g);
     const std::vector<int64_t>& shape = src_.tensor(tensor).shape;
 
-    std::map<Key, std::vector<std::size_t>> writes;
+    writes_.clear();
     for (std::size_t i = begin; i < end; ++i) {
       const int32_t region = plan_.move_region[i];
       const int64_t s = plan_.move_src[i], d = plan_.move_dst[i];
@@ -1278,7 +1340,7 @@ class Validator {
                        ", which is lost");
       }
       const std::size_t k = plan_.move_source[i];
-      const auto& sgroups = src_groups_[k].groups(tensor);
+      const auto& sgroups = *groups_of[k];
       const int64_t sgroup = src_group_[k][s];
       const uint8_t expected = s == d ? kLocal : (s / options_.domain_size == d / options_.domain_size ? kDomain : kNetwork);
       if (plan_.move_kind[i] != expected) problem(i, "kind does not match the ranks' domains");
@@ -1303,18 +1365,16 @@ class Validator {
            !regions_.within_one_block(region, dgroups[dst_group_[d]], dst_))) {
         problem(i, "spans two blocks of an interleaved storage");
       }
-      writes[{d, plan_.move_dst_space[i]}].push_back(i);
+      writes_.add(d, plan_.move_dst_space[i], i);
     }
+    writes_.group();
     // Reads of received data (relays, scratch) must be covered by earlier writes.
     for (std::size_t i = begin; i < end; ++i) {
       if (plan_.move_src_space[i] == kSource) continue;
       const int32_t region = plan_.move_region[i];
       int64_t covered = 0;
-      auto found = writes.find({plan_.move_src[i], plan_.move_src_space[i]});
-      if (found != writes.end()) {
-        for (std::size_t w : found->second) {
-          if (earlier(w, i)) covered += regions_.overlap(plan_.move_region[w], region);
-        }
+      for (std::size_t w : writes_.into(plan_.move_src[i], plan_.move_src_space[i])) {
+        if (earlier(w, i)) covered += regions_.overlap(plan_.move_region[w], region);
       }
       if (covered != regions_.volume(region)) problem(i, "reads data that no earlier move delivered");
     }
@@ -1323,7 +1383,8 @@ class Validator {
       if (plan_.move_kind[i] == kLocal) continue;
       const int64_t bytes = plan_.region_bytes[plan_.move_region[i]];
       for (int64_t r : {static_cast<int64_t>(plan_.move_src[i]), static_cast<int64_t>(plan_.move_dst[i])}) {
-        const int64_t total = (staged_[{plan_.move_bucket[i], r}] += bytes);
+        if (r < 0 || static_cast<std::size_t>(r) >= lost_.size()) continue;  // refused above
+        const int64_t total = staged_.add(r, plan_.move_bucket[i], bytes);
         if (total > options_.bucket_bytes && total - bytes <= options_.bucket_bytes) {
           problem(i, "rank " + std::to_string(r) + " stages more than the bucket budget in bucket " +
                          std::to_string(plan_.move_bucket[i]));
@@ -1331,7 +1392,8 @@ class Validator {
       }
     }
     // Writes never overlap (every byte written once).
-    for (const auto& [key, list] : writes) {
+    for (std::size_t slot = 0; slot < writes_.slots(); ++slot) {
+      const Writes::Moves list = writes_.in_slot(slot);
       for (std::size_t a = 0; a < list.size(); ++a) {
         for (std::size_t b = a + 1; b < list.size(); ++b) {
           if (regions_.overlap(plan_.move_region[list[a]], plan_.move_region[list[b]]) > 0) {
@@ -1340,7 +1402,7 @@ class Validator {
         }
       }
     }
-    check_writes_cover(tensor, writes);
+    check_writes_cover(tensor);
     for (std::size_t k = 0; k < srcs_.size(); ++k)
       for (const auto& g : src_groups_[k].groups(tensor))
         for (int64_t r : g.ranks) src_group_[k][r] = -1;
@@ -1348,14 +1410,15 @@ class Validator {
       for (int64_t r : g.ranks) dst_group_[r] = -1;
   }
 
-  // Every destination rank receives exactly its holding (writes are disjoint and inside it).
-  void check_writes_cover(int32_t tensor, const std::map<Key, std::vector<std::size_t>>& writes) {
+  // Every destination rank receives exactly its holding (writes_, the tensor's writes, are
+  // disjoint and inside it).
+  void check_writes_cover(int32_t tensor) {
     for (const HoldingGroup& g : dst_groups_.groups(tensor)) {
       const int64_t held = holding_volume(g);
       for (int64_t rank : g.ranks) {
         if (!fill_[static_cast<std::size_t>(rank)]) continue;  // checked above: nothing written there
-        auto found = writes.find({rank, kDestination});
-        const int64_t written = found != writes.end() ? regions_.written(found->second) : 0;
+        const Writes::Moves into = writes_.into(rank, kDestination);
+        const int64_t written = regions_.written(into.begin(), into.end());
         if (written != held && problems_.size() < max_) {
           problems_.push_back(cover_problem(tensor, rank, written, held));
         }
@@ -1376,7 +1439,30 @@ class Validator {
   std::vector<std::vector<int64_t>> src_group_;  // per source, per rank
   std::vector<int64_t> dst_group_;
   PlanRegions regions_;
-  std::map<std::pair<int32_t, int64_t>, int64_t> staged_;  // (bucket, rank) -> bytes
+  Writes writes_;
+  // Bytes each rank stages in each bucket: a table of ranks x buckets, since a plan of
+  // hundreds of millions of moves looks one up twice a move (a tree of (bucket, rank) keys
+  // took most of validate()'s time); a hash map where the table would be large (a plan read
+  // back may name any bucket).
+  class StagedBytes {
+   public:
+    void size_for(std::size_t ranks, int32_t last_bucket) {
+      width_ = static_cast<std::size_t>(last_bucket) + 1;
+      if (ranks * width_ <= kMaxTable) table_.assign(ranks * width_, 0);
+    }
+    // Adds `bytes` to what `rank` stages in `bucket` and returns the new total.
+    int64_t add(int64_t rank, int32_t bucket, int64_t bytes) {
+      const std::size_t at = static_cast<std::size_t>(rank) * width_ + static_cast<std::size_t>(bucket);
+      return (table_.empty() ? sparse_[at] : table_[at]) += bytes;
+    }
+
+   private:
+    static constexpr std::size_t kMaxTable = std::size_t{1} << 24;  // 128 MiB
+    std::size_t width_ = 1;
+    std::vector<int64_t> table_;
+    std::unordered_map<std::size_t, int64_t> sparse_;
+  };
+  StagedBytes staged_;
   std::vector<std::string> problems_;
 };
 
@@ -1395,12 +1481,42 @@ PlanData build_recovery_plan(const std::vector<const LayoutCore*>& sources, cons
   return Builder(sources, lost, destination, policies, options, fill).build();
 }
 
+namespace {
+
+// Bits needed to write 0..most.
+int bits_for(uint64_t most) { return most == 0 ? 0 : 64 - __builtin_clzll(most); }
+
+// Sorts `keys` by their low `bits` bits (the rest are zero): least significant digit first,
+// 11 bits a pass, through `spare` (as large as keys). Hundreds of millions of keys: a
+// comparison sort of them took most of plan_totals' time.
+void radix_sort(std::vector<uint64_t>& keys, std::vector<uint64_t>& spare, int bits) {
+  constexpr int kDigit = 11;
+  std::vector<std::size_t> count(std::size_t{1} << kDigit);
+  for (int shift = 0; shift < bits; shift += kDigit) {
+    std::fill(count.begin(), count.end(), 0);
+    const uint64_t mask = (uint64_t{1} << kDigit) - 1;
+    for (uint64_t k : keys) ++count[(k >> shift) & mask];
+    std::size_t at = 0;
+    for (std::size_t& c : count) {
+      const std::size_t n = c;
+      c = at;
+      at += n;
+    }
+    for (uint64_t k : keys) spare[count[(k >> shift) & mask]++] = k;
+    keys.swap(spare);
+  }
+}
+
+}  // namespace
+
 PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
   PlanTotals totals;
   totals.sent.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
   totals.received.assign(static_cast<std::size_t>(num_ranks) * 3, 0);
-  std::vector<std::tuple<int32_t, uint8_t, int64_t, int64_t>> keys;  // bucket, stage, src, dst
-  keys.reserve(plan.move_region.size());
+  // A message: the moves between one pair of ranks in one bucket and stage.
+  int32_t first_bucket = INT32_MAX, last_bucket = INT32_MIN;
+  uint8_t last_stage = 0;
+  std::size_t staged = 0;
   for (std::size_t i = 0; i < plan.move_region.size(); ++i) {
     const uint8_t kind = plan.move_kind[i];
     const int64_t bytes = plan.region_bytes[plan.move_region[i]];
@@ -1412,7 +1528,40 @@ PlanTotals plan_totals(const PlanData& plan, int64_t num_ranks) {
     totals.moves[kind] += 1;
     totals.sent[static_cast<std::size_t>(src) * 3 + kind] += bytes;
     totals.received[static_cast<std::size_t>(dst) * 3 + kind] += bytes;
-    if (kind != kLocal) keys.emplace_back(plan.move_bucket[i], plan.move_stage[i], src, dst);
+    if (kind == kLocal) continue;
+    ++staged;
+    first_bucket = std::min(first_bucket, plan.move_bucket[i]);
+    last_bucket = std::max(last_bucket, plan.move_bucket[i]);
+    last_stage = std::max(last_stage, plan.move_stage[i]);
+  }
+  if (staged == 0) return totals;
+  // Each staged move's (bucket, stage, src, dst) packed into 64 bits where they fit (any plan
+  // of fewer than 2^20 ranks and 2^20 buckets), then sorted and counted once each.
+  const int rank_bits = bits_for(static_cast<uint64_t>(num_ranks - 1));
+  const int stage_bits = bits_for(last_stage);
+  const int bucket_bits = bits_for(static_cast<uint64_t>(int64_t{last_bucket} - first_bucket));
+  const int bits = bucket_bits + stage_bits + 2 * rank_bits;
+  if (bits <= 64) {
+    std::vector<uint64_t> keys, spare(staged);
+    keys.reserve(staged);
+    for (std::size_t i = 0; i < plan.move_region.size(); ++i) {
+      if (plan.move_kind[i] == kLocal) continue;
+      uint64_t key = static_cast<uint64_t>(int64_t{plan.move_bucket[i]} - first_bucket);
+      key = key << stage_bits | plan.move_stage[i];
+      key = key << rank_bits | static_cast<uint64_t>(plan.move_src[i]);
+      key = key << rank_bits | static_cast<uint64_t>(plan.move_dst[i]);
+      keys.push_back(key);
+    }
+    radix_sort(keys, spare, bits);
+    totals.messages = static_cast<int64_t>(std::unique(keys.begin(), keys.end()) - keys.begin());
+    return totals;
+  }
+  std::vector<std::tuple<int32_t, uint8_t, int32_t, int32_t>> keys;  // bucket, stage, src, dst
+  keys.reserve(staged);
+  for (std::size_t i = 0; i < plan.move_region.size(); ++i) {
+    if (plan.move_kind[i] != kLocal) {
+      keys.emplace_back(plan.move_bucket[i], plan.move_stage[i], plan.move_src[i], plan.move_dst[i]);
+    }
   }
   std::sort(keys.begin(), keys.end());
   totals.messages = static_cast<int64_t>(std::unique(keys.begin(), keys.end()) - keys.begin());

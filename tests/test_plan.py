@@ -24,6 +24,7 @@ the GIL released) run their code in a child process.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -526,6 +527,19 @@ except layoutlang.LayoutValueError as err:
 # ---------------------------------------------------------------------- serialization
 
 
+def test_fingerprint_is_the_sha256_of_the_binary_form_without_making_it(refit):
+    """The fingerprint digests the binary form piece by piece (a whole fleet's plan is
+    gigabytes): the same hex digest as hashlib over to_bytes(), asked before or after it, for
+    a fleet plan and its gather-and-broadcast baseline."""
+    for policy in (None, "broadcast"):
+        fresh = compile_plan(refit, bucket_bytes=50_000, policy=policy)
+        fingerprint = fresh.fingerprint
+        assert fresh._derived.binary is None  # not made for the fingerprint
+        assert fingerprint == hashlib.sha256(fresh.to_bytes()).hexdigest()
+        other = compile_plan(refit, bucket_bytes=50_000, policy=policy)
+        assert hashlib.sha256(other.to_bytes()).hexdigest() == other.fingerprint == fingerprint
+
+
 def test_binary_form_round_trips_with_the_same_fingerprint(refit):
     """to_bytes -> from_bytes gives the same bytes, fingerprint (SHA-256 hex), statistics, moves
     and header fields, for a plan of several buckets."""
@@ -719,6 +733,26 @@ def test_messages_in_buckets_far_apart_are_counted_separately(tp_to_dp):
     assert twice.stats.messages == 2
 
 
+def test_messages_are_counted_alike_however_the_keys_are_packed(refit):
+    """plan_totals counts a message per distinct (bucket, stage, src, dst) of the staged moves:
+    packed into 64 bits where they fit, kept as tuples where they do not (buckets spread over
+    2**31 and stages up to 200 beside 8192 ranks need 65 bits). Both equal a count made here."""
+    plan = compile_plan(refit, bucket_bytes=50_000)
+    cols = columns(plan)
+
+    def distinct(cols) -> int:
+        staged = cols["move_kind"] != int(_core.MoveKind.local)
+        keys = zip(*(cols[c][staged].tolist() for c in ("move_bucket", "move_stage", "move_src", "move_dst")))
+        return len(set(keys))
+
+    assert plan.stats.messages == distinct(cols) > plan.num_buckets
+    wide = dict(cols)
+    wide["move_bucket"] = (cols["move_bucket"].astype(np.int64) * (2**31 - 1) // plan.num_buckets).astype(np.int32)
+    wide["move_stage"] = (cols["move_stage"] * 200).astype(np.uint8)
+    arrays = rebuilt(plan, move_bucket=wide["move_bucket"], move_stage=wide["move_stage"], num_buckets=2**31 - 1).arrays
+    assert _core.plan_totals(arrays, 8192).messages == distinct(wide) == distinct(cols)
+
+
 # -------------------------------------------------------------------- the validator
 
 
@@ -779,6 +813,55 @@ def test_validate_catches_a_relay_before_its_feed(tp_to_dp):
         rebuilt(plan, move_stage=stages).validate()
     # the untouched plan, rebuilt the same way, is valid
     rebuilt(plan).validate()
+
+
+def test_validate_catches_a_rank_staging_over_the_budget(tp_to_dp):
+    """tp_to_dp's moves (1 MiB regions, all in bucket 0) checked against buckets of 2.5 MiB:
+    the ranks that stage more than that there (counted by this file's own walk: the four
+    destination ranks, each receiving two regions and relaying one) are refused,
+    naming one of them and the bucket. The same plan with its buckets moved to 2**30, where a
+    table of ranks x buckets would be too large (the validator counts them in a hash map
+    instead), is refused alike; under the plan's own budget both are valid."""
+    plan = compile_plan(tp_to_dp)
+    budget = 5 << 19
+    over = {rank for (bucket, rank), nbytes in staging(plan).items() if nbytes > budget}
+    assert over == {8, 9, 10, 11} and plan.num_buckets == 1
+    for first in (0, 2**30):
+        buckets = columns(plan)["move_bucket"] + first
+        tight = rebuilt(plan, move_bucket=buckets, num_buckets=first + 1, bucket_bytes=budget)
+        refused = f"stages more than the bucket budget in bucket {first}"
+        with pytest.raises(layoutlang.LayoutValueError, match=refused) as err:
+            tight.validate()
+        named = re.search(r"rank (\d+) stages more", str(err.value))
+        assert named and int(named.group(1)) in over
+        rebuilt(plan, move_bucket=buckets, num_buckets=first + 1).validate()
+
+
+def test_validate_reads_and_writes_are_checked_per_rank_and_space(refit):
+    """The refit plan's relays read what their network moves wrote on the same rank, into the
+    same space: a relay whose network move is sent to another rank, or written into scratch
+    instead of the destination storage, leaves the relay reading what nothing delivered."""
+    plan = compile_plan(refit)
+    cols = columns(plan)
+    relays = [m for m in plan.moves() if m.is_relay]
+    assert relays
+    relay = relays[0]
+    feeds = [
+        m.index
+        for m in plan.moves()
+        if m.kind == "network"
+        and m.dst == relay.src
+        and (m.tensor, m.offsets, m.sizes) == (relay.tensor, relay.offsets, relay.sizes)
+    ]
+    assert len(feeds) == 1
+    elsewhere = cols["move_dst"].copy()
+    elsewhere[feeds[0]] = relay.dst  # the holder's copy lands on the relay's receiver
+    with pytest.raises(layoutlang.LayoutValueError, match="reads data that no earlier move delivered"):
+        rebuilt(plan, move_dst=elsewhere).validate()
+    scratch = cols["move_dst_space"].copy()
+    scratch[feeds[0]] = int(_core.Space.scratch)
+    with pytest.raises(layoutlang.LayoutValueError, match="reads data that no earlier move delivered"):
+        rebuilt(plan, move_dst_space=scratch).validate()
 
 
 def interleaved_program() -> layoutlang.Program:

@@ -497,14 +497,19 @@ class Plan:
     def to_bytes(self) -> bytes:
         """The compact binary form: a JSON header, then every column as little-endian arrays."""
         if self._derived.binary is None:
-            header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
-            parts = [_MAGIC, struct.pack("<Q", len(header)), header]
-            for name, dtype in _COLUMNS:
-                column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
-                parts.append(struct.pack("<Q", column.size))
-                parts.append(column.tobytes())
-            self._derived.binary = b"".join(parts)
+            self._derived.binary = b"".join(self._binary_parts())
         return self._derived.binary
+
+    def _binary_parts(self) -> Iterator[bytes | memoryview]:
+        """The pieces of :meth:`to_bytes` in order, each column as a view where it is already
+        little-endian and contiguous: the fingerprint digests them without a copy of the plan
+        (a whole fleet's plan is gigabytes)."""
+        header = json.dumps(self._header(), sort_keys=True, separators=(",", ":")).encode()
+        yield from (_MAGIC, struct.pack("<Q", len(header)), header)
+        for name, dtype in _COLUMNS:
+            column = np.ascontiguousarray(self._column(name), dtype=np.dtype(dtype).newbyteorder("<"))
+            yield struct.pack("<Q", column.size)
+            yield column.data.cast("B")
 
     @property
     def fingerprint(self) -> str:
@@ -521,7 +526,10 @@ class Plan:
                 digest = json.dumps(program, sort_keys=True, separators=(",", ":")).encode()
                 self._derived.fingerprint = hashlib.sha256(digest).hexdigest()
             else:
-                self._derived.fingerprint = hashlib.sha256(self.to_bytes()).hexdigest()
+                plan_hash = hashlib.sha256()
+                for part in self._binary_parts() if self._derived.binary is None else (self._derived.binary,):
+                    plan_hash.update(part)
+                self._derived.fingerprint = plan_hash.hexdigest()
         return self._derived.fingerprint
 
     def to_json(self, moves: bool = True) -> dict[str, Any]:
