@@ -486,13 +486,12 @@ class Builder {
       for (int64_t s : size) bytes *= s;
       candidates.clear();
       for (const HoldingGroup& g : sgroups) {  // the groups holding most of the part
+        auto pieces = own_pieces(g);
+        clip_pieces(pieces, at, size);
         int64_t volume = 1;
-        for (std::size_t d = 0; d < size.size(); ++d) {
+        for (const auto& dim : pieces) {
           int64_t common = 0;
-          for (const Run& r : g.runs[d]) {
-            const auto [lo, hi] = intersect(r.global_start, r.global_start + r.length, at[d], at[d] + size[d]);
-            common += std::max<int64_t>(0, hi - lo);
-          }
+          for (const Piece& p : dim) common += p.length;
           volume *= common;
         }
         if (volume > most) {
@@ -957,17 +956,7 @@ class Builder {
   int32_t first_fit_broadcast(Loads& staging) {
     if (broadcast_units_.empty()) return 0;
     const std::size_t R = net_send_.size();
-    BroadcastFit fit{Loads(R, static_cast<std::size_t>(1) << 4),
-                     std::vector<int32_t>(R, 0),
-                     std::vector<int32_t>(R, 0),
-                     std::vector<int64_t>(R, 0),
-                     std::vector<int64_t>(R, 0),
-                     std::vector<int32_t>(R, -1),
-                     std::vector<int32_t>(R, -1),
-                     std::vector<int32_t>(R, -1),
-                     std::vector<int32_t>(R, -1),
-                     {},
-                     {}};
+    BroadcastFit fit(R);
     const int64_t budget = options_.bucket_bytes;
     int32_t last = 0;
     for (const auto& [begin, end] : broadcast_units_) {
@@ -1019,12 +1008,16 @@ class Builder {
   }
 
   // first_fit_broadcast's state: every rank's memory per bucket; per rank, `open`, the first
-  // bucket not yet full, and `frontier`, the first after every bucket it has memory in; for the unit being placed, its scratch bytes there, what it sends
-  // from them not in place, the latest bucket of a write into it, the buckets [from, to] its
-  // scratch counts in (-1: none yet) and the region last written into it; the ranks it writes
-  // scratch on, and what it added (rank, bucket, bytes, to the memory: else the staging),
-  // undone when it is placed again.
+  // bucket not yet full, and `frontier`, the first after every bucket it has memory in; for
+  // the unit being placed, per rank, its scratch bytes there, what it sends from them not in
+  // place, the latest bucket of a write into it, the buckets [from, to] its scratch counts in
+  // (-1: none yet) and the region last written into it; the ranks it writes scratch on, and
+  // what it added (rank, bucket, bytes, to the memory: else the staging), undone when it is
+  // placed again.
   struct BroadcastFit {
+    explicit BroadcastFit(std::size_t ranks)
+        : memory(ranks, 16), open(ranks, 0), frontier(ranks, 0), scratch(ranks, 0), sends(ranks, 0),
+          written(ranks, -1), from(ranks, -1), to(ranks, -1), last_region(ranks, -1) {}
     Loads memory;
     std::vector<int32_t> open, frontier;
     std::vector<int64_t> scratch, sends;

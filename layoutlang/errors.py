@@ -27,6 +27,7 @@ never shows a Python traceback for a user's mistake.
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import enum
 from collections.abc import Iterable, Iterator, Sequence
@@ -155,6 +156,21 @@ class LayoutError(ValueError):
         if self.span is None and span is not None:
             self.span = span
         return self
+
+    def reworded(self, message: str) -> LayoutError:
+        """The same error (its type, span, hint and fields) saying ``message``: a rank's own
+        mistake reported in the words every rank saw when it stopped them all.
+
+        >>> from layoutlang.errors import LayoutValueError
+        >>> err = LayoutValueError("storage 'w' is too small", tensor="w", rank=3)
+        >>> again = err.reworded("rank 3 is not ready: storage 'w' is too small")
+        >>> type(again).__name__, again.message, again.tensor, again.rank
+        ('LayoutValueError', "rank 3 is not ready: storage 'w' is too small", 'w', 3)
+        """
+        out = copy.copy(self)
+        out.message = message
+        out.args = (message,)
+        return out
 
     def __str__(self) -> str:
         message = _bounded(self.message)

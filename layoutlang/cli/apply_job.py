@@ -35,6 +35,7 @@ from ..lang import load
 from ..model import Box, Layout, Program
 from ..plan import KINDS
 from ..runtime import Resharder, RunReport
+from ..runtime.agreement import raise_stopped
 from ..transport.nccl import NcclTransport
 from .launch import LocalWorkers, worker_context
 
@@ -121,11 +122,7 @@ def apply_on_rank(
                 problem=_not_ready_text(opening, rank) if opening is not None else None,
             )
         except AgreementError as stopped:
-            _raise_own(opening, stopped)
-            if opening is None or isinstance(opening, RuntimeFailure):
-                raise
-        if opening is not None:  # a bug: every rank stopped on it; here it keeps its own traceback
-            raise opening
+            raise_stopped(stopped, opening)
         notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
         report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0)
     report["peak_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
@@ -223,21 +220,10 @@ def _run_once(
             not_ready=_not_ready_text(problem, resharder.rank) if problem is not None else None,
         )
     except AgreementError as stopped:
-        _raise_own(problem, stopped)
-        if problem is None or isinstance(problem, RuntimeFailure):
-            raise  # a failure at run time (exit 1), as every other rank reports it
-    if problem is not None:  # a bug: every rank stopped on it; here it keeps its own traceback
-        raise problem
+        raise_stopped(stopped, problem)
     if resharder.last_report is None:
         raise AssertionError("Resharder.run returned without a report")
     return resharder.last_report
-
-
-def _raise_own(problem: Exception | None, stopped: AgreementError) -> None:
-    """Every rank stopped on this rank's mistake: raise it as the user's (exit 2), in the words
-    every rank saw; return for anything else (the caller raises it)."""
-    if isinstance(problem, LayoutError):
-        raise type(problem)(stopped.message, hint=problem.hint) from stopped
 
 
 def _not_ready_text(problem: Exception, rank: int) -> str:

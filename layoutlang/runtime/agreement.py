@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
 from .._text import ranks_phrase
-from ..errors import AgreementError
+from ..errors import AgreementError, LayoutError, RuntimeFailure
 from ..transport import Transport
 
 AGREEMENT_TAG = 2**31 - 1  # message tags of steps stay below it
@@ -99,3 +100,16 @@ def agree(
     transport.exchange([(r, verdict) for r in others], [], tag=AGREEMENT_TAG).wait(timeout)
     if text:
         raise AgreementError(text, rank=rank)
+
+
+def raise_stopped(stopped: AgreementError, own: Exception | None) -> NoReturn:
+    """Raise what this rank reports once an agreement ``stopped`` every rank, given what it
+    found wrong itself (``own``, None when nothing): its own mistake as the user's (the
+    :class:`~layoutlang.errors.LayoutError`, exit 2) in the words every rank saw; a bug of
+    its own with its own traceback, not the agreement's; else (a runtime failure, or another
+    rank's problem) the agreement's failure."""
+    if isinstance(own, LayoutError):
+        raise own.reworded(stopped.message) from stopped
+    if own is not None and not isinstance(own, RuntimeFailure):
+        raise own from None
+    raise stopped

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,7 +15,7 @@ from ..lang import load
 from ..model import Program
 from ..plan import DEFAULT_BUCKET_BYTES, Plan, compile_plan
 from ..transport import TorchTransport, Transport
-from .agreement import agree
+from .agreement import agree, raise_stopped
 from .executor import Executor, RunReport, device_of
 
 #: A reshard whose two meshes hold at least this many ranks together runs per-rank plans
@@ -135,13 +134,7 @@ class Resharder:
         try:
             agree(self.transport, rank, participants, fingerprint, error, timeout, ready=ready)
         except AgreementError as stopped:
-            if isinstance(refused, LayoutError):
-                # this rank's own mistake (exit 2), in the words every rank saw
-                raise _reworded(refused, stopped.message) from stopped
-            if bug is None:
-                raise
-        if bug is not None:  # raised outside the handler: its own traceback, not the agreement's
-            raise bug
+            raise_stopped(stopped, refused or bug)
         assert plan is not None and executor is not None  # else agree() raised on every rank
         self.plan: Plan = plan
         self.executor = executor
@@ -226,14 +219,6 @@ class Resharder:
 def _internal(rank: int, plan: Plan, err: Exception) -> str:
     """What the agreement says of a bug that stopped this rank building its executor."""
     return f"internal error building the executor of plan '{plan.name}' on rank {rank}: {type(err).__name__}: {err}"
-
-
-def _reworded(err: LayoutError, message: str) -> LayoutError:
-    """``err`` (its type, tensor, rank and hint) saying ``message``."""
-    out = copy.copy(err)
-    out.message = message
-    out.args = (message,)
-    return out
 
 
 def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool:
