@@ -7,6 +7,7 @@ prefixed by its *generation* (one membership epoch)::
     {namespace}/gen{g}/members        JSON list of job ranks, written once (compare_set)
     {namespace}/gen{g}/hb/{rank}      heartbeat counter of a member, advanced every interval
     {namespace}/gen{g}/exited/{rank}  set by the launcher when the rank's process exited
+    {namespace}/gen{g}/left/{rank}    set by a member that leaves on purpose (Membership.leave)
     {namespace}/gen{g}/exits          counter of those notifications (read on every poll)
     {namespace}/gen{g}/joins          counter of join requests for generation g
     {namespace}/gen{g}/join/{i}       the job rank of the i-th join request
@@ -54,6 +55,8 @@ from layoutlang.errors import ExecutionError, MembershipError, RuntimeFailure
 from .auth import JobSecret, RecordSigner
 
 __all__ = [
+    "ASKING",
+    "LEFT",
     "ExcludedError",
     "ExitWatcher",
     "FailureDetector",
@@ -70,6 +73,12 @@ __all__ = [
 
 DEFAULT_INTERVAL = 0.2  # seconds between heartbeats
 DEFAULT_DEADLINE = 1.0  # seconds without an advancing heartbeat before a member counts as failed
+#: the reason given for a member that left the session on purpose (:meth:`Membership.leave`)
+LEFT = "it left the session"
+#: the generation a joiner's heartbeat counts under until it is admitted: none that is ever
+#: agreed, so a rank that comes back under its old number never looks alive in the
+#: generation it was lost from
+ASKING = -1
 
 
 class ExcludedError(MembershipError):
@@ -288,6 +297,8 @@ class FailureDetector:
             how = self.records.read(self.store, generation_key(self.generation, f"exited/{rank}"))
             if how is not None:
                 self.failures[rank] = f"its process exited ({how.decode(errors='replace')})"
+            elif self.records.read(self.store, generation_key(self.generation, f"left/{rank}")) is not None:
+                self.failures[rank] = LEFT
         for rank in ranks:
             if rank in self.failures or rank == self.self_rank:
                 continue
@@ -467,6 +478,19 @@ class Membership:
         while self.members_of(g) is not None:
             found, g = g, g + 1
         return found
+
+    def leave(self) -> None:
+        """Leave the session on purpose: a signed ``left`` notice in the current generation,
+        which the members' failure detectors read like an exit (reason :data:`LEFT`), so the
+        next generation is agreed without this rank at once, not after a deadline of silence.
+        Stop the heartbeat after this."""
+        g = self.current()
+        self.records.set(self.store, self.key(g, f"left/{self.rank}"), b"left")
+        self.store.add(self.key(g, "exits"), 1)
+
+    def has_left(self, generation: int, rank: int) -> bool:
+        """Whether ``rank`` left ``generation`` on purpose (its signed notice is there)."""
+        return self.records.read(self.store, self.key(generation, f"left/{rank}")) is not None
 
     # ------------------------------------------------------------------- grow
 

@@ -32,7 +32,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -40,7 +40,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from layoutlang.errors import AgreementError, DataLossError, ExecutionError, LayoutError
+from layoutlang.errors import AgreementError, DataLossError, ExecutionError, LayoutError, LayoutValueError
 from layoutlang.io.torch_dtypes import torch_dtype
 from layoutlang.model import Layout
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
@@ -50,6 +50,7 @@ from layoutlang.runtime import Executor
 
 from .commit import ABORTED, COMMITTED, ENTRY, CommitRecords, CommittedState, record_step, step_record
 from .membership import (
+    LEFT,
     ExcludedError,
     FailureDetector,
     GenerationChanged,
@@ -59,11 +60,37 @@ from .membership import (
     MembershipError,
     failed_peers,
 )
-from .remesh import SidePolicy, check_recoverable, generation_layouts, needs_spares, open_positions, replacements
+from .remesh import (
+    Positions,
+    SidePolicy,
+    check_recoverable,
+    check_unit_axis,
+    destination_positions,
+    generation_layouts,
+    needs_spares,
+    open_positions,
+    original_ranks,
+    unit_size,
+    vacant,
+)
 
-__all__ = ["Change", "GroupBuilder", "Recoverer", "Recovery", "RefitSpec", "Watch", "recoverable"]
+__all__ = [
+    "UNIT_LOST",
+    "Change",
+    "GroupBuilder",
+    "Recoverer",
+    "Recovery",
+    "Refill",
+    "RefitSpec",
+    "Watch",
+    "recoverable",
+    "whole_units",
+]
 
 _log = logging.getLogger(__name__)
+
+#: the reason given for the other ranks of a failed rank's unit (its engine)
+UNIT_LOST = "its unit lost a rank"
 
 # How often a waiting rank reads the store for failures: a tenth of the default deadline,
 # few enough requests that the store stays responsive with hundreds of waiting ranks.
@@ -71,6 +98,16 @@ _WATCH_PERIOD = 0.1
 
 #: A rank's source storages of a step (the training side a recovery plan may read).
 Sources = Callable[[int], Mapping[str, torch.Tensor]]
+
+
+def whole_units(ranks: Iterable[int], unit: int) -> list[int]:
+    """The ranks among ``ranks`` whose whole unit is there, sorted. Units are aligned runs of
+    rank numbers (unit ``k`` is ranks ``k * unit .. k * unit + unit - 1``): a joining engine
+    asks for an aligned run (:meth:`ElasticSession.allocate_ranks`)."""
+    present = set(ranks)
+    if unit == 1:
+        return sorted(present)
+    return sorted(r for r in present if all(u in present for u in range(r - r % unit, r - r % unit + unit)))
 
 
 def recoverable(err: ExecutionError) -> bool:
@@ -90,6 +127,8 @@ class Change:
     reasons: dict[int, str]  # lost rank -> why this rank counted it as failed
     source: Layout  # the layouts of the new generation
     destination: Layout
+    left: tuple[int, ...] = ()  # the lost ranks that left on purpose (Membership.leave)
+    rejoined: tuple[int, ...] = ()  # ranks counted failed whose new process took their place
 
 
 @attrs.frozen
@@ -106,11 +145,18 @@ class Recovery:
     first_byte_at: float | None  # the first exchange on the new group completed (None: none yet)
     recovery_moves: int  # moves of the recovery plan (0: none was needed)
     recovered_bytes: int  # bytes this rank received through it
+    left: tuple[int, ...] = ()  # the lost ranks that left on purpose
+    rejoined: tuple[int, ...] = ()  # ranks whose new process took their own place back
+    #: the recovery plan's bytes between ranks by where they were read: ``destination``
+    #: (surviving replicas of the destination, e.g. another engine) or ``source`` (the
+    #: training side); the whole plan's, the same on every member
+    recovered_from: dict[str, int] = attrs.Factory(dict)
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
         out["reasons"] = {str(k): v for k, v in self.reasons.items()}
-        out["lost"], out["joined"] = list(self.lost), list(self.joined)
+        for key in ("lost", "joined", "left", "rejoined"):
+            out[key] = list(getattr(self, key))
         return out
 
 
@@ -126,13 +172,54 @@ class RefitSpec:
     destination_policy: SidePolicy = ("drop-replica", None)
     domain_size: int = 1
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    #: the destination axis whose coordinates are units (engines): a unit is lost whole,
+    #: admitted whole, and with ``grow`` joiners beyond the open positions add units
+    unit_axis: str | None = None
+    grow: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.unit_axis is not None:
+            check_unit_axis(self.destination, self.unit_axis)
+        elif self.grow:
+            raise LayoutValueError("growing the destination needs its unit axis (unit_axis=)")
+
+    @property
+    def unit(self) -> int:
+        """The ranks of one unit (1 without a unit axis)."""
+        return unit_size(self.destination, self.unit_axis)
+
+    @property
+    def returning(self) -> frozenset[int]:
+        """Ranks that hold positions of their own in the first generation's layouts."""
+        return original_ranks(self.source, self.destination)
+
+    def positions(self, history: Sequence[Sequence[int]]) -> Positions:
+        """Who holds the destination's positions after the generations ``history`` lists."""
+        return destination_positions(
+            history, self.destination.mesh, unit=self.unit, grow=self.grow, returning=self.returning
+        )
 
     def layouts(self, history: Sequence[Sequence[int]]) -> tuple[Layout, Layout]:
         """The source and destination layouts of the last generation ``history`` lists."""
         return generation_layouts(
             self.source, self.destination, history,
             source_policy=self.source_policy, destination_policy=self.destination_policy,
+            unit_axis=self.unit_axis, grow=self.grow,
         )
+
+    def vacant(self, members: Sequence[int]) -> list[int]:
+        """Source ranks whose positions wait for them to come back (``await-rejoin``)."""
+        return vacant(self.source, members, self.source_policy)
+
+    def unit_of(self, destination: Layout, rank: int) -> list[int]:
+        """The ranks of ``rank``'s unit in ``destination`` (just ``rank`` without a unit axis,
+        or when it is not in that layout)."""
+        axis = self.unit_axis
+        if axis is None or rank not in destination.mesh:
+            return [rank]
+        mesh = destination.mesh
+        coordinate = mesh.coords(rank)[axis]
+        return [r for r in mesh.ranks if mesh.coords(r)[axis] == coordinate]
 
     def plan(self, source: Layout, destination: Layout) -> Plan:
         """The refit plan of a generation's layouts."""
@@ -154,6 +241,17 @@ class RefitSpec:
             sources, destination, gone,
             name=f"recover {destination.name}", domain_size=self.domain_size, bucket_bytes=self.bucket_bytes,
         )
+
+
+@attrs.frozen
+class Refill:
+    """What a generation's recovery plan did: its moves, the bytes this rank received through
+    it, and the whole plan's bytes between ranks by where they were read
+    (:attr:`Recovery.recovered_from`)."""
+
+    moves: int = 0
+    received: int = 0
+    read_from: dict[str, int] = attrs.Factory(dict)
 
 
 class Watch:
@@ -190,6 +288,11 @@ class Watch:
     def _fresh(self) -> FailureDetector:
         return self.membership.detector(previous=self._previous, startup=self._startup)
 
+    def now(self) -> None:
+        """Look at once (not at the watch's pace), e.g. before a step begins."""
+        self._last = 0.0
+        self()
+
     def __call__(self) -> None:
         """Raised into every wait: a failed member, a newer generation, an aborted record."""
         now = time.monotonic()
@@ -217,7 +320,7 @@ class Watch:
         final = {
             r for r in suspects
             if r in self._confirmed
-            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance"))
+            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance", LEFT))
         }  # an exit, or silence that a check already confirmed
         silent = sorted(r for r in suspects - final if r in self.membership.members)
         if not silent:
@@ -236,10 +339,13 @@ class Watch:
     def propose(
         self, generation: int, reasons: dict[int, str],
         admit: Callable[[int, list[int]], list[int]] | None = None,
+        units: Callable[[int], Sequence[int]] | None = None,
     ) -> list[int]:
         """The members of ``generation``: without the failed ones, found within about two
         deadlines (``reasons`` gains the reasons found meanwhile), and with the joiners
-        ``admit(generation, survivors)`` names."""
+        ``admit(generation, survivors)`` names. ``units(rank)`` gives the ranks that leave
+        with a failed one (the other workers of its engine: vLLM stops an engine whose
+        worker died)."""
         failed = set(reasons) | set(self.detector.poll())
         end = time.monotonic() + 2 * self.deadline
         while not failed and time.monotonic() < end:
@@ -251,6 +357,12 @@ class Watch:
         for rank, why in self.detector.failures.items():
             reasons.setdefault(rank, why)
         failed = self.confirm(failed, reasons)
+        if units is not None:
+            for rank in sorted(failed):
+                for other in units(rank):
+                    if other not in failed:
+                        reasons.setdefault(other, f"{UNIT_LOST} (rank {rank}: {reasons.get(rank, 'failed')})")
+                        failed.add(other)
         # Nobody found failed (a transient error): the next generation keeps every member.
         survivors = [m for m in self.membership.members if m not in failed]
         joiners = admit(generation, survivors) if admit is not None else []
@@ -353,6 +465,7 @@ class Recoverer:
         device: torch.device,
         on_change: Callable[[Change], None],
         spare_wait: float | None = None,
+        spares: bool = True,
     ):
         self.spec = spec
         self.rank = membership.rank
@@ -363,6 +476,7 @@ class Recoverer:
         self.device = device
         self.on_change = on_change
         self.spare_wait = timeout if spare_wait is None else spare_wait  # see _spares_for
+        self.spares = spares
         self.sources: Sources | None = None
         self.commits = CommitRecords(membership, timeout=timeout)
         self.watch = Watch(membership, self.commits, deadline=deadline)
@@ -383,13 +497,18 @@ class Recoverer:
         return [self.membership.members_of(g) or [] for g in range(generation + 1)]
 
     def admissible_joiners(self) -> list[int]:
-        """Joiners asking for the next generation: as many as the destination has lost positions."""
+        """Joiners asking for the next generation that every member admits after a step:
+        whole units, as many as fill the destination's open positions, and with ``grow``
+        every further whole unit (each a new coordinate of the unit axis)."""
         g = self.membership.current()
-        replaced = replacements(self.history(g), self.spec.destination.mesh)
+        history = self.history(g)
         members = set(self.membership.members)
-        open_positions = [r for r in self.spec.destination.mesh.ranks if r not in members and r not in replaced]
-        joiners = [j for j in self.membership.join_requests(g + 1) if j not in members]
-        return sorted(joiners)[: len(open_positions)]
+        mesh = self.spec.destination.mesh
+        wanted = open_positions(history, mesh, self.spec.positions(history))
+        returning = self.spec.returning
+        asking = [j for j in self.membership.join_requests(g + 1) if j not in members and j not in returning]
+        joiners = whole_units(asking, self.spec.unit)
+        return joiners if self.spec.grow else joiners[: len(wanted) - len(wanted) % self.spec.unit]
 
     # ------------------------------------------------------------------- commits
     def mark_committed(self, step: int) -> None:
@@ -418,22 +537,31 @@ class Recoverer:
         previous_members = self.membership.members_of(state.generation) if state.generation >= 0 else members
         lost = tuple(sorted(set(previous_members or []) - set(members)))
         joined = tuple(sorted(set(members) - set(previous_members or [])))
+        rejoined = tuple(sorted(r for r in reasons if r in members))  # a new process in its old place
+        for rank in lost:  # the member that proposed knew why; a leave is on record for everyone
+            if rank not in reasons and state.generation >= 0 and self.membership.has_left(state.generation, rank):
+                reasons[rank] = LEFT
+        left = tuple(r for r in lost if reasons.get(r) == LEFT)
         gone = sorted((set(state.source.mesh.ranks) | set(state.destination.mesh.ranks)) - set(members))
         # Never silent loss: the source holds the weights of the step being refit; a valid
-        # destination holds those of the last committed step too.
-        check_recoverable([state.destination, state.source] if state.valid else [state.source], gone)
+        # destination holds those of the last committed step too. Source positions that wait
+        # for their ranks to come back (await-rejoin) lose the step being refit, loudly: every
+        # refit raises DataLossError until they are back (ElasticSession.refit).
+        if not self.spec.vacant(members):
+            check_recoverable([state.destination, state.source] if state.valid else [state.source], gone)
         source, destination = self.spec.layouts(self.history(g))
         agreed = time.time()
         self.watch.restart(
             previous=state.generation if state.generation >= 0 else None,
-            startup=self.timeout if first or joined else None,  # ranks still starting up
+            startup=self.timeout if first or joined or rejoined else None,  # ranks still starting up
         )
         self._rebuild()
         group_at = time.time()
         self.transport = self.group.transport(watch=self.watch)
-        self.on_change(Change(g, tuple(members), lost, joined, dict(reasons), source, destination))
+        change = Change(g, tuple(members), lost, joined, dict(reasons), source, destination, left, rejoined)
+        self.on_change(change)
 
-        destinations, moves, recovered = self._destinations(state, destination, gone)
+        destinations, refill = self._destinations(state, destination, gone)
         self._pending = CommittedState(g, source, destination, destinations, state.valid)
         if self.commits.commit(ENTRY, watch=self.watch)["state"] != COMMITTED:
             raise GenerationChanged(f"rank {self.rank}: entering generation {g} was aborted", rank=self.rank)
@@ -443,7 +571,10 @@ class Recoverer:
         if not first:
             first_byte = getattr(self.transport, "first_completed_at", None)
             self.recoveries.append(
-                Recovery(g, lost, joined, dict(reasons), noticed, agreed, group_at, first_byte, moves, recovered)
+                Recovery(
+                    g, lost, joined, dict(reasons), noticed, agreed, group_at, first_byte, refill.moves,
+                    refill.received, left, rejoined, refill.read_from,
+                )
             )
 
     def _rebuild(self) -> None:
@@ -455,20 +586,19 @@ class Recoverer:
 
     def _destinations(
         self, state: CommittedState, destination: Layout, gone: list[int]
-    ) -> tuple[dict[str, torch.Tensor], int, int]:
+    ) -> tuple[dict[str, torch.Tensor], Refill]:
         """This rank's storages of ``destination`` (the committed ones where its boxes did not
-        change), filled by a recovery plan where they must hold committed weights; also the
-        plan's moves and the bytes this rank received through it."""
+        change), filled by a recovery plan where they must hold committed weights; also what
+        that plan did."""
         # Which ranks hold the same boxes as before: decided in the C++ core, replica group by
         # replica group, so it costs milliseconds with 45k tensors on 256 ranks.
         ranks = list(destination.mesh.ranks)
         same = dict(zip(ranks, same_holdings(state.destination, destination, ranks)))
         destinations = self._allocate(destination, state, same.get(self.rank, False))
-        moves = recovered = 0
         changed = [r for r in ranks if not same[r]]
         if state.valid and changed:
-            moves, recovered = self._run_recovery(state, destination, destinations, gone, changed)
-        return destinations, moves, recovered
+            return destinations, self._run_recovery(state, destination, destinations, gone, changed)
+        return destinations, Refill()
 
     def _allocate(self, layout: Layout, state: CommittedState, unchanged: bool) -> dict[str, torch.Tensor]:
         """This rank's storages of ``layout``: the committed ones where its boxes did not
@@ -490,20 +620,21 @@ class Recoverer:
         destinations: dict[str, torch.Tensor],
         gone: list[int],
         changed: list[int],
-    ) -> tuple[int, int]:
+    ) -> Refill:
         """The ``changed`` ranks of ``destination`` (those whose boxes changed: the others
         keep their committed storages) from the surviving inference replicas first, then
         the training side."""
         sources = [state.destination, state.source]
         plan = self.spec.recovery_plan(sources, destination, gone, fill=changed)
+        read_from = dict(zip(("destination", "source"), plan.bytes_between_ranks_by_source()))
         if self.rank not in destination.mesh and not any(self.rank in s.mesh for s in sources):
-            return plan.num_moves, 0  # a member in no layout (a spare) has no part in it
+            return Refill(plan.num_moves, 0, read_from)  # a member in no layout (a spare) has no part in it
         executor = Executor(plan, self.rank, self.transport, timeout=self.timeout)
         training: Mapping[str, torch.Tensor] = {}
         if executor.reads_source(1):
             training = self._training_sources()
         report = executor.run([state.destinations, training], destinations)
-        return plan.num_moves, sum(report.received.values()) - report.received["local"]
+        return Refill(plan.num_moves, sum(report.received.values()) - report.received["local"], read_from)
 
     def _training_sources(self) -> Mapping[str, torch.Tensor]:
         """This rank's source storages of the last committed step."""
@@ -522,9 +653,11 @@ class Recoverer:
         )
 
     # ---------------------------------------------------------------- recovering
-    def recover(self, trigger: ExecutionError, step: int | None) -> bool:
+    def recover(self, trigger: ExecutionError, step: int | None, *, returning: bool = False) -> bool:
         """Move to the next generation after ``trigger``. Returns True when the open step
-        turned out committed (every member had finished it before the failure)."""
+        turned out committed (every member had finished it before the failure). With
+        ``returning`` (an admission point: :meth:`admit`), the next generation waits for the
+        ranks that come back to vacant source positions."""
         noticed = time.time()
         reasons = dict(trigger.failures) if isinstance(trigger, MemberFailure) else {}
         if not isinstance(trigger, (MemberFailure, GenerationChanged)):
@@ -537,7 +670,10 @@ class Recoverer:
             g = self.membership.current() + 1
             members = self.membership.members_of(g)
             if members is None:
-                members = self.watch.propose(g, reasons, admit=self._spares_for)
+                members = self.watch.propose(
+                    g, reasons, admit=lambda g, survivors: self._joiners_for(g, survivors, returning=returning),
+                    units=lambda rank: self.spec.unit_of(self.committed.destination, rank),
+                )
             self.membership.enter(g, members)  # ExcludedError: the survivors left this rank out
             self.heartbeat.set_generation(g)
             try:
@@ -590,6 +726,13 @@ class Recoverer:
             self.recover(err, None)
 
     # -------------------------------------------------------------- grow and join
+    def admit(self) -> None:
+        """An admission point outside the steps, which every live member calls at once: the
+        next generation drops the members that are gone and admits the ranks that come back
+        to their own vacant source positions (waiting for them up to ``timeout``)."""
+        self.recover(GenerationChanged(f"rank {self.rank}: admitting returning ranks", rank=self.rank), None,
+                     returning=True)
+
     def grow(self, joiners: list[int]) -> None:
         """Admit ``joiners`` after the committed step (every member does this at the same step)."""
         noticed = time.time()
@@ -618,6 +761,32 @@ class Recoverer:
         }
         self.membership.set_record(generation, "resume", json.dumps(record).encode())
 
+    def _joiners_for(self, generation: int, survivors: list[int], *, returning: bool = False) -> list[int]:
+        """The joiners ``generation`` admits beside the ``survivors`` in a recovery: the
+        spares the destination needs (:meth:`_spares_for`), and with ``returning`` the ranks
+        that come back to source positions left vacant (``await-rejoin``: a restarted
+        training side), waited for up to ``timeout`` seconds until every vacant position
+        is asked for."""
+        back = self._returning_for(generation, survivors) if returning else []
+        joiners = back + self._spares_for(generation, survivors + back)
+        if back:
+            self._write_resume(generation)
+        return joiners
+
+    def _returning_for(self, generation: int, survivors: list[int]) -> list[int]:
+        """The ranks asking to join ``generation`` that take back their own vacant source
+        positions, once all of them ask (or ``timeout`` has passed, or another member
+        proposed)."""
+        vacant = set(self.spec.vacant(survivors))
+        end = time.monotonic() + self.timeout
+        while True:
+            back = sorted(vacant & set(self.membership.join_requests(generation)))
+            if len(back) == len(vacant) or time.monotonic() > end:
+                return back
+            if self.membership.members_of(generation) is not None:
+                return back  # another member proposed: its list wins anyway
+            time.sleep(0.05)
+
     def _spares_for(self, generation: int, survivors: list[int]) -> list[int]:
         """The joiners ``generation`` must admit beside the ``survivors``: none while the
         destination's policy can give up the lost positions (drop a replica), else as many
@@ -625,17 +794,26 @@ class Recoverer:
         ``fill-spares``), waiting up to ``spare_wait`` seconds for them to ask. The recovery plan then
         fills them from any surviving holder, the training side included (:meth:`enter`)."""
         destination, policy = self.spec.destination, self.spec.destination_policy
+        if not self.spares:
+            return []  # joiners wait for a step boundary (a fleet of engines: each joins between refits)
         history = self.history(generation - 1)
-        wanted = open_positions([*history, survivors], destination.mesh)
+
+        def open_after(members: list[int]) -> list[int]:
+            after = [*history, members]
+            return open_positions(after, destination.mesh, self.spec.positions(after))
+
+        wanted = open_after(survivors)
         if not needs_spares(destination, wanted, policy):
             return []
         end = time.monotonic() + self.spare_wait
         waited = False
+        returning = self.spec.returning
         while True:
-            asking = self.membership.join_requests(generation)
-            joiners = sorted(j for j in set(asking) if j not in self.membership.members)[: len(wanted)]
+            asking = [j for j in self.membership.join_requests(generation) if j not in returning]
+            joiners = whole_units([j for j in asking if j not in self.membership.members], self.spec.unit)
+            joiners = joiners[: len(wanted) - len(wanted) % self.spec.unit]
             members = survivors + joiners
-            if not needs_spares(destination, open_positions([*history, members], destination.mesh), policy):
+            if not needs_spares(destination, open_after(members), policy):
                 break
             if time.monotonic() > end or self.membership.members_of(generation) is not None:
                 break  # another member proposed, or no spare came: entering reports what is lost

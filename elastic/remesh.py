@@ -36,6 +36,8 @@ import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
+
 from layoutlang.errors import (
     DataLossError,
     LayoutError,
@@ -48,19 +50,30 @@ from layoutlang.plan.loss import check_recoverable, lost_regions, rank_set
 
 __all__ = [
     "POLICIES",
+    "SESSION_POLICIES",
     "DataLossError",
+    "Positions",
     "SidePolicy",
     "check_recoverable",
+    "check_unit_axis",
     "data_parallel_axes",
+    "destination_positions",
     "generation_layouts",
+    "grown",
     "lost_regions",
     "needs_spares",
     "open_positions",
+    "original_ranks",
     "remesh",
     "replacements",
+    "unit_size",
+    "vacant",
 ]
 
 POLICIES = ("drop-replica", "shrink-axis", "fill-spares", "callback")
+#: what an elastic session's side may do with its lost ranks: a remesh policy, or
+#: ``await-rejoin`` (the positions stay, vacant, until the same ranks come back)
+SESSION_POLICIES = (*POLICIES, "await-rejoin")
 
 _GEN = re.compile(r"^(.*)_gen([0-9]+)$")
 
@@ -324,14 +337,40 @@ def needs_spares(layout: Layout, lost: Iterable[int], policy: SidePolicy) -> boo
 # ------------------------------------------------------------------ generations
 
 
-def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[int, int]:
-    """Lost destination rank -> the joiner in its place, after the generations whose agreed
-    members ``history`` lists (generation 0 first).
+@attrs.frozen
+class Positions:
+    """Who holds the destination's positions after some generations (see
+    :func:`destination_positions`).
 
-    Joiners fill the open positions of ``destination`` (the first generation's mesh) in
-    mesh order; a joiner that is lost again leaves its position open.
+    ``replaced`` maps a position of the first generation's mesh (named by the rank that first
+    held it) to the joiner that holds it now; ``grown`` lists the joiners that extend the
+    mesh's unit axis, a whole unit after another, in the order they were admitted.
+    """
+
+    replaced: dict[int, int]
+    grown: tuple[int, ...] = ()
+
+
+def destination_positions(
+    history: Sequence[Sequence[int]],
+    destination: Mesh,
+    *,
+    unit: int = 1,
+    grow: bool = False,
+    returning: Iterable[int] = (),
+) -> Positions:
+    """Who holds the positions of ``destination`` (the first generation's mesh) after the
+    generations whose agreed members ``history`` lists (generation 0 first).
+
+    In each generation the new joiners (sorted; ranks of ``returning``, which hold positions
+    of their own in the first generation's layouts, never count as joiners) first fill the
+    open positions in mesh order; with ``grow``, the rest extend the mesh's unit axis, ``unit``
+    ranks at a time (a new coordinate of that axis each). A joiner lost again leaves its
+    position open; a grown unit that loses a rank is gone (its coordinate is not refilled).
     """
     replaced: dict[int, int] = {}
+    grown: list[int] = []
+    skip = rank_set(returning)
     before = set(history[0]) if history else set()
     for members in history[1:]:
         after = set(members)
@@ -339,20 +378,81 @@ def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[in
         for position, joiner in list(replaced.items()):
             if joiner in lost:
                 del replaced[position]
-        joined = sorted(after - before)
+        units = [grown[i : i + unit] for i in range(0, len(grown), unit)]
+        grown = [r for u in units if not lost & set(u) for r in u]
+        joined = sorted(after - before - skip)
         open_positions = [r for r in destination.ranks if r not in after and r not in replaced]
         replaced.update(zip(open_positions, joined))
+        if grow:
+            rest = joined[len(open_positions) :]
+            grown += rest[: len(rest) - len(rest) % unit]
         before = after
-    return replaced
+    return Positions(replaced, tuple(grown))
 
 
-def open_positions(history: Sequence[Sequence[int]], destination: Mesh) -> list[int]:
+def replacements(history: Sequence[Sequence[int]], destination: Mesh) -> dict[int, int]:
+    """Lost destination rank -> the joiner in its place, after the generations whose agreed
+    members ``history`` lists (generation 0 first).
+
+    Joiners fill the open positions of ``destination`` (the first generation's mesh) in
+    mesh order; a joiner that is lost again leaves its position open
+    (:func:`destination_positions` without units or growth).
+    """
+    return destination_positions(history, destination).replaced
+
+
+def open_positions(
+    history: Sequence[Sequence[int]], destination: Mesh, positions: Positions | None = None
+) -> list[int]:
     """The positions of ``destination`` (the first generation's mesh, named by the ranks that
     first held them) whose holder is no member of the last generation ``history`` lists: lost
-    ranks whose position no joiner took, and joiners lost in turn."""
-    replaced = replacements(history, destination)
+    ranks whose position no joiner took, and joiners lost in turn. ``positions``: the
+    holders, when not those of plain replacement (:func:`destination_positions`)."""
+    replaced = (positions or destination_positions(history, destination)).replaced
     members = set(history[-1]) if history else set()
     return [r for r in destination.ranks if replaced.get(r, r) not in members]
+
+
+def unit_size(layout: Layout, axis: str | None) -> int:
+    """The ranks of one coordinate of ``axis`` (a unit: an engine), or 1 without an axis."""
+    if axis is None:
+        return 1
+    mesh = layout.mesh
+    return mesh.size // mesh.axis_size(axis)
+
+
+def check_unit_axis(layout: Layout, axis: str) -> None:
+    """Refuse a unit axis that cannot grow and shrink: it must be the mesh's first axis (so a
+    new coordinate is a run of ranks at the end) and data-parallel (every tensor replicated
+    along it, no sub-mesh on it), so that any coordinate holds what any other holds."""
+    mesh = layout.mesh
+    mesh.axis_index(axis)  # unknown axis -> LayoutNameError naming the mesh's axes
+    if mesh.axis_names[0] != axis:
+        raise LayoutValueError(
+            f"the unit axis '{axis}' of layout '{layout.name}' must be the first axis of mesh "
+            f"'{mesh.name}' (axes {', '.join(mesh.axis_names)}): each of its coordinates is one engine",
+            layout.span,
+        )
+    if axis not in data_parallel_axes(layout):
+        raise LayoutValueError(
+            f"the unit axis '{axis}' of layout '{layout.name}' is not data-parallel: some tensor is "
+            "sharded over it or placed on one of its coordinates, so its engines do not hold the same boxes",
+            layout.span,
+        )
+
+
+def grown(layout: Layout, axis: str, ranks: Sequence[int], name: str, mesh_name: str) -> Layout:
+    """``layout`` with ``ranks`` appended to its mesh as new coordinates of ``axis`` (its first,
+    data-parallel axis: :func:`check_unit_axis`), a unit of ranks per coordinate, in order."""
+    mesh = layout.mesh
+    unit = unit_size(layout, axis)
+    if len(ranks) % unit:
+        raise LayoutValueError(
+            f"{len(ranks)} ranks cannot grow axis '{axis}' of mesh '{mesh.name}' by whole coordinates "
+            f"of {unit} ranks"
+        )
+    axes = [(a, s + len(ranks) // unit if a == axis else s) for a, s in mesh.axes]
+    return layout.on_mesh(Mesh(mesh_name, axes, [*mesh.ranks, *ranks]), name)
 
 
 def generation_layouts(
@@ -362,37 +462,65 @@ def generation_layouts(
     *,
     source_policy: SidePolicy = ("drop-replica", None),
     destination_policy: SidePolicy = ("drop-replica", None),
+    unit_axis: str | None = None,
+    grow: bool = False,
 ) -> tuple[Layout, Layout]:
     """The source and destination layouts of the last generation ``history`` lists, from the
     first generation's ``source`` and ``destination``.
 
-    Joiners take the destination positions of lost ranks (``fill-spares``), then the ranks
-    that are no members leave each side by its policy. The layouts of generation ``g`` are
-    named ``{name}_gen{g}`` (meshes likewise). A pure function of the agreed member lists:
-    every member computes the same layouts.
+    Joiners take the destination positions of lost ranks (``fill-spares``) and, with
+    ``grow``, extend the destination's ``unit_axis`` by whole units
+    (:func:`destination_positions`); then the ranks that are no members leave each side by
+    its policy. Ranks of the first generation's layouts that come back hold their own
+    positions again. The layouts of generation ``g`` are named ``{name}_gen{g}`` (meshes
+    likewise). A pure function of the agreed member lists: every member computes the same
+    layouts.
     """
     generation = len(history) - 1
     members = set(history[-1]) if history else set()
-    replaced = replacements(history, destination.mesh)
+    positions = destination_positions(
+        history, destination.mesh, unit=unit_size(destination, unit_axis), grow=grow,
+        returning=original_ranks(source, destination),
+    )
+    name, mesh_name = f"{destination.name}_gen{generation}", f"{destination.mesh.name}_gen{generation}"
     current = destination
-    if replaced:
-        hit = [r for r in destination.mesh.ranks if r in replaced]
+    if positions.replaced:
+        hit = [r for r in destination.mesh.ranks if r in positions.replaced]
         current = remesh(
-            destination, hit, "fill-spares", spares=[replaced[r] for r in hit],
-            name=f"{destination.name}_gen{generation}", mesh_name=f"{destination.mesh.name}_gen{generation}",
+            destination, hit, "fill-spares", spares=[positions.replaced[r] for r in hit],
+            name=name, mesh_name=mesh_name,
         )
+    if positions.grown:
+        assert unit_axis is not None  # growth needs a unit axis
+        current = grown(current, unit_axis, positions.grown, name, mesh_name)
     return (
         _without_lost(source, source, members, source_policy, generation),
         _without_lost(current, destination, members, destination_policy, generation),
     )
 
 
+def original_ranks(source: Layout, destination: Layout) -> frozenset[int]:
+    """The ranks of the first generation's layouts: each holds a position of its own, which it
+    takes back when it comes back (a restarted training rank)."""
+    return frozenset(source.mesh.ranks) | frozenset(destination.mesh.ranks)
+
+
+def vacant(layout: Layout, members: Iterable[int], policy: SidePolicy) -> list[int]:
+    """The ranks of ``layout`` that are no ``members`` but keep their positions
+    (``await-rejoin``): nothing can be read from them until they come back."""
+    if policy[0] != "await-rejoin":
+        return []
+    present = rank_set(members)
+    return [r for r in layout.mesh.ranks if r not in present]
+
+
 def _without_lost(layout: Layout, base: Layout, members: set[int], policy: SidePolicy, generation: int) -> Layout:
-    """``layout`` without the ranks that are no ``members``, named after the first generation's ``base``."""
+    """``layout`` without the ranks that are no ``members``, named after the first generation's ``base``
+    (``await-rejoin`` keeps their positions, vacant)."""
     gone = [r for r in layout.mesh.ranks if r not in members]
-    if not gone:
-        return layout
     how, axis = policy
+    if not gone or how == "await-rejoin":
+        return layout
     return remesh(
         layout, gone, how, axis=axis,
         name=f"{base.name}_gen{generation}", mesh_name=f"{base.mesh.name}_gen{generation}",

@@ -44,6 +44,7 @@ plans; the :class:`~elastic.Recovery` timeline) and this module, the public sess
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -51,14 +52,17 @@ from typing import Any
 import attrs
 import torch
 
-from layoutlang.errors import ExecutionError
+from layoutlang.errors import DataLossError, ExecutionError, LayoutValueError
 from layoutlang.model import Layout, Program
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan
+from layoutlang.plan.data import layout_digest
+from layoutlang.plan.loss import lost_regions
+from layoutlang.runtime.agreement import agree
 
 from .auth import JobSecret
 from .commit import COMMITTED, step_record
 from .groups import GlooGenerations
-from .membership import DEFAULT_DEADLINE, DEFAULT_INTERVAL, GenerationChanged, Heartbeat, Membership
+from .membership import ASKING, DEFAULT_DEADLINE, DEFAULT_INTERVAL, GenerationChanged, Heartbeat, Membership
 from .recovery import Change, GroupBuilder, Recoverer, Recovery, RefitSpec, recoverable
 
 __all__ = ["ElasticSession", "StepFn", "StepReport"]
@@ -108,10 +112,28 @@ class ElasticSession:
     position (every replica lost a rank, or ``fill-spares``), the recovery admits joiners
     into it and fills them from any surviving holder, the training side included; it waits
     up to ``spare_wait`` seconds (default ``timeout``) for enough joiners to ask, then
-    fails with the positions it could not fill.
+    fails with the positions it could not fill. ``spares=False``: a recovery admits nobody;
+    joiners wait for the next step boundary (a fleet of engines, whose joiners take part in
+    refits only from a step boundary on).
     ``on_shrink(change)`` / ``on_grow(change)`` run on every member of a new generation once
     its group is built. ``backend`` builds each generation's group:
     :class:`~elastic.GlooGenerations` (default) or :class:`~elastic.NcclGenerations`.
+
+    ``unit_axis`` names the destination axis whose coordinates are *units* (one inference
+    engine each): a failed rank takes the rest of its unit with it (vLLM stops an engine
+    whose worker died), joiners are admitted a whole unit at a time, and with ``grow`` the
+    joiners beyond the open positions add coordinates to that axis (the fleet grows past its
+    first size). It must be the destination mesh's first axis and data-parallel. A member
+    leaves on purpose with :meth:`leave` (the unit axis shrinks). The source policy
+    ``await-rejoin`` keeps a lost source rank's position vacant until a new process under the
+    same rank joins and the members :meth:`admit` it; meanwhile :meth:`refit` raises
+    :class:`~layoutlang.errors.DataLossError` and the destination keeps its last committed
+    step.
+
+    ``problem`` is what this rank found wrong before the first generation (an engine that
+    does not hold the destination layout): every member's constructor raises
+    :class:`~layoutlang.errors.AgreementError` naming it, before a byte moves. A joiner's
+    program must be the session's (a digest recorded by the first generation).
 
     ``secret`` is the job's secret (a :class:`~elastic.auth.JobSecret`, bytes, or text as in
     the environment variable; default: ``LAYOUTLANG_JOB_SECRET``, which the local launcher
@@ -142,12 +164,16 @@ class ElasticSession:
         heartbeat_interval: float = DEFAULT_INTERVAL,
         timeout: float = 60.0,
         spare_wait: float | None = None,
+        spares: bool = True,
         memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
         backend: Any = None,
         on_shrink: Callable[[Change], None] | None = None,
         on_grow: Callable[[Change], None] | None = None,
         device: Any = "cpu",
         secret: JobSecret | bytes | str | None = None,
+        unit_axis: str | None = None,
+        grow: bool = False,
+        problem: str | None = None,
     ):
         statement = program.reshard(reshard)
         self.program = program
@@ -158,6 +184,7 @@ class ElasticSession:
             self.reshard, self.original_source, self.original_destination,
             source_policy=(source_policy, source_axis), destination_policy=(destination_policy, destination_axis),
             domain_size=program.topology.domain_size, bucket_bytes=max(1, memory_budget // 2),
+            unit_axis=unit_axis, grow=grow,
         )
         self.rank = int(rank)
         self.store = store
@@ -168,26 +195,35 @@ class ElasticSession:
         self.on_shrink, self.on_grow = on_shrink, on_grow
         self.device = torch.device(device)
         self.membership = Membership(store, self.rank, namespace=namespace, deadline=deadline, secret=secret)
-        self.heartbeat = Heartbeat(host, port, self.rank, namespace=namespace, interval=heartbeat_interval)
+        # a joiner beats under a generation nobody watches until it is admitted: one that comes
+        # back under its old rank must not look alive in the generation it was lost from
+        self.heartbeat = Heartbeat(
+            host, port, self.rank, namespace=namespace, interval=heartbeat_interval, generation=ASKING if join else 0
+        )
         self._recoverer = Recoverer(
             spec, membership=self.membership, heartbeat=self.heartbeat,
             builder=GroupBuilder(self.backend, host=host, port=port, rank=self.rank, timeout=timeout),
             timeout=timeout, deadline=deadline, device=self.device, on_change=self._changed,
-            spare_wait=timeout if spare_wait is None else spare_wait,
+            spare_wait=timeout if spare_wait is None else spare_wait, spares=spares,
         )
         self.last_report: StepReport | None = None
         self._closed = False
+        self.digest = _program_digest(spec)
         try:
             if join:
+                self._check_program()
                 self._recoverer.join()
             else:
-                self._start(members)
+                self._start(members, problem)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, members: Iterable[int] | None) -> None:
-        """Agree on the first generation and enter it."""
+    def _start(self, members: Iterable[int] | None, problem: str | None) -> None:
+        """Agree on the first generation, enter it, and agree that every member compiled the
+        same plan and is ready (``problem``: what this rank found wrong, e.g. an engine that
+        does not hold the destination layout): otherwise every member raises
+        :class:`~layoutlang.errors.AgreementError` before a byte moves."""
         ranks = set(self.original_source.mesh.ranks) | set(self.original_destination.mesh.ranks)
         initial = sorted(ranks if members is None else {int(m) for m in members})
         if self.rank not in initial:
@@ -197,7 +233,24 @@ class ElasticSession:
                 rank=self.rank,
             )
         self.membership.agree(0, initial)
+        self.membership.set_record(0, "program", self.digest.encode())  # what joiners compare with
         self._recoverer.enter(self._recoverer.committed, noticed=time.time(), reasons={}, first=True)
+        plan = self._recoverer.plan
+        assert plan is not None  # entering compiles the generation's plan
+        agree(
+            self._recoverer.transport, self.rank, self.members, plan.fingerprint, problem, self.timeout,
+            failure="could not start the session", ready=problem is None,
+        )
+
+    def _check_program(self) -> None:
+        """A joiner's program must be the session's (the first generation's members recorded
+        its digest): another program would compile other plans than the members'."""
+        theirs = self.membership.read_record(0, "program")
+        if theirs is not None and theirs.decode() != self.digest:
+            raise LayoutValueError(
+                f"rank {self.rank}: this rank's program differs from the one session '{self.membership.namespace}' "
+                "started with (other layouts, tensors, reshard or options): it cannot join"
+            )
 
     # ---------------------------------------------------------------- properties
     @property
@@ -267,6 +320,12 @@ class ElasticSession:
         """The refit plan of the current generation."""
         return self._recoverer.plan
 
+    @property
+    def vacant(self) -> list[int]:
+        """Source ranks whose positions wait for them to come back (source policy
+        ``await-rejoin``); while there are any, :meth:`refit` raises DataLossError."""
+        return self._recoverer.spec.vacant(self.members)
+
     # ----------------------------------------------------------------- public API
     def run(
         self, step_fn: StepFn, steps: int, *, on_step: Callable[[int, ElasticSession], None] | None = None,
@@ -288,9 +347,14 @@ class ElasticSession:
                 on_step(step, self)
         return reports
 
-    def refit(self, step: int, step_fn: StepFn, *, progress: Progress | None = None) -> StepReport:
+    def refit(
+        self, step: int, step_fn: StepFn, *, progress: Progress | None = None, not_ready: str | None = None
+    ) -> StepReport:
         """One refit that commits on every member of some generation (retried after each
-        recovery: the sequence of :mod:`elastic.session`)."""
+        recovery: the sequence of :mod:`elastic.session`). ``not_ready`` reports what this
+        rank found wrong with its weights: every member stops with
+        :class:`~layoutlang.errors.AgreementError` before a byte of the step moves, and the
+        destinations keep the last committed step."""
         begin = time.perf_counter()
         recoverer = self._recoverer
         first_recovery = len(recoverer.recoveries)
@@ -300,9 +364,11 @@ class ElasticSession:
         recoverer.sources = lambda s: step_fn(s, self)
         while True:
             attempts += 1
+            self._refuse_vacant(step)
             name = recoverer.commits.open = step_record(step)
             try:
-                received = self._run_step(step, step_fn, progress)
+                recoverer.watch.now()  # a member that left (or died) since the last step: recover first
+                received = self._run_step(step, step_fn, progress, not_ready)
                 outcome = recoverer.commits.commit(name, watch=recoverer.watch, joiners=recoverer.admissible_joiners)
                 if outcome["state"] != COMMITTED:
                     aborted = f"rank {self.rank}: step {step} was aborted by another member"
@@ -333,14 +399,34 @@ class ElasticSession:
             recoverer.grow(joiners)
         return report
 
-    def _run_step(self, step: int, step_fn: StepFn, progress: Progress | None) -> int:
+    def _refuse_vacant(self, step: int) -> None:
+        """Raise DataLossError while source positions wait for their ranks (``await-rejoin``):
+        nothing else holds what they held, so ``step`` cannot be refit; the destination keeps
+        the last committed step's weights, and the session goes on once they are back."""
+        gone = self.vacant
+        if not gone:
+            return
+        regions = lost_regions([self.source], gone)
+        kept = "no committed step" if self.committed_step is None else f"step {self.committed_step}"
+        raise DataLossError(
+            f"rank {self.rank}: step {step} cannot be refit: source rank{'s' if len(gone) > 1 else ''} "
+            f"{', '.join(map(str, gone))} of layout '{self.source.name}' {'are' if len(gone) > 1 else 'is'} gone "
+            f"and held the only copies of {len(regions)} region{'s' if len(regions) != 1 else ''}; the destination "
+            f"keeps {kept}",
+            regions,
+            hint="restart the lost source ranks under the same ranks and job secret: they take their positions "
+            "back (ElasticSession(join=True), then admit() on the members)",
+        )
+
+    def _run_step(self, step: int, step_fn: StepFn, progress: Progress | None, not_ready: str | None) -> int:
         """This rank's part of one try of ``step``; the bytes it received from other ranks."""
         executor = self._recoverer.executor
         if executor is None:
             return 0
-        sources = step_fn(step, self) if self.rank in self.source.mesh else {}
+        sources = step_fn(step, self) if self.rank in self.source.mesh and not_ready is None else {}
         report = executor.run(
-            sources, self.destinations, progress=None if progress is None else lambda n, total: progress(step, n, total)
+            sources, self.destinations, not_ready=not_ready,
+            progress=None if progress is None else lambda n, total: progress(step, n, total),
         )
         self._recoverer.note_first_byte()
         return sum(report.received.values()) - report.received["local"]
@@ -352,6 +438,27 @@ class ElasticSession:
             self.on_shrink(change)
         if change.joined and self.on_grow is not None:
             self.on_grow(change)
+
+    def admit(self) -> None:
+        """An admission point outside the steps, for ranks that come back to vacant source
+        positions (a restarted training side, source policy ``await-rejoin``). Every live
+        member calls it at once; the next generation leaves out the members that are gone and
+        admits the returning ranks (asking with ``join=True``), waiting for all of them up to
+        ``timeout`` seconds. Joiners of the destination are admitted after steps, as
+        always."""
+        self._recoverer.admit()
+
+    def leave(self) -> None:
+        """Leave the session on purpose and close it: the members agree on the next generation
+        without this rank as soon as they notice (at their next wait), with the reason
+        "it left the session", not after a deadline of silence. The destination's policy then
+        drops its positions (an engine leaving shrinks the unit axis)."""
+        if self._closed:
+            return
+        try:
+            self.membership.leave()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Stop the heartbeat and give up the group (idempotent)."""
@@ -367,3 +474,15 @@ class ElasticSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _program_digest(spec: RefitSpec) -> str:
+    """What a rank must share with the session's members to join it: the first generation's
+    layouts, the reshard, and how generations are derived and planned."""
+    h = hashlib.sha256()
+    h.update(layout_digest(spec.source).encode())
+    h.update(layout_digest(spec.destination).encode())
+    options = (spec.name, spec.source_policy, spec.destination_policy, spec.domain_size, spec.bucket_bytes,
+               spec.unit_axis, spec.grow)
+    h.update(repr(options).encode())
+    return h.hexdigest()

@@ -336,6 +336,17 @@ class Plan:
         for i in indices:
             yield self.move(int(i))
 
+    def bytes_between_ranks_by_source(self) -> list[int]:
+        """For each source layout of the plan (one, or several for a recovery plan), the bytes
+        its moves read there and carry to another rank (domain and network moves out of a
+        source storage; relays forward them and are not counted again)."""
+        region_bytes = self._column("region_bytes")[self._column("move_region")]
+        read = (self._column("move_src_space") == int(_core.Space.source)) & (
+            self._column("move_kind") != int(_core.MoveKind.local)
+        )
+        source = self._column("move_source")
+        return [int(region_bytes[read & (source == k)].sum()) for k in range(len(self.sources))]
+
     def moves_of_rank(self, rank: int) -> npt.NDArray[np.intp]:
         """Indices of the moves that read or write on ``rank``, in plan order."""
         return np.flatnonzero((self._column("move_src") == rank) | (self._column("move_dst") == rank))
