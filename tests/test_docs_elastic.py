@@ -73,6 +73,50 @@ def steady(report: str) -> list[str]:
     return out
 
 
+_GENERATIONS = ((re.compile(r"\bgeneration \d+"), "generation *"), (re.compile(r"_gen\d+\b"), "_gen*"))
+_ROW = re.compile(r"^\s*(\d+)\s+\d+\s+(\S+)\s+\d+\s+(\S+) \(.*\)$")
+_RECOVERY = re.compile(r"^generation \d+ \((.*)\), times from the (failure|decision):$")
+
+
+def unnumbered(text: str) -> str:
+    """``text`` without generation numbers, in words and in the layouts named after them."""
+    for pattern, mask in _GENERATIONS:
+        text = pattern.sub(mask, text)
+    return text
+
+
+def outcome(report: str) -> dict:
+    """What an ``apply --elastic`` report promises whatever the machine's timing: the job and
+    its faults, every step verified on the layouts it names, the ranks the recoveries lost and
+    admitted, what moved to the replacements, and the last line. How many generations the
+    failures took, and which step's commit admitted a replacement (the ranks and bytes of each
+    step's row), are the timing: left out, with the times and reasons ``steady`` masks."""
+    lines, steps, lost, joined, moved = [], [], [], [], []
+    in_table = in_recovery = False
+    for line in steady(report):
+        header = _RECOVERY.match(line)
+        row = _ROW.match(line) if in_table else None
+        if header:
+            what, origin = header.groups()
+            ranks = {part.split(" ", 1)[0]: part.split(" ", 1)[1].split(", ") for part in what.split("; ")}
+            lost += [int(r) for r in ranks.get("lost", [])]
+            joined += [int(r) for r in ranks.get("joined", [])]
+            assert origin == ("failure" if "lost" in ranks else "decision"), line
+            in_recovery = True
+        elif in_recovery and line.startswith(" "):
+            if "recovery plan:" in line or " received step " in line:
+                moved.append(re.sub(r"step \d+'s", "step *'s", line))
+        elif row:
+            step, destination, verdict = row.groups()
+            steps.append((int(step), unnumbered(destination), verdict))
+        else:
+            in_recovery = False
+            in_table = line.startswith("----") or (in_table and line != "")
+            if line:  # one blank line more or less: one recovery block more or less
+                lines.append(unnumbered(line))
+    return {"lines": lines, "steps": steps, "lost": sorted(lost), "joined": sorted(joined), "moved": sorted(moved)}
+
+
 # ------------------------------------------------------------------- cheap checks
 
 
@@ -116,7 +160,8 @@ def test_a_killed_rank_is_replaced_as_the_guide_shows():
     assert argv[:3] == ["layoutlang", "apply", "examples/refit.layout"] and "--replace" in argv
     result = run(argv)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert steady(result.stdout) == steady(expected)
+    assert outcome(result.stdout) == outcome(expected)
+    assert outcome(result.stdout)["lost"] == [6] and outcome(result.stdout)["joined"] == [12]
 
 
 @pytest.mark.slow
@@ -125,8 +170,9 @@ def test_every_replica_losing_a_rank_is_refilled_by_spares_as_the_guide_shows():
     assert "--replace" in argv and argv.count("--kill") == 2
     result = run(argv)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert steady(result.stdout) == steady(expected)
-    assert "generation 1 (lost 5, 9; joined 12, 13)" in result.stdout
+    # the two kills may be noticed in one generation or in two: the same ranks lost and admitted
+    assert outcome(result.stdout) == outcome(expected)
+    assert outcome(result.stdout)["lost"] == [5, 9] and outcome(result.stdout)["joined"] == [12, 13]
 
 
 @pytest.mark.slow
@@ -144,7 +190,7 @@ def test_the_python_example_runs_as_the_guide_shows():
     assert argv == ["python", "docs/snippets/elastic-session.py"]
     result = run(argv)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert result.stdout == expected
+    assert unnumbered(result.stdout) == unnumbered(expected)  # the hooks' generations are the timing's
     assert result.stdout.splitlines()[-1] == "ok"
 
 

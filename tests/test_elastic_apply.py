@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -83,16 +84,19 @@ def test_a_killed_rank_is_replaced_and_every_refit_is_verified(program):
     assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
     assert all(not s["mismatches"] and s["verified_bytes"] > 0 for s in summary["steps"])
     assert summary["failed"]["5"]["how"] == "kill"
-    shrink, grow = summary["recoveries"]
-    assert shrink["lost"] == [5] and shrink["from"] == "failure"
+    # how many generations the loss and the admission take is the machine's timing: their outcome is not
+    (shrink,) = [r for r in summary["recoveries"] if 5 in r["lost"]]
+    (grow,) = [r for r in summary["recoveries"] if 8 in r["joined"]]
+    assert shrink["from"] == "failure" and shrink["generation"] < grow["generation"]  # the place opens first
     assert 0 <= shrink["noticed_s"] <= shrink["agreed_s"] <= shrink["group_s"] <= shrink["first_byte_s"] < 10
-    assert grow["joined"] == [8] and grow["recovered_bytes"] > 0
-    assert summary["destination"] == "serve_gen2" and 8 in summary["members"] and 5 not in summary["members"]
+    assert grow["recovered_bytes"] > 0
+    assert re.fullmatch(r"serve_gen\d+", summary["destination"]), summary["destination"]
+    assert sorted(summary["members"]) == [0, 1, 2, 3, 4, 6, 7, 8]  # the survivors and the replacement
     # the text report tells the same story
     text = run("apply", str(program), "--elastic", "--steps", "2", "--kill", "6@1")
     assert text.returncode == 0, text.stderr[-3000:]
     assert "rank 6: SIGKILL (injected)" in text.stdout
-    assert "generation 1 (lost 6), times from the failure:" in text.stdout
+    assert re.search(r"^generation \d+ \(lost 6\), times from the failure:$", text.stdout, re.M), text.stdout
     assert "first byte moved on the new group" in text.stdout
     assert "all 2 refits committed and verified" in text.stdout
 
@@ -108,11 +112,17 @@ def test_every_replica_losing_a_rank_is_refilled_by_spares_from_the_training_sid
     assert summary["ok"] and not summary["errors"]
     assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
     assert all(not s["mismatches"] and s["verified_bytes"] > 0 for s in summary["steps"])
-    (recovery,) = summary["recoveries"]  # one generation: the spares are admitted by the recovery
-    assert recovery["lost"] == [5, 7] and recovery["joined"] == [8, 9]
-    assert recovery["first_byte_s"] < 10
-    assert summary["destination"] == "serve_gen1"
-    assert {8, 9} <= set(summary["members"]) and not {5, 7} & set(summary["members"])
+    # The two kills may be noticed in one generation or in two (legitimately): every lost rank
+    # is in some recovery, the spares took their positions, and the last one moved bytes soon.
+    recoveries = summary["recoveries"]
+    assert sorted(r for rec in recoveries for r in rec["lost"]) == [5, 7], recoveries
+    assert sorted(r for rec in recoveries for r in rec["joined"]) == [8, 9], recoveries
+    assert all(rec["from"] == "failure" for rec in recoveries if rec["lost"])
+    assert recoveries[-1]["first_byte_s"] is not None and recoveries[-1]["first_byte_s"] < 10
+    assert re.fullmatch(r"serve_gen\d+", summary["destination"]), summary["destination"]
+    assert sorted(summary["members"]) == [0, 1, 2, 3, 4, 6, 8, 9]  # the survivors and the spares
+    # both replicas are whole again: the last step was verified on four inference ranks
+    assert summary["steps"][-1]["ranks"] == 4
 
 
 def test_every_replica_losing_a_rank_without_spares_ends_with_the_positions_named(program):
@@ -203,8 +213,9 @@ def test_under_torchrun_agents_the_survivors_recover_without_a_restart(tmp_path)
             assert summary is not None, "\n".join(Path(log.name).read_text()[-2000:] for log in logs)
             assert summary["ok"], summary
             assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
-            assert summary["members"] == [0, 1, 2] and summary["destination"] == "serve_gen1"
-            assert summary["recoveries"][0]["lost"] == [3]
+            assert summary["members"] == [0, 1, 2]  # the survivors
+            assert re.fullmatch(r"serve_gen\d+", summary["destination"]), summary["destination"]
+            assert sorted(r for rec in summary["recoveries"] for r in rec["lost"]) == [3]
             # no agent restarted its worker: every log shows a single worker start
             for log in logs:
                 log.seek(0)

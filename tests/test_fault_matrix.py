@@ -14,6 +14,7 @@ slow rank (tests/test_elastic_slow_rank.py), forged store records
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ class Fault:
     name: str
     options: tuple[str, ...]  # after `layoutlang apply examples/refit.layout --elastic`
     exit_status: int
-    says: tuple[str, ...]  # words the report must contain
+    says: tuple[str, ...]  # regular expressions the report must match (which generation a
+    # recovery ends in and which step's commit admits a replacement are the machine's timing)
     bound_s: float  # the whole run, 12 to 16 processes starting on a 2-core machine included
 
 
@@ -41,21 +43,21 @@ FAULTS = [
         "a run of failures (a kill, a hang, a kill after the first replacement joined), each replaced",
         ("--steps", "6", "--kill", "5@1", "--stop", "10@2", "--kill", "6@4", "--replace"),
         0,
-        ("all 6 refits committed and verified", "heartbeat stuck", "received step 1's weights: ok"),
+        ("all 6 refits committed and verified", "heartbeat stuck", r"received step \d+'s weights: ok"),
         200,
     ),
     Fault(
         "a hung inference rank, not replaced: its replica is dropped",
         ("--steps", "3", "--stop", "6@1"),
         0,
-        ("all 3 refits committed and verified", "generation 1 (lost 6)"),
+        ("all 3 refits committed and verified", r"generation \d+ \(lost 6\)"),
         150,
     ),
     Fault(
         "every inference replica loses a rank and no spare is started",
         ("--steps", "2", "--kill", "5@1", "--kill", "9@1"),
         1,
-        ("holds a lost rank (5 at dp 0, 9 at dp 1); no intact replica remains", "start spare ranks that join"),
+        (r"holds a lost rank \(5 at dp 0, 9 at dp 1\); no intact replica remains", "start spare ranks that join"),
         120,
     ),
     Fault(
@@ -77,6 +79,6 @@ def test_each_fault_recovers_verified_or_ends_with_its_documented_error(fault):
     report = result.stdout + result.stderr
     assert result.returncode == fault.exit_status, report[-4000:]
     for words in fault.says:
-        assert words in result.stdout, (words, result.stdout[-4000:])
+        assert re.search(words, result.stdout), (words, result.stdout[-4000:])
     assert "MISMATCH" not in report and "Traceback" not in report
     assert took < fault.bound_s, f"{fault.name}: {took:.0f} s"
