@@ -245,6 +245,7 @@ class FailureDetector:
         previous: int | None = None,
         startup: float | None = None,
         secret: JobSecret | bytes | str | None = None,
+        joining: Iterable[int] = (),
     ):
         self.store = _namespaced(store, namespace)
         self.records = RecordSigner(secret, namespace, store=store)  # exit notifications are signed
@@ -257,6 +258,9 @@ class FailureDetector:
         self._exits_seen = 0
         self.generation = int(generation)
         self.members = sorted(int(m) for m in members)
+        # Joiners beat under ASKING until they enter: a joiner that died after asking is silent
+        # there, and found within a deadline instead of after the startup allowance.
+        self.joining = {int(r) for r in joining}
         self.deadline = float(deadline)
         self._seen: dict[int, tuple[int | None, float]] = {}
         # rank -> reason: an exit, or silence until reconsider() forgives it
@@ -267,6 +271,8 @@ class FailureDetector:
         value = int(self.store.add(generation_key(self.generation, f"hb/{rank}"), 0))
         if self.previous is not None:
             value += int(self.store.add(generation_key(self.previous, f"hb/{rank}"), 0))
+        if rank in self.joining:
+            value += int(self.store.add(generation_key(ASKING, f"hb/{rank}"), 0))
         return value or None
 
     def poll(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
@@ -555,6 +561,22 @@ class Membership:
                 )
             time.sleep(period)
 
+    def asking_alive(self, ranks: Iterable[int], within: float | None = None, period: float = 0.05) -> list[int]:
+        """Those of ``ranks`` (joiners) whose heartbeat under :data:`ASKING` advances within
+        ``within`` seconds (default: the deadline): a join request outlives the process that
+        made it, and a joiner that gave up or died must not be admitted."""
+        ranks = sorted({int(r) for r in ranks})
+        if not ranks:
+            return []
+        keys = {r: generation_key(ASKING, f"hb/{r}") for r in ranks}
+        start = {r: int(self.store.add(k, 0)) for r, k in keys.items()}
+        alive: set[int] = set()
+        end = time.monotonic() + (self.deadline if within is None else within)
+        while len(alive) < len(ranks) and time.monotonic() < end:
+            time.sleep(period)
+            alive |= {r for r, k in keys.items() if r not in alive and int(self.store.add(k, 0)) != start[r]}
+        return sorted(alive)
+
     def detector(
         self,
         generation: int | None = None,
@@ -563,6 +585,7 @@ class Membership:
         use_exits: bool = True,
         previous: int | None = None,
         startup: float | None = None,
+        joining: Iterable[int] = (),
     ) -> FailureDetector:
         g = self.current() if generation is None else generation
         return FailureDetector(
@@ -576,6 +599,7 @@ class Membership:
             previous=previous,
             startup=startup,
             secret=self.records.secret,
+            joining=joining,
         )
 
 

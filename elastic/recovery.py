@@ -267,6 +267,7 @@ class Watch:
         self._detector: FailureDetector | None = None
         self._previous: int | None = None  # the detector's options (see restart)
         self._startup: float | None = None
+        self._joining: tuple[int, ...] = ()
         self._confirmed: set[int] = set()  # ranks whose silence a second look confirmed
         self.rechecks = 0  # ranks suspected for silence and looked at again (see confirm)
         self._last = 0.0
@@ -278,15 +279,16 @@ class Watch:
             raise MembershipError(f"rank {self.membership.rank}: no generation entered yet")
         return self._detector
 
-    def restart(self, *, previous: int | None, startup: float | None) -> None:
+    def restart(self, *, previous: int | None, startup: float | None, joining: Sequence[int] = ()) -> None:
         """Watch the members of the current generation from now on. ``previous``: the
         generation they may still be busy in; ``startup``: how long a member never heard from
-        may take to start (ranks still importing torch)."""
-        self._previous, self._startup = previous, startup
+        may take to start (ranks still importing torch); ``joining``: members that beat as
+        joiners until they enter (alive while that heartbeat advances)."""
+        self._previous, self._startup, self._joining = previous, startup, tuple(joining)
         self._detector = self._fresh()
 
     def _fresh(self) -> FailureDetector:
-        return self.membership.detector(previous=self._previous, startup=self._startup)
+        return self.membership.detector(previous=self._previous, startup=self._startup, joining=self._joining)
 
     def now(self) -> None:
         """Look at once (not at the watch's pace), e.g. before a step begins."""
@@ -466,6 +468,7 @@ class Recoverer:
         on_change: Callable[[Change], None],
         spare_wait: float | None = None,
         spares: bool = True,
+        join_timeout: float | None = None,
     ):
         self.spec = spec
         self.rank = membership.rank
@@ -477,6 +480,7 @@ class Recoverer:
         self.on_change = on_change
         self.spare_wait = timeout if spare_wait is None else spare_wait  # see _spares_for
         self.spares = spares
+        self.join_timeout = timeout if join_timeout is None else join_timeout  # see _admission
         self.sources: Sources | None = None
         self.commits = CommitRecords(membership, timeout=timeout)
         self.watch = Watch(membership, self.commits, deadline=deadline)
@@ -507,7 +511,8 @@ class Recoverer:
         wanted = open_positions(history, mesh, self.spec.positions(history))
         returning = self.spec.returning
         asking = [j for j in self.membership.join_requests(g + 1) if j not in members and j not in returning]
-        joiners = whole_units(asking, self.spec.unit)
+        # a request outlives the process that made it: admit only joiners still beating
+        joiners = whole_units(self.membership.asking_alive(whole_units(asking, self.spec.unit)), self.spec.unit)
         return joiners if self.spec.grow else joiners[: len(wanted) - len(wanted) % self.spec.unit]
 
     # ------------------------------------------------------------------- commits
@@ -554,6 +559,7 @@ class Recoverer:
         self.watch.restart(
             previous=state.generation if state.generation >= 0 else None,
             startup=self.timeout if first or joined or rejoined else None,  # ranks still starting up
+            joining=(*joined, *rejoined),
         )
         self._rebuild()
         group_at = time.time()
@@ -782,9 +788,9 @@ class Recoverer:
         while True:
             back = sorted(vacant & set(self.membership.join_requests(generation)))
             if len(back) == len(vacant) or time.monotonic() > end:
-                return back
+                return self.membership.asking_alive(back)
             if self.membership.members_of(generation) is not None:
-                return back  # another member proposed: its list wins anyway
+                return back  # another member proposed: its list wins anyway (nothing to admit here)
             time.sleep(0.05)
 
     def _spares_for(self, generation: int, survivors: list[int]) -> list[int]:
@@ -845,10 +851,11 @@ class Recoverer:
     def _admission(self) -> tuple[int, list[int]]:
         """Ask to join the next generation until one that includes this rank is agreed;
         returns it and its members."""
-        end = time.monotonic() + self.timeout
+        end = time.monotonic() + self.join_timeout
         requested: int | None = None
+        known = 0
         while True:
-            latest = self.membership.latest() or 0
+            latest = known = self.membership.latest(known) or known
             if requested is None or latest >= requested:
                 members = self.membership.members_of(requested) if requested is not None else None
                 if requested is not None and members is not None and self.rank in members:
@@ -861,6 +868,9 @@ class Recoverer:
                     f"rank {self.rank}: the job ended before admitting this rank ({ended.decode(errors='replace')})"
                 )
             if time.monotonic() > end:
-                raise MembershipError(f"rank {self.rank}: not admitted into any generation within {self.timeout:g} s")
+                raise MembershipError(
+                    f"rank {self.rank}: not admitted into any generation within {self.join_timeout:g} s "
+                    "(members admit joiners after a committed step)"
+                )
             time.sleep(0.02)
 

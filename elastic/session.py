@@ -114,7 +114,8 @@ class ElasticSession:
     up to ``spare_wait`` seconds (default ``timeout``) for enough joiners to ask, then
     fails with the positions it could not fill. ``spares=False``: a recovery admits nobody;
     joiners wait for the next step boundary (a fleet of engines, whose joiners take part in
-    refits only from a step boundary on).
+    refits only from a step boundary on). A joiner waits up to ``join_timeout`` seconds
+    (default ``timeout``) to be admitted.
     ``on_shrink(change)`` / ``on_grow(change)`` run on every member of a new generation once
     its group is built. ``backend`` builds each generation's group:
     :class:`~elastic.GlooGenerations` (default) or :class:`~elastic.NcclGenerations`.
@@ -165,6 +166,7 @@ class ElasticSession:
         timeout: float = 60.0,
         spare_wait: float | None = None,
         spares: bool = True,
+        join_timeout: float | None = None,
         memory_budget: int = 2 * DEFAULT_BUCKET_BYTES,
         backend: Any = None,
         on_shrink: Callable[[Change], None] | None = None,
@@ -204,7 +206,7 @@ class ElasticSession:
             spec, membership=self.membership, heartbeat=self.heartbeat,
             builder=GroupBuilder(self.backend, host=host, port=port, rank=self.rank, timeout=timeout),
             timeout=timeout, deadline=deadline, device=self.device, on_change=self._changed,
-            spare_wait=timeout if spare_wait is None else spare_wait, spares=spares,
+            spare_wait=timeout if spare_wait is None else spare_wait, spares=spares, join_timeout=join_timeout,
         )
         self.last_report: StepReport | None = None
         self._closed = False
@@ -319,6 +321,12 @@ class ElasticSession:
     def plan(self) -> Plan | None:
         """The refit plan of the current generation."""
         return self._recoverer.plan
+
+    @property
+    def asking(self) -> list[int]:
+        """The ranks asking to join the next generation (admitted after the next committed
+        step, or by :meth:`admit`)."""
+        return self.membership.join_requests(self.generation + 1)
 
     @property
     def vacant(self) -> list[int]:

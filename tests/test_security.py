@@ -215,16 +215,13 @@ def test_the_stores_listen_on_loopback_only(store):
     assert reachable("127.0.0.1", store.port)
     assert not reachable(address, store.port), f"the store answers on {address}"
 
-    from layoutlang.integrations.refit_group import RefitGroup
+    from layoutlang.integrations.refit_session import SessionAddress
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    group = RefitGroup("127.0.0.1", port, 0, 1, host_store=True, timeout=10)
-    try:
-        assert reachable("127.0.0.1", port) and not reachable(address, port)
-    finally:
-        group.close()
+    served = SessionAddress("127.0.0.1", port).connect(serve=True, timeout=10)  # a trainer's rank 0
+    assert reachable("127.0.0.1", served.port) and not reachable(address, served.port)
 
 
 @pytest.mark.workers(2)

@@ -170,9 +170,10 @@ def stop(engine: Any) -> None:
     gc.collect()
 
 
-def program_text(checkpoint: Path, train_layout: str, preset: str | None) -> str:
-    """The refit's program: the training layout, into ``preset`` (None: every checkpoint
-    tensor whole on every worker, in checkpoint names: not what vLLM holds)."""
+def program_text(checkpoint: Path, train_layout: str, preset: str | None, engines: int = 2) -> str:
+    """The refit's program: the training layout, into ``preset`` on ``engines`` engines of
+    tensor parallel 2 (None: every checkpoint tensor whole on every worker, in checkpoint
+    names: not what vLLM holds)."""
     if preset is None:
         destination, name = "layout whole on infer { default: replicate }\n", "whole"
     else:
@@ -180,7 +181,7 @@ def program_text(checkpoint: Path, train_layout: str, preset: str | None) -> str
     return (
         f'tensors from hf "{checkpoint / "config.json"}" as cfg dtype fp32\n'
         + train_layout
-        + f"mesh infer [dp = 2, tp = 2] on ranks {TRAINERS}..{TRAINERS + 3}\n"
+        + f"mesh infer [dp = {engines}, tp = 2] on ranks {TRAINERS}..{TRAINERS + 2 * engines - 1}\n"
         + destination
         + f"reshard refit: train -> {name}\n"
     )
@@ -246,7 +247,7 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
     # [trainer]
     def init(text: str, port: int, name: str) -> Any:
         info = LayoutlangTrainerInitInfo(
-            rank=rank, master_address="127.0.0.1", master_port=port, program=text, timeout=TIMEOUT, group_name=name
+            rank=rank, master_address="127.0.0.1", master_port=port, program=text, timeout=TIMEOUT, namespace=name
         )
         return LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=model)
 
@@ -265,7 +266,7 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
     dist.barrier()
 
     refit = init(program, ports[2], "refit")
-    record["plan"] = refit.resharder.plan.stats.to_json() if rank == 0 else None
+    record["plan"] = refit.session.plan.stats.to_json() if rank == 0 else None
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     for step in range(1, 4):
         torch.manual_seed(100 + step)
@@ -294,22 +295,31 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
         record["steps"].append(observed)
         log(f"step {step}: refit {seconds:.3f} s, tokens {observed['engines'][0]['tokens'][0]}")
 
-    # 2. a rank dies just before a refit: the trainer's last rank (llama), or a worker of the
-    # second engine (qwen3_moe; vLLM then stops that engine). The other ranks must fail with
-    # an error, and the engines that live keep serving the weights of the last good refit.
+    # 2. a worker of the second engine dies just before a refit (vLLM then stops that engine):
+    # the refit still commits on the first engine, which generates the new weights' tokens
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    living = engines
-    if scenario == "qwen3_moe":
-        if rank == 0:
-            pids = engines[1].llm_engine.collective_rpc(worker_pid)
-            os.kill(pids[-1], signal.SIGKILL)
-            record["killed"] = "engine 1's tensor-parallel rank 1 (program rank 5)"
-            living = engines[:1]
-            time.sleep(1.0)
-        dist.barrier()
-    elif rank == TRAINERS - 1:
-        record["died"] = True
+    if rank == 0:
+        pids = engines[1].llm_engine.collective_rpc(worker_pid)
+        os.kill(pids[-1], signal.SIGKILL)
+        record["killed"] = "engine 1's tensor-parallel rank 1 (program rank 5)"
+    dist.barrier()
+    started = time.perf_counter()
+    report = refit.send_weights()
+    record["engine_death"] = {"seconds": time.perf_counter() - started, "report": report.to_json()}
+    whole = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+    if rank == 0:
+        reference = new_model(scenario)
+        reference.load_state_dict(whole)
+        survivor = generate(engines[0])
+        survivor["transformers"] = transformers_logprobs(reference, survivor["tokens"])
+        record["engine_death"]["survivor"] = survivor
+
+    # 3. a trainer rank dies (FSDP: nothing else holds its shards): the refit stops with
+    # DataLossError, and the engine keeps serving the last committed weights
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    if rank == TRAINERS - 1:
         (work / f"rank{rank}.json").write_text(json.dumps(record))
         os._exit(0)
     started = time.perf_counter()
@@ -319,8 +329,7 @@ def trainer(rank: int, scenario: str, work: Path, ports: list[int]) -> None:
     except Exception as err:
         record["death_error"] = f"{type(err).__name__}: {err}"
     record["death_seconds"] = time.perf_counter() - started
-    if rank == 0:
-        record["after_death"] = [generate(e) for e in living]
+    record["after_death"] = generate(engines[0])
     (work / f"rank{rank}.json").write_text(json.dumps(record))
 
 

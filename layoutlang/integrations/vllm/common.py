@@ -4,21 +4,31 @@ the program both compile."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...errors import LayoutValueError
 from ...lang import load, loads
 from ...model import Layout, Program, Reshard
+from ..refit_session import DEFAULT_NAMESPACE, SessionAddress, engines_of
 
-__all__ = ["BACKEND", "RefitProgram", "WorkerInitFields", "first_of"]
+__all__ = ["BACKEND", "MODES", "RefitProgram", "WorkerInitFields", "first_of"]
 
 #: the name layoutlang registers under in vLLM's weight-transfer factories
 BACKEND = "layoutlang"
 
+#: how an engine's workers enter the refit session: ``start`` (the first generation, with the
+#: trainer), ``join`` (a new or restarted engine, admitted at the next step boundary),
+#: ``attach`` (already a member: a restarted trainer takes its place back)
+MODES = ("start", "join", "attach")
+
 
 @dataclass(kw_only=True)
 class WorkerInitFields:
-    """The fields of the worker-side init info (plain JSON, so every control plane carries it)."""
+    """The fields of the worker-side init info (plain JSON, so every control plane carries it).
+
+    ``secret`` is the job's secret (hex): it signs the session's records and never appears in
+    a repr, a log or a message.
+    """
 
     master_address: str
     master_port: int
@@ -26,37 +36,56 @@ class WorkerInitFields:
     program: str
     program_path: str | None = None
     reshard: str | None = None
-    #: the first program rank of this engine's workers
-    rank_offset: int
-    world_size: int
+    #: the first program rank of this engine's workers (``join``: allocated by the trainer)
+    rank_offset: int = 0
+    namespace: str = DEFAULT_NAMESPACE
+    mode: str = "start"
+    secret: str = field(default="", repr=False)
+    #: the engine's name in the session's records (a re-attaching trainer finds its ranks by it)
+    token: str = ""
     timeout: float = 300.0
-    group_name: str = "layoutlang-refit"
+    #: seconds a member may stay silent before it is suspected (a second deadline confirms it)
+    deadline: float = 2.0
+    memory_budget: int | None = None
+    #: the destination mesh's axis that indexes engines (its first axis)
+    engine_axis: str = "dp"
+    #: ``join``: seconds to wait for the members to admit it at a step boundary
+    join_timeout: float = 3600.0
     #: the destination layout names checkpoint tensors, not the engine's parameters: every
     #: storage goes through load_weights (vLLM's own path for whole tensors, as its NCCL
     #: engine takes it); for comparisons, and for engines layoutlang has no preset of
     checkpoint_format: bool = False
 
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            modes = ", ".join(MODES)
+            raise LayoutValueError(f"unknown mode '{self.mode}' of the layoutlang init info (modes: {modes})")
+
+    @property
+    def address(self) -> SessionAddress:
+        return SessionAddress(self.master_address, int(self.master_port), self.namespace)
+
 
 class RefitProgram:
     """The program of a refit, its reshard and both layouts."""
 
-    def __init__(self, text: str, path: str | None, reshard: str | None):
+    def __init__(self, text: str, path: str | None, reshard: str | None, engine_axis: str = "dp"):
         self.program: Program = load(path) if path and os.path.isfile(path) else loads(text, path or "<refit>")
         self.reshard: Reshard = self.program.reshard(reshard)
         self.source: Layout = self.program.layout(self.reshard.source)
         self.destination: Layout = self.program.layout(self.reshard.destination)
+        self.engine_axis = engine_axis
+        #: each engine's program ranks in the first generation, in mesh order
+        self.engines: list[tuple[int, ...]] = engines_of(self.destination, engine_axis)
 
-    def world_size(self) -> int:
-        """Ranks ``0 .. N - 1`` of the refit group: every one must be in a mesh of the reshard."""
-        ranks = set(self.source.mesh.ranks) | set(self.destination.mesh.ranks)
-        world = max(ranks) + 1
-        missing = sorted(set(range(world)) - ranks)
-        if missing:
-            raise LayoutValueError(
-                f"ranks {missing[:8]} of the refit group 0..{world - 1} belong to no mesh of reshard "
-                f"'{self.reshard.name}': number the trainer's ranks 0.. and the engines' after them"
-            )
-        return world
+    def engine_offsets(self) -> list[int]:
+        """The first rank of each engine of the first generation."""
+        return [ranks[0] for ranks in self.engines]
+
+    def position_like(self, engine_rank: int) -> int:
+        """A rank of the first generation holding what the ``engine_rank``-th worker of any
+        engine holds (every engine holds the same boxes: the engine axis replicates)."""
+        return self.engines[0][engine_rank]
 
 
 def first_of(problems: list[str]) -> str | None:

@@ -1,24 +1,45 @@
 """The trainer side: layoutlang as a vLLM ``TrainerWeightTransferEngine``.
 
-Every trainer rank calls :meth:`LayoutlangTrainerWeightTransferEngine.trainer_init` with
-its own rank and the same program, and :meth:`send_weights` after every optimizer step.
-Each rank sends the boxes of its own shards that the plan gives it (its FSDP2 / TP / EP
-``to_local()``): no rank gathers a whole tensor. Rank 0 (the sender) also serves the refit
-group's store and drives the inference side through the clients, one per engine:
-``init_weight_transfer_engine`` with each engine's ``rank_offset``, then per refit
-``start_weight_update``, ``update_weights`` (while the trainer ranks send) and, once every
-worker of every engine has received everything, ``finish_weight_update``. If anything
-fails, no engine applies the refit: each keeps serving its previous weights.
+Every trainer rank calls :meth:`LayoutlangTrainerWeightTransferEngine.trainer_init` with its
+own rank and the same program, and :meth:`~LayoutlangTrainerWeightTransferEngine.send_weights`
+after every optimizer step. Each rank sends the boxes of its own shards that the plan gives it
+(its FSDP2 / TP / EP ``to_local()``): no rank gathers a whole tensor. Rank 0 (the sender)
+also serves the refit session's store (unless a process that outlives the trainer does) and
+drives the engines through their clients, one per engine.
+
+The refit is an elastic session (:mod:`layoutlang.integrations.refit_session`): every refit
+is a committed step, and the fleet of engines may change between and during steps without
+anyone calling ``trainer_init`` again:
+
+- an engine that loses a worker (or hangs) during a refit is dropped; the others' refit still
+  commits within the same ``send_weights()`` call, which reports the lost engine
+  (:class:`RefitReport`, and :attr:`~LayoutlangTrainerWeightTransferEngine.on_engines_lost`);
+- :meth:`~LayoutlangTrainerWeightTransferEngine.add_engine` (a restarted engine, or one more
+  for throughput) is admitted at the next step boundary, receives the weights of the step
+  just committed from an engine that holds the same boxes, and is applied before
+  ``send_weights()`` returns: it serves the others' version;
+- :meth:`~LayoutlangTrainerWeightTransferEngine.remove_engine` leaves on purpose (not a
+  failure): the engine axis shrinks at the next step;
+- a trainer rank lost with no replica of its shards stops the refit with
+  :class:`~layoutlang.errors.DataLossError`; the engines keep serving their last committed
+  weights and stay in the session, and a restarted trainer (same job secret, same store) calls
+  ``trainer_init`` again to re-attach to them.
+
+An engine applies a refit only once its workers received all of it and the step committed:
+``finish_weight_update`` is called on the engines that did, never on the others.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import itertools
+import threading
+import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+import attrs
 import torch
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
@@ -28,17 +49,29 @@ from vllm.distributed.weight_transfer.base import (
     materialize_full_tensor,
 )
 
+from elastic import ElasticSession, JobSecret, Recovery
+
 from ..._text import rank_ranges
-from ...errors import ExecutionError
-from ...runtime import Resharder
+from ...errors import DataLossError, ExecutionError, LayoutValueError, RuntimeFailure
 from ..dtensor import local_storages, state_dict_problems
-from ..refit_group import RefitGroup
+from ..refit_session import (
+    DEFAULT_NAMESPACE,
+    SessionAddress,
+    allocate_engine_ranks,
+    engines_of,
+    fleet_session,
+    job_secret,
+    read_engine_ranks,
+    session_exists,
+)
 from .common import BACKEND, RefitProgram, WorkerInitFields, first_of
 
 __all__ = [
+    "Engine",
     "LayoutlangTrainerInitInfo",
     "LayoutlangTrainerWeightTransferEngine",
     "OfflineLLMClient",
+    "RefitReport",
     "StateDictSource",
 ]
 
@@ -93,7 +126,15 @@ class OfflineLLMClient:
 
 @dataclass(kw_only=True)
 class LayoutlangTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info; ``rank`` is this trainer process's rank (program rank)."""
+    """Trainer-side init info; ``rank`` is this trainer process's rank (program rank).
+
+    ``master_address:master_port`` is the refit session's store: trainer rank 0 serves it
+    there (listening on that address only) unless ``host_store`` is False, when a process
+    that outlives the trainer serves it (then a restarted trainer re-attaches to the running
+    engines). ``secret`` is the job's secret (default: ``LAYOUTLANG_JOB_SECRET``, else one
+    rank 0 generates and broadcasts over the trainer's default process group); it reaches the
+    engines in their init info and is never shown.
+    """
 
     backend: ClassVar[str] = BACKEND
 
@@ -103,14 +144,109 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     program_path: str | None = None
     reshard: str | None = None
     #: first program rank of each engine, in the order of the clients; default: the
-    #: destination mesh's ranks cut into as many equal runs as there are clients
+    #: destination mesh's engines (coordinates of ``engine_axis``) in order
     engine_rank_offsets: list[int] | None = None
     timeout: float = 300.0
-    group_name: str = "layoutlang-refit"
+    #: seconds a member may stay silent before it is suspected (a second deadline confirms it)
+    deadline: float = 2.0
+    namespace: str = DEFAULT_NAMESPACE
+    secret: str | None = field(default=None, repr=False)
+    host_store: bool = True
+    memory_budget: int | None = None
+    #: the destination mesh's axis that indexes engines (its first axis)
+    engine_axis: str = "dp"
+    #: seconds an added engine waits to be admitted at a step boundary (add_engine)
+    join_timeout: float = 3600.0
     #: send sources of another dtype (fp32 master weights) as the program declares them
     cast_sources: bool = False
     #: the destination layout names checkpoint tensors (see WorkerInitFields)
     checkpoint_format: bool = False
+
+
+@dataclass
+class Engine:
+    """One inference engine as the sender sees it.
+
+    ``state``: ``joining`` (asked to join, admitted at the next step boundary), ``serving``,
+    ``lost`` (a worker died or hung: vLLM stopped it), ``left`` (removed on purpose) or
+    ``failed`` (its control plane failed, or it could not join; ``error`` says why).
+    ``version`` is the session's step whose weights it serves (None: not known yet).
+    """
+
+    index: int
+    client: Any = field(repr=False)
+    ranks: tuple[int, ...] = ()
+    state: str = "joining"
+    version: int | None = None
+    error: str | None = None
+    token: str = field(default_factory=lambda: uuid.uuid4().hex, repr=False)
+    admission: concurrent.futures.Future[Any] | None = field(default=None, repr=False)
+
+
+@attrs.frozen
+class RefitReport:
+    """What one ``send_weights()`` did, on this rank (engine lists are the sender's).
+
+    ``refitted``: the engines that applied ``step``; ``joined``: engines admitted at this
+    step's boundary (caught up with ``step`` and applied); ``lost`` / ``left``: engines that
+    went during it; ``failed``: engines whose control plane failed (index -> error), which
+    did not apply ``step``. ``recoveries``: the session's membership changes during the call;
+    ``recovered_from``: their recovery plans' bytes by where they were read (``destination``:
+    other engines, ``source``: the trainer).
+    """
+
+    step: int
+    seconds: float
+    generation: int
+    refitted: tuple[int, ...]
+    joined: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    failed: dict[int, str] = attrs.Factory(dict)
+    recoveries: tuple[Recovery, ...] = ()
+
+    @property
+    def recovered_from(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for recovery in self.recoveries:
+            for where, nbytes in recovery.recovered_from.items():
+                out[where] = out.get(where, 0) + nbytes
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step, "seconds": self.seconds, "generation": self.generation,
+            "refitted": list(self.refitted), "joined": list(self.joined), "lost": list(self.lost),
+            "left": list(self.left), "failed": {str(k): v for k, v in self.failed.items()},
+            "recoveries": [r.to_json() for r in self.recoveries], "recovered_from": self.recovered_from,
+        }
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """Run one control-plane call in a daemon thread: a call to a hung engine never returns,
+    and must neither block the refit nor keep the process from exiting."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # handed to whoever waits on the future
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="layoutlang-engine-call", daemon=True).start()
+    return future
+
+
+def _outcome(future: concurrent.futures.Future[Any], timeout: float) -> str | None:
+    """None when the call succeeded within ``timeout`` seconds, else what went wrong."""
+    try:
+        future.result(timeout=max(0.0, timeout))
+    except concurrent.futures.TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except Exception as err:
+        text = str(err).strip().splitlines()
+        return f"{type(err).__name__}: {text[-1] if text else ''}"
+    return None
 
 
 class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[LayoutlangTrainerInitInfo]):
@@ -125,28 +261,29 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         source: StateDictSource,
         rank: int,
         refit: RefitProgram,
-        group: RefitGroup,
-        resharder: Resharder,
-        cast_sources: bool,
-        timeout: float,
-        engine_offsets: Sequence[int] = (),
+        session: ElasticSession,
+        info: LayoutlangTrainerInitInfo,
+        secret: JobSecret,
+        store: Any,
+        engines: list[Engine],
     ):
         super().__init__(client=clients[0] if clients else None, source=source, is_sender=rank == 0)
-        self.clients = list(clients)
         self.rank = rank
         self.refit = refit
-        self.group = group
-        self.resharder = resharder
-        self.cast_sources = cast_sources
-        self.timeout = timeout
-        self.refits = 0
-        # each engine's program ranks, for messages
-        ranks = sorted(refit.destination.mesh.ranks)
-        self.engine_ranks: list[list[int]] = []
-        if engine_offsets:
-            bounds = [*engine_offsets, ranks[-1] + 1]
-            self.engine_ranks = [[r for r in ranks if lo <= r < hi] for lo, hi in itertools.pairwise(bounds)]
+        self.session = session
+        self.info = info
+        self._secret = secret
+        self._store = store
+        self.engines = engines
+        #: ``on_engines_lost(engines)``: called on the sender after a refit that lost engines
+        #: (so a framework stops routing prompts to them)
+        self.on_engines_lost: Callable[[list[Engine]], None] | None = None
+        #: ``on_engines_joined(engines)``: called on the sender once joined engines serve
+        self.on_engines_joined: Callable[[list[Engine]], None] | None = None
+        self.last_report: RefitReport | None = None
+        self._closed = False
 
+    # ------------------------------------------------------------------ init
     @classmethod
     def trainer_init(
         cls,
@@ -155,153 +292,354 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         client: Any,
         source: WeightSource | torch.nn.Module | Mapping[str, Any] | None = None,
     ) -> LayoutlangTrainerWeightTransferEngine:
-        """Join the refit group (rank 0 serves it and initializes every engine), compile and
-        agree on the plan. ``client`` is one client per engine (a sequence), or one."""
+        """Join the refit session and start it with the engines (``client``: one client per
+        engine, a sequence, or one), or re-attach to the running engines of a session that a
+        store outliving the previous trainer still holds. Every member agrees before a byte
+        moves: an engine whose parameters do not match the destination layout fails this on
+        every rank, naming the parameter and the rank."""
         if source is None:
             raise ValueError("the layoutlang trainer engine needs the trainer's weights (source=)")
         weights = source if isinstance(source, StateDictSource) else StateDictSource(source)
         clients = list(client) if isinstance(client, (list, tuple)) else [client]
-        refit = RefitProgram(init_info.program, init_info.program_path, init_info.reshard)
-        world = refit.world_size()
+        refit = RefitProgram(init_info.program, init_info.program_path, init_info.reshard, init_info.engine_axis)
         rank = init_info.rank
-        offsets: list[int] = []
+        if rank not in refit.source.mesh:
+            raise LayoutValueError(
+                f"trainer rank {rank} is not in mesh '{refit.source.mesh.name}' of layout '{refit.source.name}' "
+                f"(its ranks: {rank_ranges(refit.source.mesh.ranks)})"
+            )
+        address = SessionAddress(init_info.master_address, init_info.master_port, init_info.namespace)
+        store, secret, returning = _open_session(init_info, address)
+        engines = [Engine(i, c, state="serving") for i, c in enumerate(clients)]
+        calls: list[concurrent.futures.Future[Any]] = []
         if init_info.is_sender:
-            offsets = init_info.engine_rank_offsets or _even_offsets(refit.destination.mesh.ranks, len(clients))
-            if len(offsets) != len(clients):
-                raise ValueError(f"{len(clients)} clients but {len(offsets)} engine_rank_offsets")
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(clients)), thread_name_prefix="layoutlang-init")
-        futures = []
-        if init_info.is_sender:
-            for client_, offset in zip(clients, offsets):
-                fields = WorkerInitFields(
-                    master_address=init_info.master_address,
-                    master_port=init_info.master_port,
-                    program=init_info.program,
-                    program_path=init_info.program_path,
-                    reshard=refit.reshard.name,
-                    rank_offset=offset,
-                    world_size=world,
-                    timeout=init_info.timeout,
-                    group_name=init_info.group_name,
-                    checkpoint_format=init_info.checkpoint_format,
-                )
-                futures.append(pool.submit(client_.init_weight_transfer_engine, asdict(fields)))
+            calls = cls._init_engines(init_info, refit, engines, secret, attach=returning)
+        problems = state_dict_problems(refit.source, weights.state_dict(), rank, allow_dtype=init_info.cast_sources)
+        if returning and problems:
+            raise LayoutValueError(
+                f"rank {rank}'s weights do not match layout '{refit.source.name}': " + "; ".join(problems[:3])
+            )
         try:
-            group = RefitGroup(
-                init_info.master_address,
-                init_info.master_port,
-                rank,
-                world,
-                host_store=init_info.is_sender,
-                name=init_info.group_name,
-                timeout=init_info.timeout,
+            session = fleet_session(
+                refit.program, refit.reshard.name, rank=rank, store=store, address=address, secret=secret,
+                join=returning, engine_axis=init_info.engine_axis, timeout=init_info.timeout,
+                deadline=init_info.deadline, memory_budget=init_info.memory_budget,
+                device=_device_of(weights.state_dict()), problem=None if returning else first_of(problems),
             )
-            problems = state_dict_problems(refit.source, weights.state_dict(), rank, allow_dtype=init_info.cast_sources)
-            problem = first_of(problems)
-            resharder = Resharder(
-                refit.program,
-                refit.reshard.name,
-                rank=rank,
-                rank_map={r: r for r in range(world)},
-                transport=group.transport,
-                timeout=init_info.timeout,
-                problem=problem,
-            )
-        finally:
-            _raise_first(futures, init_info.timeout)
-            pool.shutdown(wait=False)
+        except RuntimeFailure:
+            # an engine's own error names its parameters and ranks, whole: it comes first
+            _raise_engine_errors(engines, calls, init_info.timeout, rank)
+            raise
+        try:
+            _raise_engine_errors(engines, calls, init_info.timeout, rank)
+        except ExecutionError:
+            session.close()
+            raise
+        if returning and init_info.is_sender:
+            for engine in engines:  # the ranks each engine holds in the session it re-attached to
+                engine.ranks = read_engine_ranks(store, address, secret, engine.token) or ()
         return cls(
-            clients=clients,
-            source=weights,
-            rank=rank,
-            refit=refit,
-            group=group,
-            resharder=resharder,
-            cast_sources=init_info.cast_sources,
-            timeout=init_info.timeout,
-            engine_offsets=offsets,
+            clients=clients, source=weights, rank=rank, refit=refit, session=session, info=init_info,
+            secret=secret, store=store, engines=engines,
         )
 
+    @staticmethod
+    def _init_engines(
+        info: LayoutlangTrainerInitInfo, refit: RefitProgram, engines: list[Engine], secret: JobSecret, *, attach: bool
+    ) -> list[concurrent.futures.Future[Any]]:
+        """Initialize every engine's weight transfer, concurrently (they rendezvous with the
+        trainer ranks): the first generation's engines, or the running engines of the session
+        a restarted trainer re-attaches to."""
+        offsets = info.engine_rank_offsets or refit.engine_offsets()
+        if not attach and len(offsets) != len(engines):
+            raise ValueError(
+                f"{len(engines)} engine clients, but the destination layout '{refit.destination.name}' has "
+                f"{len(offsets)} engines (engine_rank_offsets or the '{info.engine_axis}' axis of its mesh)"
+            )
+        calls = []
+        known = {ranks[0]: ranks for ranks in refit.engines}
+        for engine, offset in zip(engines, offsets if not attach else [0] * len(engines)):
+            if not attach:
+                if offset not in known:
+                    raise LayoutValueError(
+                        f"engine {engine.index}'s rank offset {offset} is not the first rank of an engine of layout "
+                        f"'{refit.destination.name}' (its engines: "
+                        + ", ".join(rank_ranges(r) for r in refit.engines) + ")"
+                    )
+                engine.ranks = known[offset]
+            fields = _worker_fields(info, refit, secret, mode="attach" if attach else "start", offset=offset,
+                                    token=engine.token)
+            calls.append(_call(engine.client.init_weight_transfer_engine, asdict(fields)))
+        return calls
+
+    # --------------------------------------------------------------- refits
     def _sources(self) -> tuple[dict[str, torch.Tensor], str | None]:
         """This rank's local shards, or what is wrong with them (then every rank stops)."""
         assert isinstance(self.source, StateDictSource)
         weights = self.source.state_dict()
         layout = self.refit.source
-        problems = state_dict_problems(layout, weights, self.rank, allow_dtype=self.cast_sources)
+        problems = state_dict_problems(layout, weights, self.rank, allow_dtype=self.info.cast_sources)
         if problems:
             return {}, f"rank {self.rank}'s weights do not match layout '{layout.name}': " + "; ".join(problems[:3])
         return local_storages(layout, weights, self.rank, checked=False), None
 
-    def _control(self, index: int, what: str, call: Any) -> None:
-        """One control-plane call to engine ``index``; its failure names the engine."""
-        try:
-            call()
-        except Exception as err:
-            ranks = self.engine_ranks[index] if index < len(self.engine_ranks) else []
-            raise ExecutionError(
-                f"rank {self.rank}: engine {index} (program ranks {rank_ranges(ranks)}) could not {what}: "
-                f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                "(its workers may have died); no engine applies this refit",
-                rank=self.rank,
-                peers=ranks,
-            ) from err
+    def send_weights(self, *, progress: Callable[[int, int], None] | None = None) -> RefitReport:
+        """Refit every engine from this rank's current weights (called on every trainer rank).
 
-    def send_weights(self) -> None:
-        """Refit every engine from this rank's current weights (called on every trainer rank)."""
-        self.refits += 1
+        Returns when the step committed on the session's members, engines lost meanwhile
+        dropped, engines admitted at its boundary caught up, and (on the sender) every engine
+        that received it applied it. Raises :class:`~layoutlang.errors.DataLossError` when a
+        trainer rank with no replica of its shards was lost: this trainer's part of the
+        session ends (the engines keep serving the last committed step; restart the trainer
+        and call ``trainer_init`` again), and :class:`~layoutlang.errors.AgreementError` when
+        a rank's weights do not match the training layout (nothing moved). ``progress(done,
+        total)`` is called after each of this rank's executor steps."""
+        if self._closed:
+            raise ExecutionError(f"rank {self.rank}: this trainer engine was shut down", rank=self.rank)
+        session = self.session
+        step = session.next_step
+        begin = time.perf_counter()
+        first = len(session.recoveries)
         sources, not_ready = self._sources()
-        pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.clients)), thread_name_prefix="layoutlang-refit")
-        futures = []
-        error: BaseException | None = None
+        if self.is_sender:
+            self._await_joiners()
+            self._drop_failed_joiners()
+        # an engine leaving on purpose is a member until the others notice: it is not called
+        members = [e for e in self.engines if e.state in ("serving", "leaving")] if self.is_sender else []
+        serving = [e for e in members if e.state == "serving"]
+        failed: dict[int, str] = {}
+        updates: dict[int, concurrent.futures.Future[Any]] = {}
+        if serving:
+            started = {e.index: _call(e.client.start_weight_update) for e in serving}
+            for e in serving:
+                error = _outcome(started[e.index], self.info.timeout)
+                if error is not None:
+                    failed[e.index] = f"could not start the weight update: {error}"
+            updates = {e.index: _call(e.client.update_weights, {"step": step}) for e in serving
+                       if e.index not in failed}
         try:
-            try:
-                if self.is_sender:
-                    for index, client in enumerate(self.clients):
-                        self._control(index, "start the weight update", client.start_weight_update)
-                    update = {"refit": self.refits}
-                    futures = [pool.submit(client.update_weights, dict(update)) for client in self.clients]
-                self.resharder.run(sources, {}, cast_sources=self.cast_sources, not_ready=not_ready)
-            except Exception as err:
-                # an engine that cannot start the update (dead), or an exchange that failed
-                error = err
-                # every member's pending exchange with this rank fails now, not at its deadline;
-                # the group is spent: trainer_init again to refit after a failure
-                self.group.transport.abort()
-            # the engines' errors name their ranks; this rank's own comes first
-            _raise_first(futures, self.timeout, first=error)
-            if self.is_sender:
-                for index, client in enumerate(self.clients):
-                    self._control(index, "apply the refit", lambda c=client: c.finish_weight_update(str(self.refits)))
-        finally:
-            pool.shutdown(wait=False)
+            committed = session.refit(
+                step, lambda _step, _session: sources, not_ready=not_ready,
+                progress=None if progress is None else lambda _step, done, total: progress(done, total),
+            )
+        except DataLossError:
+            self._end()  # the engines keep step - 1 and wait for a restarted trainer
+            raise
+        if not self.is_sender:
+            report = RefitReport(step, time.perf_counter() - begin, committed.generation, (),
+                                 recoveries=tuple(session.recoveries[first:]))
+            self.last_report = report
+            return report
+        report = self._settle_engines(step, members, updates, failed, begin, session.recoveries[first:], committed)
+        self.last_report = report
+        return report
+
+    def _settle_engines(
+        self,
+        step: int,
+        members: list[Engine],
+        updates: dict[int, concurrent.futures.Future[Any]],
+        failed: dict[int, str],
+        begin: float,
+        recoveries: Sequence[Recovery],
+        committed: Any,
+    ) -> RefitReport:
+        """After the step committed: which engines went, which joined, and apply it on every
+        engine that received it (the joiners: the step they caught up with)."""
+        present = set(engines_of(self.session.destination, self.info.engine_axis))
+        left_ranks = {r for recovery in recoveries for r in recovery.left}
+        lost: list[Engine] = []
+        left: list[Engine] = []
+        for engine in members:
+            if engine.ranks not in present:
+                gone_on_purpose = engine.state == "leaving" or set(engine.ranks) <= left_ranks
+                engine.state = "left" if gone_on_purpose else "lost"
+                (left if gone_on_purpose else lost).append(engine)
+        serving = [e for e in members if e.state == "serving"]
+        for engine in serving:
+            error = _outcome(updates[engine.index], self.info.timeout) if engine.index in updates else None
+            if error is not None:
+                failed[engine.index] = f"could not receive the weights: {error}"
+        joined = [e for e in self.engines if e.state == "joining" and e.ranks in present]
+        for engine in joined:
+            assert engine.admission is not None
+            error = _outcome(engine.admission, self.info.timeout)
+            if error is not None:
+                failed[engine.index] = f"could not join: {error}"
+                continue
+            started = _outcome(_call(engine.client.start_weight_update), self.info.timeout)
+            if started is not None:
+                failed[engine.index] = f"could not apply the weights it caught up with: {started}"
+        applying = [e for e in [*serving, *joined] if e.state in ("serving", "joining") and e.index not in failed]
+        finishes = {e.index: _call(e.client.finish_weight_update, str(step)) for e in applying}
+        refitted = []
+        for engine in applying:
+            error = _outcome(finishes[engine.index], self.info.timeout)
+            if error is not None:
+                failed[engine.index] = f"could not apply the refit: {error}"
+                continue
+            engine.state, engine.version = "serving", step
+            refitted.append(engine.index)
+        for index, error in failed.items():
+            # an engine whose workers are still members is called at every step (the session
+            # waits for them); it only keeps what it served before, and says why
+            self.engines[index].error = error
+            if self.engines[index].state == "joining":
+                self.engines[index].state = "serving"  # admitted: a member, with its caught-up weights unapplied
+        if lost and self.on_engines_lost is not None:
+            self.on_engines_lost(lost)
+        now_serving = [e for e in joined if e.state == "serving"]
+        if now_serving and self.on_engines_joined is not None:
+            self.on_engines_joined(now_serving)
+        return RefitReport(
+            step, time.perf_counter() - begin, committed.generation, tuple(refitted),
+            tuple(e.index for e in now_serving), tuple(e.index for e in lost), tuple(e.index for e in left),
+            failed, tuple(recoveries),
+        )
+
+    def _await_joiners(self) -> None:
+        """Wait (at most ``timeout``) until every engine added since the last step has asked to
+        join, so that this step's boundary admits it: its init (checking its model, reaching
+        the store) runs while the trainer trains, and may still be running."""
+        end = time.monotonic() + self.info.timeout
+        while time.monotonic() < end:
+            asking = set(self.session.asking)
+            pending = [
+                e for e in self.engines
+                if e.state == "joining" and not set(e.ranks) <= asking and not (e.admission and e.admission.done())
+            ]
+            if not pending:
+                return
+            time.sleep(0.05)
+
+    def _drop_failed_joiners(self) -> None:
+        """Joining engines whose init failed before they were admitted (a model that does not
+        match the layout, a program that differs): they never become members."""
+        for engine in self.engines:
+            admission = engine.admission
+            if engine.state == "joining" and admission is not None and admission.done():
+                error = _outcome(admission, 0)
+                if error is not None and engine.ranks not in set(engines_of(self.session.destination,
+                                                                             self.info.engine_axis)):
+                    engine.state, engine.error = "failed", f"could not join: {error}"
+
+    # --------------------------------------------------------- the fleet
+    def add_engine(self, client: Any) -> Engine:
+        """Add an engine (restarted after a crash, or one more for throughput) on the sender:
+        it asks to join at once and is admitted at the next step boundary, receives the weights
+        of that step from an engine that holds the same boxes (else from the trainer), and is
+        applied before that ``send_weights()`` returns (then ``state`` is ``serving``). Its
+        engine is started with ``weight_transfer_config={"backend": "layoutlang"}`` like the
+        others and the same tensor parallelism; dummy weights are fine."""
+        self._sender_only("add an engine")
+        ranks = allocate_engine_ranks(self._store, self._address, self.refit.program, self.refit.reshard.name,
+                                      self.info.engine_axis)
+        engine = Engine(len(self.engines), client, tuple(ranks), state="joining")
+        fields = _worker_fields(self.info, self.refit, self._secret, mode="join", offset=ranks[0], token=engine.token)
+        fields.join_timeout = self.info.join_timeout
+        engine.admission = _call(client.init_weight_transfer_engine, asdict(fields))
+        self.engines.append(engine)
+        return engine
+
+    def remove_engine(self, engine: Engine | int) -> Engine:
+        """Take an engine out on purpose (not a failure): its workers leave the session now,
+        and the engine axis shrinks at the next step. The engine keeps serving its weights."""
+        self._sender_only("remove an engine")
+        engine = self.engines[engine] if isinstance(engine, int) else engine
+        if engine.state not in ("serving", "joining"):
+            raise ValueError(f"engine {engine.index} is {engine.state}: nothing to remove")
+        engine.state = "leaving"
+        error = _outcome(_call(engine.client.shutdown_weight_transfer_engine), self.info.timeout)
+        if error is not None:
+            engine.state, engine.error = "failed", f"could not leave: {error}"
+            raise ExecutionError(f"rank {self.rank}: engine {engine.index} could not leave the session: {error}",
+                                 rank=self.rank)
+        return engine
+
+    @property
+    def _address(self) -> SessionAddress:
+        return SessionAddress(self.info.master_address, self.info.master_port, self.info.namespace)
+
+    def _sender_only(self, what: str) -> None:
+        if not self.is_sender:
+            raise ValueError(f"only the sender (trainer rank 0, which holds the clients) can {what}")
+
+    def _end(self) -> None:
+        """This trainer rank's part of the session is over: it leaves (the members take its
+        position as vacant at once) and refuses further refits."""
+        self._closed = True
+        self.session.leave()
 
     def shutdown(self) -> None:
-        if self.is_sender:
-            for client in self.clients:
-                stop = getattr(client, "shutdown_weight_transfer_engine", None)
-                if stop is not None:
-                    stop()
-        self.group.close()
+        """Leave the refit session. The engines stay in it and keep serving their weights;
+        a trainer started again later re-attaches to them (with a store that outlived this
+        one)."""
+        if not self._closed:
+            self._end()
 
 
-def _even_offsets(ranks: Sequence[int], engines: int) -> list[int]:
-    ranks = sorted(ranks)
-    if engines < 1 or len(ranks) % engines:
-        raise ValueError(f"{len(ranks)} destination ranks cannot be cut into {engines} equal engines")
-    per = len(ranks) // engines
-    return [ranks[i * per] for i in range(engines)]
+def _open_session(info: LayoutlangTrainerInitInfo, address: SessionAddress) -> tuple[Any, JobSecret, bool]:
+    """The session's store (served by the sender unless ``host_store`` is False), the job's
+    secret, and whether the session exists already (a restarted trainer re-attaches). Rank 0
+    decides the last two and tells the other trainer ranks over the trainer's own default
+    process group, so that all of them decide alike."""
+    import torch.distributed as dist
+
+    rank = info.rank
+    store = address.connect(serve=True, timeout=info.timeout) if info.is_sender and info.host_store else None
+    shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    decision: list[Any] = [None, None]
+    if info.is_sender:
+        secret = job_secret(info.secret, rank=rank, group=False)
+        if store is None:
+            store = address.connect(serve=False, timeout=info.timeout)
+        decision = [secret.text(), session_exists(store, address, secret)]
+    if shared:
+        dist.broadcast_object_list(decision, src=0)
+    if decision[0] is None:  # no default group: every trainer rank has the secret from its environment
+        secret = job_secret(info.secret, rank=rank, group=False)
+        decision = [secret.text(), None]
+    if store is None:
+        store = address.connect(serve=False, timeout=info.timeout)
+    secret = JobSecret.parse(decision[0])
+    returning = decision[1] if decision[1] is not None else session_exists(store, address, secret)
+    return store, secret, bool(returning)
 
 
-def _raise_first(
-    futures: Sequence[concurrent.futures.Future[Any]], timeout: float, first: BaseException | None = None
+def _raise_engine_errors(
+    engines: Sequence[Engine], calls: Sequence[concurrent.futures.Future[Any]], timeout: float, rank: int
 ) -> None:
-    """Wait for every control-plane call; raise ``first``, else the first call's error."""
-    errors = [first] if first is not None else []
-    concurrent.futures.wait(futures, timeout=timeout + 30)
-    errors += [f.exception() or ExecutionError("an engine did not answer in time") for f in futures if _failed(f)]
-    if errors:
-        raise errors[0]
+    """Wait for the engines' init calls; raise the first one's error, whole."""
+    concurrent.futures.wait(calls, timeout=timeout + 30)
+    for engine, call in zip(engines, calls):
+        if not call.done():
+            raise ExecutionError(
+                f"rank {rank}: engine {engine.index} did not answer its init within {timeout + 30:g} s", rank=rank
+            )
+        err = call.exception()
+        if err is not None:
+            raise ExecutionError(
+                f"rank {rank}: engine {engine.index} (program ranks {rank_ranges(engine.ranks)}) could not initialize "
+                f"the weight transfer: {type(err).__name__}: {err}",
+                rank=rank,
+            ) from err
 
 
-def _failed(future: concurrent.futures.Future[Any]) -> bool:
-    return not future.done() or future.exception(timeout=0) is not None
+def _worker_fields(
+    info: LayoutlangTrainerInitInfo, refit: RefitProgram, secret: JobSecret, *, mode: str, offset: int, token: str
+) -> WorkerInitFields:
+    return WorkerInitFields(
+        master_address=info.master_address, master_port=info.master_port, program=info.program,
+        program_path=info.program_path, reshard=refit.reshard.name, rank_offset=offset, namespace=info.namespace,
+        mode=mode, secret=secret.text(), token=token, timeout=info.timeout, deadline=info.deadline,
+        memory_budget=info.memory_budget, engine_axis=info.engine_axis, checkpoint_format=info.checkpoint_format,
+    )
+
+
+def _device_of(state_dict: Mapping[str, Any]) -> torch.device:
+    """Where the trainer's shards live (CUDA: the session runs over NCCL)."""
+    for tensor in state_dict.values():
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        if isinstance(local, torch.Tensor):
+            return local.device
+    return torch.device("cpu")

@@ -2,29 +2,40 @@
 
 vLLM builds one per worker when the engine is started with
 ``weight_transfer_config={"backend": "layoutlang"}`` (the plugin registered by the
-``vllm.general_plugins`` entry point of this package). Its lifecycle is vLLM's:
+``vllm.general_plugins`` entry point of this package). Its lifecycle is vLLM's, carried by the
+refit session (:mod:`layoutlang.integrations.refit_session`), of which every worker is a member:
 
 ``init_transfer_engine``
-    joins the refit group, compiles the program, resolves every destination storage
-    against the worker's own model (:class:`~.targets.EngineTargets`) and takes part in the
-    plan agreement: a mismatch on any worker fails the init on every rank of the refit,
-    naming the parameter and the rank, before a byte moves.
+    ``start``: the worker enters the session's first generation with the trainer; its
+    destination storages are resolved against the worker's own model
+    (:class:`~.targets.EngineTargets`) and every member agrees before a byte moves: a mismatch
+    on any worker fails the init on every member, naming the parameter and the rank.
+    ``join``: a new or restarted engine checks its model against the layout, asks to join,
+    and returns once the members admitted it at a step boundary and it received the weights
+    of the last committed step (from another engine where one holds them): the trainer then
+    applies them (``start_weight_update`` and ``finish_weight_update``), so it serves the
+    others' version. ``attach``: the worker is a member already and a restarted trainer comes
+    back: the members admit it.
 ``start_weight_update``
     forgets any incomplete refit.
 ``update_weights``
-    receives this worker's boxes into staging buffers (allocated once).
+    takes part in the session's refit of the step it names, receiving this worker's boxes into
+    staging buffers; the session recovers from failures meanwhile (an engine that loses a
+    worker is dropped, and the others' refit still commits).
 ``finish_weight_update``
     applies them: direct copies into parameters vLLM keeps as loaded, vLLM's own
     ``load_weights`` (layerwise reload, post-processing included) for the others.
+``shutdown``
+    leaves the session on purpose: the engine axis shrinks at the members' next step.
 
-A refit that fails while bytes move leaves the model untouched: nothing is applied before
-``finish_weight_update``, which the trainer calls only after every worker of every engine
-received everything. The engine then serves the previous weights, bit for bit, and the
-trainer has the error.
+Nothing is applied before ``finish_weight_update``, which the trainer calls only on engines
+whose workers received a committed refit: an engine never serves a half-applied refit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +46,16 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError
-from ...lang import loads
-from ...runtime import Resharder
-from ..refit_group import RefitGroup
+from elastic import ElasticSession, JobSecret
+
+from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
+from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
 from .common import RefitProgram, WorkerInitFields, first_of
 from .targets import EngineTargets
 
 __all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -52,9 +65,9 @@ class LayoutlangInitInfo(WorkerInitFields, WeightTransferInitInfo):
 
 @dataclass
 class LayoutlangUpdateInfo(WeightTransferUpdateInfo):
-    """Per-refit info: its number, for messages (the plan was fixed at init)."""
+    """Per-refit info: the session's step this refit commits."""
 
-    refit: int = 0
+    step: int = 0
 
 
 class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdateInfo]):
@@ -67,11 +80,13 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.group: RefitGroup | None = None
-        self.resharder: Resharder | None = None
+        self.session: ElasticSession | None = None
+        self.address: SessionAddress | None = None
         self.targets: EngineTargets | None = None
-        self.received: dict[str, torch.Tensor] = {}
-        self.complete = False
+        self.complete = False  # the staging holds a committed step (``staged``) not yet applied
+        self.staged: int | None = None
+        #: the session's step whose weights this worker's model serves (None: none applied yet)
+        self.version: int | None = None
         self.rank = -1
 
     def _program_rank(self, rank_offset: int) -> tuple[int, int]:
@@ -87,11 +102,13 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         dp_rank = getattr(parallel, "data_parallel_rank", 0) or 0
         return rank_offset + dp_rank * parallel.tensor_parallel_size + tp_rank, tp_rank
 
-    def _problems(self, refit: RefitProgram, tp_rank: int, checkpoint_format: bool) -> list[str]:
+    def _problems(self, refit: RefitProgram, position: int, tp_rank: int, checkpoint_format: bool) -> list[str]:
+        """What keeps this worker from holding the storages of ``position`` (a rank of the
+        destination layout: its own, or for a joiner one that holds the same boxes)."""
         layout = refit.destination
-        if self.rank not in layout.mesh.ranks:
-            return [f"rank {self.rank} (this worker) is not in mesh '{layout.mesh.name}' of layout '{layout.name}'"]
-        coords = layout.mesh.coords(self.rank)
+        if position not in layout.mesh.ranks:
+            return [f"rank {position} (this worker) is not in mesh '{layout.mesh.name}' of layout '{layout.name}'"]
+        coords = layout.mesh.coords(position)
         tp = self.parallel_config.tensor_parallel_size
         sizes = dict(layout.mesh.axes)
         if "tp" in coords and (coords["tp"] != tp_rank or sizes["tp"] != tp):
@@ -102,7 +119,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 )
             ]
         engine = f"vLLM's {type(self.model).__name__}"
-        self.targets = EngineTargets(self.model, layout, self.rank, engine=engine, checkpoint_format=checkpoint_format)
+        self.targets = EngineTargets(self.model, layout, position, engine=engine, checkpoint_format=checkpoint_format)
         return self.targets.problems
 
     def _settle(self, error: BaseException | None) -> None:
@@ -138,38 +155,36 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         error: BaseException | None = None
         try:
             self._init(init_info)
-        except (LayoutError, ExecutionError, AgreementError) as err:
+        except (LayoutError, RuntimeFailure) as err:
             error = err
         self._settle(error)
 
-    def _init(self, init_info: LayoutlangInitInfo) -> None:
-        self.rank, tp_rank = self._program_rank(init_info.rank_offset)
-        self.shutdown()  # a group of an earlier init (failed or replaced) is left first
-        self.group = RefitGroup(
-            init_info.master_address,
-            init_info.master_port,
-            self.rank,
-            init_info.world_size,
-            host_store=False,
-            name=init_info.group_name,
-            timeout=init_info.timeout,
-        )
-        problems: list[str] = []
-        refit: RefitProgram | None = None
+    def _init(self, info: LayoutlangInitInfo) -> None:
+        secret = JobSecret.parse(info.secret) if info.secret else None
+        if secret is None:
+            raise LayoutValueError("the layoutlang init info carries no job secret: the trainer sends it")
+        if info.mode == "attach":
+            self._attach(info, secret)
+            return
+        self.rank, tp_rank = self._program_rank(info.rank_offset)
+        self._leave()  # an earlier session (another store, or one that failed) is left first
+        refit = RefitProgram(info.program, info.program_path, info.reshard, info.engine_axis)
+        joining = info.mode == "join"
+        position = refit.position_like(tp_rank) if joining else self.rank
+        problems = self._problems(refit, position, tp_rank, info.checkpoint_format)
+        if joining and problems:  # a joiner that cannot hold its boxes never asks to join
+            raise LayoutValueError(
+                f"rank {self.rank}: the engine does not match the destination layout "
+                f"({len(problems)} problems):\n  " + "\n  ".join(problems)
+            )
+        address = info.address
+        store = address.connect(serve=False, timeout=info.timeout)
         try:
-            refit = RefitProgram(init_info.program, init_info.program_path, init_info.reshard)
-            problems = self._problems(refit, tp_rank, init_info.checkpoint_format)
-        except LayoutError as err:
-            problems = [str(err)]
-        try:
-            self.resharder = Resharder(
-                refit.program if refit is not None else loads(""),
-                init_info.reshard,
-                rank=self.rank,
-                rank_map={r: r for r in range(init_info.world_size)},
-                transport=self.group.transport,
-                timeout=init_info.timeout,
-                problem=first_of(problems),
+            self.session = fleet_session(
+                refit.program, refit.reshard.name, rank=self.rank, store=store, address=address, secret=secret,
+                join=joining, engine_axis=info.engine_axis, timeout=info.timeout, deadline=info.deadline,
+                memory_budget=info.memory_budget, device=self.device, problem=None if joining else first_of(problems),
+                join_timeout=info.join_timeout,
             )
         except AgreementError:
             if problems:  # this worker's own list, whole
@@ -178,10 +193,51 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                     f"({len(problems)} problems):\n  " + "\n  ".join(problems)
                 ) from None
             raise
-        assert self.targets is not None
-        self.received = self.targets.staging()
+        self.address = address
+        session = self.session
+        if joining:
+            coords = session.destination.mesh.coords(self.rank)
+            if coords.get("tp", tp_rank) != tp_rank:
+                raise ExecutionError(
+                    f"rank {self.rank} took position tp {coords['tp']} but is tensor-parallel rank {tp_rank}: "
+                    "engine ranks are allocated in aligned runs (allocate_engine_ranks)",
+                    rank=self.rank,
+                )
+            # the boxes of its position (the same as the representative's), in its own layout
+            self.targets = EngineTargets(
+                self.model, session.destination, self.rank, engine=f"vLLM's {type(self.model).__name__}",
+                checkpoint_format=info.checkpoint_format,
+            )
+            # caught up with the last committed step from the other engines (or the trainer):
+            # applied when the trainer calls start/finish_weight_update
+            self.complete, self.staged = session.holds_committed, session.committed_step
+        if info.token and tp_rank == 0:
+            write_engine_ranks(store, address, secret, info.token, self._engine_ranks())
+
+    def _engine_ranks(self) -> list[int]:
+        """The ranks of this worker's engine in the session's destination layout."""
+        assert self.session is not None
+        mesh = self.session.destination.mesh
+        axis = mesh.axis_names[0]
+        coordinate = mesh.coords(self.rank)[axis]
+        return [r for r in mesh.ranks if mesh.coords(r)[axis] == coordinate]
+
+    def _attach(self, info: LayoutlangInitInfo, secret: JobSecret) -> None:
+        """A restarted trainer comes back to this worker's session: admit it with the others."""
+        session = self.session
+        if session is None or self.address != info.address:
+            raise ExecutionError(
+                f"rank {self.rank}: this engine is not a member of refit session '{info.namespace}' at "
+                f"{info.master_address}:{info.master_port}; start it again, or let it join (mode 'join')",
+                rank=self.rank,
+            )
+        session.admit()
+        if info.token and session.destination.mesh.coords(self.rank).get("tp", 0) == 0:
+            write_engine_ranks(session.store, info.address, secret, info.token, self._engine_ranks())
 
     def start_weight_update(self) -> None:
+        if self.complete and self.staged is not None and self.staged != self.version:
+            return  # a joiner's catch-up, applied by the finish that follows
         self.complete = False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -189,25 +245,27 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         error: BaseException | None = None
         try:
             self.receive_weights(self.parse_update_info(update_info))
-        except (LayoutError, ExecutionError, ValueError) as err:
+        except (LayoutError, RuntimeFailure, ValueError) as err:
             error = err
         self._settle(error)
 
     def receive_weights(self, update_info: LayoutlangUpdateInfo) -> None:
-        if self.resharder is None:
+        session = self.session
+        if session is None:
             raise ExecutionError(
                 f"rank {self.rank}: the layoutlang weight transfer is not initialized "
                 "(init_weight_transfer_engine failed or was not called)",
                 rank=self.rank,
             )
         self.complete = False
-        try:
-            self.resharder.run({}, self.received)
-        except (ExecutionError, LayoutError):
-            assert self.group is not None
-            self.group.transport.abort()  # the group is spent: the trainer initializes again
-            raise
-        self.complete = True
+        if update_info.step != session.next_step:
+            raise ExecutionError(
+                f"rank {self.rank}: the trainer refits step {update_info.step}, but this engine's session is at "
+                f"step {session.next_step}",
+                rank=self.rank,
+            )
+        session.refit(update_info.step, lambda step, s: {})
+        self.complete, self.staged = True, update_info.step
 
     def finish_weight_update(self) -> None:
         # every worker of the engine applies, or none: a worker without a complete refit
@@ -219,13 +277,19 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             )
         self._settle(error)
         if error is None and self.complete:
-            assert self.targets is not None
-            self.targets.apply(self.received, self.model_config)
+            assert self.targets is not None and self.session is not None
+            self.targets.apply(self.session.destinations, self.model_config)
+            self.version = self.staged
+        self.complete = False
+
+    def _leave(self) -> None:
+        """Leave the session on purpose (the others shrink the engine axis at their next step)."""
+        session, self.session = self.session, None
+        if session is not None:
+            with contextlib.suppress(RuntimeError, RuntimeFailure):  # its store may be gone
+                session.leave()
+            session.close()
         self.complete = False
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            self.group.close()
-        self.group = None
-        self.resharder = None
-        self.complete = False
+        self._leave()
