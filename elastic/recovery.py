@@ -502,18 +502,24 @@ class Recoverer:
 
     def admissible_joiners(self) -> list[int]:
         """Joiners asking for the next generation that every member admits after a step:
-        whole units, as many as fill the destination's open positions, and with ``grow``
-        every further whole unit (each a new coordinate of the unit axis)."""
+        ranks of the first generation's source coming back to their own positions (a
+        restarted training rank whose replica kept the refits going), and whole units, as
+        many as fill the destination's open positions, and with ``grow`` every further whole
+        unit (each a new coordinate of the unit axis)."""
         g = self.membership.current()
         history = self.history(g)
         members = set(self.membership.members)
         mesh = self.spec.destination.mesh
         wanted = open_positions(history, mesh, self.spec.positions(history))
         returning = self.spec.returning
-        asking = [j for j in self.membership.join_requests(g + 1) if j not in members and j not in returning]
+        asking = [j for j in self.membership.join_requests(g + 1) if j not in members]
+        back = [j for j in asking if j in self.spec.source.mesh]
+        new = whole_units([j for j in asking if j not in returning], self.spec.unit)
         # a request outlives the process that made it: admit only joiners still beating
-        joiners = whole_units(self.membership.asking_alive(whole_units(asking, self.spec.unit)), self.spec.unit)
-        return joiners if self.spec.grow else joiners[: len(wanted) - len(wanted) % self.spec.unit]
+        alive = set(self.membership.asking_alive([*back, *new]))
+        new = whole_units([j for j in new if j in alive], self.spec.unit)
+        new = new if self.spec.grow else new[: len(wanted) - len(wanted) % self.spec.unit]
+        return sorted([j for j in back if j in alive] + new)
 
     # ------------------------------------------------------------------- commits
     def mark_committed(self, step: int) -> None:

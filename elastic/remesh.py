@@ -506,21 +506,27 @@ def original_ranks(source: Layout, destination: Layout) -> frozenset[int]:
 
 
 def vacant(layout: Layout, members: Iterable[int], policy: SidePolicy) -> list[int]:
-    """The ranks of ``layout`` that are no ``members`` but keep their positions
-    (``await-rejoin``): nothing can be read from them until they come back."""
+    """The ranks of ``layout`` (the first generation's) that are no ``members`` but keep their
+    positions (``await-rejoin`` where no intact replica is left to drop theirs): nothing can
+    be read from them until they come back."""
     if policy[0] != "await-rejoin":
         return []
     present = rank_set(members)
-    return [r for r in layout.mesh.ranks if r not in present]
+    return [r for r in _without_lost(layout, layout, present, policy, 0).mesh.ranks if r not in present]
 
 
 def _without_lost(layout: Layout, base: Layout, members: set[int], policy: SidePolicy, generation: int) -> Layout:
-    """``layout`` without the ranks that are no ``members``, named after the first generation's ``base``
-    (``await-rejoin`` keeps their positions, vacant)."""
+    """``layout`` without the ranks that are no ``members``, named after the first generation's
+    ``base``. ``await-rejoin`` drops whole replicas where the layout has them (HSDP: another
+    replica holds what the lost ranks held) and otherwise keeps their positions, vacant."""
     gone = [r for r in layout.mesh.ranks if r not in members]
     how, axis = policy
-    if not gone or how == "await-rejoin":
+    if not gone:
         return layout
+    if how == "await-rejoin":
+        how = "drop-replica"
+        if not data_parallel_axes(layout) or needs_spares(layout, gone, (how, axis)):
+            return layout  # no intact replica: the positions wait for their ranks
     return remesh(
         layout, gone, how, axis=axis,
         name=f"{base.name}_gen{generation}", mesh_name=f"{base.mesh.name}_gen{generation}",

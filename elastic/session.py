@@ -126,10 +126,11 @@ class ElasticSession:
     joiners beyond the open positions add coordinates to that axis (the fleet grows past its
     first size). It must be the destination mesh's first axis and data-parallel. A member
     leaves on purpose with :meth:`leave` (the unit axis shrinks). The source policy
-    ``await-rejoin`` keeps a lost source rank's position vacant until a new process under the
-    same rank joins and the members :meth:`admit` it; meanwhile :meth:`refit` raises
-    :class:`~layoutlang.errors.DataLossError` and the destination keeps its last committed
-    step.
+    ``await-rejoin`` drops a lost source rank's replica where another replica holds the same
+    shards (HSDP: the refits go on from it), and otherwise keeps its position vacant until a
+    new process under the same rank joins and the members :meth:`admit` it; meanwhile
+    :meth:`refit` raises :class:`~layoutlang.errors.DataLossError` and the destination keeps
+    its last committed step. A source rank that comes back is admitted after a step too.
 
     ``problem`` is what this rank found wrong before the first generation (an engine that
     does not hold the destination layout): every member's constructor raises
@@ -331,8 +332,10 @@ class ElasticSession:
     @property
     def vacant(self) -> list[int]:
         """Source ranks whose positions wait for them to come back (source policy
-        ``await-rejoin``); while there are any, :meth:`refit` raises DataLossError."""
-        return self._recoverer.spec.vacant(self.members)
+        ``await-rejoin``, where no replica holds what they held); while there are any,
+        :meth:`refit` raises DataLossError."""
+        members = set(self.members)
+        return [r for r in self.source.mesh.ranks if r not in members]
 
     # ----------------------------------------------------------------- public API
     def run(

@@ -41,7 +41,7 @@ def fleet_job(
     leave: tuple[Sequence[int], int] | None = None,
     vanish_after: tuple[int, int] | None = None,
     rejoin: bool = False,
-    await_joiners: int | None = None,
+    await_joiners: tuple[int, Sequence[int]] | None = None,
     members: Sequence[int] | None = None,
     timeout: float = 40.0,
     **options: Any,
@@ -54,9 +54,9 @@ def fleet_job(
     committed; the others wait until the test says it was restarted (key ``restarted``) and
     call :meth:`ElasticSession.admit`. ``rejoin``: this worker is that rank's new process.
     A rank that a session stops with :class:`DataLossError` while source positions are
-    vacant waits for the restart too, calls ``admit`` and goes on. ``await_joiners=step``:
-    members refit that step only once every joiner asked to join (so that the joiners are
-    admitted after it, whatever the machine's speed).
+    vacant waits for the restart too, calls ``admit`` and goes on. ``await_joiners=(step,
+    ranks)``: the others refit that step only once those ranks asked to join (so that they
+    are admitted after it, whatever the machine's speed).
     """
     rank, store, port = worker_context["rank"], worker_context["store"], worker_context["port"]
     if rank in idle:
@@ -86,8 +86,8 @@ def fleet_job(
             out["admitted"].update(verified_step=committed, ok=v.ok, bytes=v.bytes)
         while session.next_step < steps:
             step = session.next_step
-            if step == await_joiners and rank not in joiners:
-                while not set(joiners) <= {*session.members, *session.membership.join_requests(session.generation + 1)}:
+            if await_joiners is not None and step == await_joiners[0] and rank not in await_joiners[1]:
+                while not set(await_joiners[1]) <= {*session.members, *session.asking}:
                     time.sleep(0.02)
             try:
                 report = session.refit(step, synthetic_sources, progress=progress)

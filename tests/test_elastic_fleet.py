@@ -52,11 +52,11 @@ FLEET = {"unit_axis": "dp", "destination_axis": "dp", "grow": True}
 _namespaces = count()
 
 
-def _start(pool, **job: Any) -> tuple[str, dict[int, int]]:
+def _start(pool, text: str = PROGRAM, **job: Any) -> tuple[str, dict[int, int]]:
     pool.respawn()
     pool.run(os.getpid)  # every worker is up
     namespace = f"fleet{next(_namespaces)}"
-    pool.submit(fleet_job, PROGRAM, STEPS, namespace=namespace, **FLEET, **job)
+    pool.submit(fleet_job, text, STEPS, namespace=namespace, **FLEET, **job)
     return namespace, {r: p.pid for r, p in enumerate(pool.processes)}
 
 
@@ -82,12 +82,12 @@ def _finish(pool) -> None:
             pool._results.get(timeout=0.1)
 
 
-def _restart(pool, namespace: str, rank: int, **job: Any) -> None:
+def _restart(pool, namespace: str, rank: int, text: str = PROGRAM, **job: Any) -> None:
     """Start a new process for ``rank`` (the old one is dead) running the job as a joiner."""
     pool.processes[rank].join(timeout=60)
     assert not pool.processes[rank].is_alive()
     pool.respawn([rank])
-    pool._tasks[rank].put((fleet_job, (PROGRAM, STEPS), {"namespace": namespace, "rejoin": True, **FLEET, **job}))
+    pool._tasks[rank].put((fleet_job, (text, STEPS), {"namespace": namespace, "rejoin": True, **FLEET, **job}))
     dist.PrefixStore(f"{namespace}-ctl", pool.store).set("restarted", "1")
 
 
@@ -124,7 +124,7 @@ def test_an_engine_that_loses_a_worker_is_dropped_whole_and_the_others_keep_refi
 
 
 def test_an_engine_joins_past_the_first_size_and_another_leaves_on_purpose(pool):
-    _, pids = _start(pool, joiners=[8, 9], await_joiners=0, leave=([6, 7], 2))
+    _, pids = _start(pool, joiners=[8, 9], await_joiners=(0, [8, 9]), leave=([6, 7], 2))
     try:
         results = _collect(pool, set(range(10)))
         for rank in (0, 1, 2, 3, 4, 5):
@@ -180,6 +180,28 @@ def test_a_training_rank_gone_between_refits_is_taken_back_by_its_new_process(po
             assert any(1 in r["rejoined"] or 1 in r["joined"] for r in results[rank]["recoveries"])
         assert results[1]["admitted"]["next_step"] == 2
         _verified(results[1], range(2, STEPS))
+    finally:
+        _finish(pool)
+
+
+REPLICATED = PROGRAM.replace("layout fsdp on train { default: dp = shard(0) }",
+                              "layout fsdp on train { default: replicate }")
+
+
+def test_a_training_rank_with_a_replica_is_recovered_from_it_and_comes_back_later(pool):
+    namespace, pids = _start(pool, REPLICATED, kill=(1, 1), idle=[8, 9], source_policy="await-rejoin",
+                             await_joiners=(3, [1]))
+    try:
+        _restart(pool, namespace, 1, REPLICATED, source_policy="await-rejoin")
+        survivors = {0, 2, 3, 4, 5, 6, 7}
+        results = _collect(pool, survivors | {1})
+        for rank in survivors:
+            _verified(results[rank], range(STEPS))  # no step lost: rank 0's replica sent them
+            assert results[rank]["data_loss"] == [] and pool.processes[rank].pid == pids[rank]
+            assert results[rank]["source_ranks"] == [0, 1]  # its position back after a step boundary
+            recoveries = results[rank]["recoveries"]
+            assert any(1 in r["lost"] for r in recoveries) and any(1 in r["joined"] for r in recoveries)
+        _verified(results[1], range(results[1]["admitted"]["next_step"], STEPS))
     finally:
         _finish(pool)
 

@@ -124,15 +124,19 @@ def fleet_session(
     device: Any = "cpu",
     problem: str | None = None,
     join_timeout: float | None = None,
+    backend: Any = None,
 ) -> ElasticSession:
     """This process's membership of the refit session (see the module doc): a trainer rank or
     an engine worker; ``join`` for a joining engine or a returning trainer rank (it waits up to
     ``join_timeout`` seconds, default ``timeout``, for a step boundary). Over NCCL (shrunk and
-    grown communicators) where ``device`` is a CUDA device, gloo otherwise."""
+    grown communicators) where ``device`` is a CUDA device, gloo otherwise; ``backend``
+    overrides that choice (a generation backend, e.g. NCCL over a mock fabric)."""
     device = torch.device(device)
-    backend: Any = (
-        NcclGenerations(device=device, timeout=timeout) if device.type == "cuda" else GlooGenerations(timeout=timeout)
-    )
+    if backend is None:
+        backend = (
+            NcclGenerations(device=device, timeout=timeout) if device.type == "cuda"
+            else GlooGenerations(timeout=timeout)
+        )
     extra: dict[str, Any] = {} if memory_budget is None else {"memory_budget": memory_budget}
     return ElasticSession(
         program, reshard, rank=rank, store=store, port=address.port, host=address.host,
