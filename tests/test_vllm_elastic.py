@@ -182,6 +182,12 @@ def test_an_attacker_without_the_secret_gets_nothing_and_is_logged(job):
     assert step(job, 4)["report"]["failed"] == {} and step(job, 5)["report"]["failed"] == {}
 
 
+def test_the_job_secret_appears_in_no_log_output_title_or_record(job):
+    assert job["secret_in_titles"] == []
+    assert job["secret_in_files"] == []
+    assert job["secret_in_store"] is False
+
+
 #: the weights vLLM keeps whole on every tensor-parallel rank (RMSNorm), by checkpoint names
 REPLICATED_IN_VLLM = ("layernorm.weight", "model.norm.weight")
 

@@ -175,6 +175,7 @@ def driver(work: Path) -> dict[str, Any]:
 
         first = trainer_processes(work, 1, store.port, env)
         wait_key(ctl, "need-B2", first)
+        result["secret_in_titles"] = titles_with(secret.text())
         hosts.start("B2", work / "step0", dummy=True)  # B started again: a new process
         clients["B2"] = hosts.client("B2")
         result["pids"]["B2"] = {"host": hosts.processes["B2"].pid, "workers": clients["B2"].worker_pids()}
@@ -200,7 +201,31 @@ def driver(work: Path) -> dict[str, Any]:
     finally:
         hosts.stop_all()
     result["oracle"] = oracle(work, hosts)
+    # the secret reached every engine (in its init info) and signed every record: it must
+    # appear in no log and no output of any process, the store's records included
+    result["secret_in_files"] = [p.name for p in work.iterdir() if p.is_file() and secret.text() in p.read_text(
+        errors="replace")]
+    result["secret_in_store"] = any(secret.text().encode() in bytes(v) for v in store_values(store))
     return result
+
+
+def titles_with(text: str) -> list[str]:
+    """The command lines (process titles) of this machine's processes that contain ``text``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if text in cmdline:
+                found.append(cmdline[:200])
+    return found
+
+
+def store_values(store: Any) -> list[bytes]:
+    """Every value of the session's records that a reader can find (member lists, commit
+    records, resume records, engine records)."""
+    raw = dist.PrefixStore(NAMESPACE, store)
+    keys = ["gen0/program", "ended"] + [f"gen{g}/{name}" for g in range(12) for name in ("members", "resume")]
+    return [raw.get(k) for k in keys if raw.check([k])]
 
 
 def agreed_members(store: Any, secret: Any) -> list[list[int]]:
