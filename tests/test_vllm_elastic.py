@@ -127,6 +127,7 @@ def test_an_engine_whose_worker_dies_mid_refit_is_dropped_and_the_others_commit(
     assert trainer["killed_at"]["done"] < trainer["killed_at"]["total"]  # in the middle of the transfer
     report = step(job, 2)["report"]
     assert report["lost"] == [B] and sorted(report["refitted"]) == [A, C]
+    assert trainer["lost_callbacks"] == [[B]]  # on_engines_lost, once
     assert step(job, 2)["seconds"] < TIMEOUT  # within the same send_weights(), before its deadline
     lost = [r for r in report["recoveries"] if r["lost"]]
     assert lost and {4, 5} <= {rank for r in lost for rank in r["lost"]}  # the whole engine

@@ -390,6 +390,10 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
         refit = init(program, ["A", "B", "C"], NAMESPACE)
         if rank == 0:
             record["plan"] = refit.session.plan.stats.to_json()
+            record["lost_callbacks"] = []
+            # [on-lost]
+            refit.on_engines_lost = lambda lost: record["lost_callbacks"].append([e.index for e in lost])
+            # [/on-lost]
         engines = {"A": client("A"), "B": client("B"), "C": client("C")}
 
         train(1)
@@ -407,7 +411,10 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
                 record["killed_at"] = {"done": done, "total": total, "time": time.time()}
 
         begin = time.perf_counter()
+        # [lost-engine]
         report = refit.send_weights(progress=kill_halfway)
+        # report.lost == [1]: engine B lost a worker mid-refit; A and C applied the step
+        # [/lost-engine]
         del engines["B"]
         observe(2, report, engines, time.perf_counter() - begin)
 
@@ -417,11 +424,13 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
             while not ctl.check(["B2"]):
                 time.sleep(0.2)
             engines["B2"] = client("B2")
-            refit.add_engine(engines["B2"])
-            log("added engine B2")
         train(3)
         begin = time.perf_counter()
-        report = refit.send_weights()
+        # [add-engine]
+        if rank == 0:  # the sender, which holds the clients
+            refit.add_engine(engines["B2"])  # it asks to join at once: admitted at the next step boundary
+        report = refit.send_weights()  # on every trainer rank; report.joined == [3]
+        # [/add-engine]
         observe(3, report, engines, time.perf_counter() - begin)
 
         # 4. an attacker forges records and asks to join; a fourth engine D is added
@@ -438,11 +447,13 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
         observe(4, report, engines, time.perf_counter() - begin)
 
         # 5. C is removed on purpose: the engine axis shrinks
-        if rank == 0:
-            refit.remove_engine(2)
         train(5)
         begin = time.perf_counter()
-        report = refit.send_weights()
+        # [remove-engine]
+        if rank == 0:
+            refit.remove_engine(2)  # engine C leaves on purpose (it keeps serving what it has)
+        report = refit.send_weights()  # report.left == [2]
+        # [/remove-engine]
         if rank == 0:
             record["removed_engine"] = engines.pop("C").generate()  # it keeps serving what it had
         observe(5, report, engines, time.perf_counter() - begin)
