@@ -7,6 +7,7 @@ compare-and-set on an absent key, and a counter of the members that finished it:
     {namespace}/gen{g}/commit/{step}        the refit of ``step`` in generation g
     {namespace}/gen{g}/done/{record}        members that finished it (a counter)
     {namespace}/gen{g}/done/{record}/{rank} the finish of one member (a signed marker)
+    {namespace}/gen{g}/began/{record}/{rank} a member began working on it (a signed marker)
 
 The member that sees the counter reach the size of the generation writes
 ``{"state": "committed", "joiners": [...]}`` (the ranks every member admits after the
@@ -126,6 +127,20 @@ class CommitRecords:
             watch()
             time.sleep(pause)
             pause = min(2 * pause, 0.02)
+
+    def begin(self, name: str) -> None:
+        """Say this rank began working on ``name``: a member alive that never does is found by
+        :meth:`not_begun` (it takes no part: an engine whose control plane never called it)."""
+        self.membership.records.set(self.membership.store, self._key(f"began/{name}/{self.membership.rank}"), b"began")
+
+    def not_begun(self, name: str) -> list[int]:
+        """The members of this generation that never said they began ``name``."""
+        store, records = self.membership.store, self.membership.records
+        keys = {m: self._key(f"began/{name}/{m}") for m in self.membership.members}
+        present = [m for m, k in keys.items() if store.check([k])]
+        began = {m for m, value in zip(present, store.multi_get([keys[m] for m in present]))
+                 if records.open(keys[m], value) == b"began"}
+        return [m for m in self.membership.members if m not in began]
 
     def _all_done(self, done: str) -> bool:
         """Whether every member's signed finish marker of ``done`` is there (the count may be

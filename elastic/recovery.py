@@ -75,6 +75,7 @@ from .remesh import (
 )
 
 __all__ = [
+    "IDLE",
     "UNIT_LOST",
     "Change",
     "GroupBuilder",
@@ -91,6 +92,9 @@ _log = logging.getLogger(__name__)
 
 #: the reason given for the other ranks of a failed rank's unit (its engine)
 UNIT_LOST = "its unit lost a rank"
+#: the reason given for a member whose heartbeat goes on but that never began a step which
+#: the others waited on for the whole timeout (final: its heartbeat proves nothing)
+IDLE = "alive, but it never began step"
 
 # How often a waiting rank reads the store for failures: a tenth of the default deadline,
 # few enough requests that the store stays responsive with hundreds of waiting ranks.
@@ -322,7 +326,7 @@ class Watch:
         final = {
             r for r in suspects
             if r in self._confirmed
-            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance", LEFT))
+            or reasons.get(r, "").startswith(("its process exited", "heartbeat did not advance", LEFT, IDLE))
         }  # an exit, or silence that a check already confirmed
         silent = sorted(r for r in suspects - final if r in self.membership.members)
         if not silent:
@@ -674,6 +678,12 @@ class Recoverer:
         reasons = dict(trigger.failures) if isinstance(trigger, MemberFailure) else {}
         if not isinstance(trigger, (MemberFailure, GenerationChanged)):
             reasons.update(self.watch.failed_peers(trigger))
+        if not reasons and not isinstance(trigger, GenerationChanged) and step is not None \
+                and self.commits.open == step_record(step):
+            # nobody died, and a wait of the step ran out of time: a member alive that never
+            # began the step takes no part (an engine its control plane never called)
+            for rank in self.commits.not_begun(step_record(step)):
+                reasons[rank] = f"{IDLE} {step} within {self.timeout:g} s"
         step_committed = False
         while True:
             self._settle()

@@ -378,6 +378,7 @@ class ElasticSession:
             self._refuse_vacant(step)
             name = recoverer.commits.open = step_record(step)
             try:
+                recoverer.commits.begin(name)
                 recoverer.watch.now()  # a member that left (or died) since the last step: recover first
                 received = self._run_step(step, step_fn, progress, not_ready)
                 outcome = recoverer.commits.commit(name, watch=recoverer.watch, joiners=recoverer.admissible_joiners)

@@ -42,6 +42,7 @@ def fleet_job(
     vanish_after: tuple[int, int] | None = None,
     rejoin: bool = False,
     await_joiners: tuple[int, Sequence[int]] | None = None,
+    stall: tuple[Sequence[int], int, float] | None = None,
     members: Sequence[int] | None = None,
     timeout: float = 40.0,
     **options: Any,
@@ -56,7 +57,9 @@ def fleet_job(
     A rank that a session stops with :class:`DataLossError` while source positions are
     vacant waits for the restart too, calls ``admit`` and goes on. ``await_joiners=(step,
     ranks)``: the others refit that step only once those ranks asked to join (so that they
-    are admitted after it, whatever the machine's speed).
+    are admitted after it, whatever the machine's speed). ``stall=(ranks, step, seconds)``:
+    those ranks stay alive (heartbeats going) but do not begin that step for that long, as
+    an engine whose control plane never calls it.
     """
     rank, store, port = worker_context["rank"], worker_context["store"], worker_context["port"]
     if rank in idle:
@@ -86,6 +89,8 @@ def fleet_job(
             out["admitted"].update(verified_step=committed, ok=v.ok, bytes=v.bytes)
         while session.next_step < steps:
             step = session.next_step
+            if stall is not None and rank in stall[0] and step == stall[1]:
+                time.sleep(stall[2])
             if await_joiners is not None and step == await_joiners[0] and rank not in await_joiners[1]:
                 while not set(await_joiners[1]) <= {*session.members, *session.asking}:
                     time.sleep(0.02)

@@ -206,6 +206,24 @@ def test_a_training_rank_with_a_replica_is_recovered_from_it_and_comes_back_late
         _finish(pool)
 
 
+def test_an_engine_alive_that_never_begins_a_step_is_dropped_after_the_timeout(pool):
+    _, pids = _start(pool, stall=([6, 7], 2, 25.0), idle=[8, 9], timeout=8.0)
+    try:
+        survivors = {0, 1, 2, 3, 4, 5}
+        results = _collect(pool, survivors | {6, 7})
+        for rank in survivors:
+            _verified(results[rank], range(STEPS))
+            assert results[rank]["destination_ranks"] == [2, 3, 4, 5] and pool.processes[rank].pid == pids[rank]
+            reasons = [r["reasons"] for r in results[rank]["recoveries"] if 6 in r["lost"]]
+            assert reasons and all(set(r["lost"]) >= {6, 7} for r in results[rank]["recoveries"] if 6 in r["lost"])
+        named = [why for r in reasons for why in r.values()]
+        assert all("never began step 2" in why or why.startswith(UNIT_LOST) for why in named), named
+        for rank in (6, 7):  # their heartbeats went on; they were left out for taking no part
+            assert results[rank]["kind"] == "membership" and "excluded" in results[rank]["error"]
+    finally:
+        _finish(pool)
+
+
 def test_a_unit_axis_that_cannot_grow_is_refused():
     import layoutlang
     from elastic.recovery import RefitSpec

@@ -415,6 +415,9 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 error = _outcome(started[e.index], self.info.timeout)
                 if error is not None:
                     failed[e.index] = f"could not start the weight update: {error}"
+                    # its workers would be members that never begin the step: let them leave
+                    # now (an engine whose workers died fails this too, and is dropped anyway)
+                    _call(e.client.shutdown_weight_transfer_engine)
             updates = {e.index: _call(e.client.update_weights, {"step": step}) for e in serving
                        if e.index not in failed}
         try:
@@ -452,7 +455,9 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         left: list[Engine] = []
         for engine in members:
             if engine.ranks not in present:
-                gone_on_purpose = engine.state == "leaving" or set(engine.ranks) <= left_ranks
+                gone_on_purpose = engine.state == "leaving" or (
+                    set(engine.ranks) <= left_ranks and engine.index not in failed  # not told to leave by a failure
+                )
                 engine.state = "left" if gone_on_purpose else "lost"
                 (left if gone_on_purpose else lost).append(engine)
         serving = [e for e in members if e.state == "serving"]
@@ -546,8 +551,12 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         and the engine axis shrinks at the next step. The engine keeps serving its weights."""
         self._sender_only("remove an engine")
         engine = self.engines[engine] if isinstance(engine, int) else engine
-        if engine.state not in ("serving", "joining"):
-            raise ValueError(f"engine {engine.index} is {engine.state}: nothing to remove")
+        if engine.state != "serving":
+            raise ValueError(
+                f"engine {engine.index} is {engine.state}: only a serving engine can be removed"
+                + (" (a joining one is, once it serves after the next send_weights())" if engine.state == "joining"
+                   else "")
+            )
         engine.state = "leaving"
         error = _outcome(_call(engine.client.shutdown_weight_transfer_engine), self.info.timeout)
         if error is not None:
