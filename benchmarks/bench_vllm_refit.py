@@ -6,7 +6,9 @@ Run with the vLLM environment's Python (``scripts/setup-vllm`` makes it)::
 
 Two gloo trainer processes hold a random Llama (float32, GQA) as FSDP2 DTensors; trainer
 rank 0 starts two vLLM CPU engines of tensor parallel 2 (data-parallel replicas). The same
-refit is then run both ways, side by side, over the same refit group machinery:
+refit is then run both ways, side by side, each as the committed steps of an elastic refit
+session of its own (its own namespace and store port; the trainer leaves the first before
+the engines re-initialize into the second):
 
 - **layoutlang**: ``preset:llama/vllm_fused``; each worker receives exactly its shards of
   vLLM's fused parameters, from the trainer ranks that hold them;
@@ -97,6 +99,7 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
     clients = [OfflineLLMClient(e) for e in engines]
     dist.barrier()
     rows = {}
+    sessions: list[Any] = []
     try:
         for index, way in enumerate(["layoutlang", "whole tensors into load_weights"]):
             info = LayoutlangTrainerInitInfo(
@@ -104,7 +107,7 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
                 master_address="127.0.0.1",
                 master_port=ports[1 + index],
                 program=program(checkpoint, train, "layoutlang" if index == 0 else "whole"),
-                group_name=f"bench{index}",
+                namespace=f"bench{index}",
                 checkpoint_format=index == 1,
                 timeout=120,
             )
@@ -113,11 +116,14 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
             for _ in range(args.refits):
                 dist.barrier()
                 start = time.perf_counter()
-                refit.send_weights()
+                report = refit.send_weights()
                 seconds.append(time.perf_counter() - start)
-            stats = refit.resharder.plan.stats
+                if rank == 0 and report.refitted != (0, 1):
+                    print(f"{way}: step {report.step} refitted engines {report.refitted}: {report.to_json()}")
+            stats = refit.session.plan.stats
             rows[way] = (stats.bytes["network"], statistics.median(seconds))
-            refit.group.close()
+            refit.shutdown()  # the trainer leaves; the engines re-init into the next session
+            sessions.append(refit)  # keep rank 0's store served while the engines are members
     finally:
         for e in engines:
             e.llm_engine.engine_core.shutdown()
