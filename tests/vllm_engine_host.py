@@ -70,7 +70,7 @@ def _worker_pid(worker: Any) -> int:
     return os.getpid()
 
 
-def _reload(worker: Any, checkpoint: str) -> None:
+def reload_whole_tensors(worker: Any, checkpoint: str) -> None:
     """vLLM's own path for whole tensors, run on each worker: every checkpoint tensor into
     ``load_weights`` under the layerwise-reload lifecycle (what vLLM's NCCL engine does)."""
     from safetensors.torch import load_file
@@ -116,7 +116,7 @@ def serve(checkpoint: str, ready: Path, dummy: bool) -> None:
     methods = {
         "generate": generate,
         "worker_pids": lambda: engine.llm_engine.collective_rpc(_worker_pid),
-        "reload": lambda checkpoint: engine.llm_engine.collective_rpc(_reload, args=(checkpoint,)) and None,
+        "reload": lambda path: engine.llm_engine.collective_rpc(reload_whole_tensors, args=(path,)) and None,
         "init_weight_transfer_engine": lambda info: engine.init_weight_transfer_engine({"init_info": info}),
         "shutdown_weight_transfer_engine": engine.shutdown_weight_transfer_engine,
         "start_weight_update": engine.start_weight_update,

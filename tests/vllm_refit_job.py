@@ -36,6 +36,7 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 import torch
 import torch.distributed as dist
+from vllm_engine_host import reload_whole_tensors  # the script's folder is on the path
 
 TRAINERS = 2
 #: seconds a refit waits for a peer: a dead trainer rank is noticed by then at the latest
@@ -142,18 +143,6 @@ def transformers_logprobs(model: torch.nn.Module, tokens: list[list[int]]) -> li
             logits = model(input_ids=ids).logits[0].double().log_softmax(-1)
             out.append([float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(generated)])
     return out
-
-
-def reload_whole_tensors(worker: Any, checkpoint: str) -> None:
-    """vLLM's own path for whole tensors, run on each worker: every checkpoint tensor into
-    ``load_weights`` under the layerwise-reload lifecycle (what vLLM's NCCL engine does)."""
-    from safetensors.torch import load_file
-    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
-
-    model = worker.model_runner.model
-    initialize_layerwise_reload(model)
-    model.load_weights(list(load_file(f"{checkpoint}/model.safetensors").items()))
-    finalize_layerwise_reload(model, worker.model_runner.model_config)
 
 
 def worker_pid(worker: Any) -> int:

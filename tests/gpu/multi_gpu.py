@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import sys
 import time
 import traceback
 from datetime import timedelta
 
 import torch
+from gpu_steps import collect, verdicts
 
 STEPS = ["create", "ring", "execute", "shrink", "grow"]
 
@@ -171,52 +171,20 @@ def main(argv=None) -> int:
     ]
     for p in procs:
         p.start()
-    outcome: dict[str, list[tuple[int, str, str, float]]] = {s: [] for s in STEPS}
-    failures, shrunk, joiner = [], set(), None
-    deadline = time.monotonic() + 5 * args.timeout
     survivors = set(range(world - 1))
-    while time.monotonic() < deadline:
-        try:
-            rank, step, status, detail, elapsed = results.get(timeout=1.0)
-        except queue.Empty:
-            alive = [p for p in procs if p.is_alive()] + ([joiner] if joiner and joiner.is_alive() else [])
-            if not alive:
-                break
-            continue
-        if step == "error":
-            failures.append(f"rank {rank}: {detail}")
-            continue
-        if step == "shrunk":
-            shrunk.add(rank)
-            if shrunk == survivors and joiner is None:
-                joiner = ctx.Process(target=worker, args=(world - 1, world, server.port, results, "join", args.timeout))
-                joiner.start()
-            continue
-        outcome[step].append((rank, status, detail, elapsed))
-    for p in procs + ([joiner] if joiner else []):
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            failures.append(f"a process (pid {p.pid}) did not finish")
+    started: list = []
 
-    ok = not failures
+    def joiner(shrunk: set[int]):
+        if shrunk != survivors or started:
+            return None
+        started.append(ctx.Process(target=worker, args=(world - 1, world, server.port, results, "join", args.timeout)))
+        started[0].start()
+        return started[0]
+
+    outcome, failures = collect(results, procs, STEPS, 5 * args.timeout, joiner)
     print(f"multi_gpu: {world} ranks on {gpus} GPUs")
-    for step in STEPS:
-        rows = sorted(outcome[step])
-        statuses = {s for _, s, _, _ in rows if s != "EXIT"}
-        expected = world if step in ("create", "ring", "execute", "grow") else world - 1
-        counted = [r for r in rows if r[1] != "EXIT"]
-        if statuses == {"SKIP"}:
-            verdict = "SKIP"
-        elif statuses == {"PASS"} and len(counted) == expected:
-            verdict = "PASS"
-        else:
-            verdict, ok = "FAIL", False
-        slowest = max((e for _, _, _, e in rows), default=0.0)
-        detail = rows[0][2] if rows else "no report"
-        print(f"  {step:<8} {verdict:<4} {slowest:7.2f} s  {detail}")
-    for f in failures:
-        print("  " + f.replace("\n", "\n    "))
+    expected = {step: world if step in ("create", "ring", "execute", "grow") else world - 1 for step in STEPS}
+    ok = verdicts(outcome, expected, failures)
     print("multi_gpu: " + ("all steps passed" if ok else "FAILED"))
     return 0 if ok else 1
 

@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import sys
 import time
 import traceback
 from datetime import timedelta
+from typing import Any
 
 import torch
+from gpu_steps import collect, verdicts
 
 STEPS = ["start", "lose", "join"]
 REFITS = 5
@@ -174,51 +175,19 @@ def main(argv=None) -> int:
         return p
 
     procs = [start(r, r, False) for r in range(world)]
-    outcome: dict[str, list[tuple[int, str, str, float]]] = {s: [] for s in STEPS}
-    failures, shrunk, joiner = [], set(), None
     survivors = set(range(world - 1))
-    deadline = time.monotonic() + 10 * args.timeout
-    while time.monotonic() < deadline:
-        try:
-            rank, step, status, detail, elapsed = results.get(timeout=1.0)
-        except queue.Empty:
-            alive = [p for p in procs if p.is_alive()] + ([joiner] if joiner and joiner.is_alive() else [])
-            if not alive:
-                break
-            continue
-        if step == "error":
-            failures.append(f"rank {rank}: {detail}")
-            continue
-        if step == "shrunk":
-            shrunk.add(rank)
-            if shrunk == survivors and joiner is None:
-                joiner = start(world, world - 1, True)  # a new engine on the freed GPU, a new rank
-            continue
-        outcome[step].append((rank, status, detail, elapsed))
-    for p in procs + ([joiner] if joiner else []):
-        p.join(5)
-        if p.is_alive():
-            p.kill()
-            failures.append(f"a process (pid {p.pid}) did not finish")
+    started: list[Any] = []
 
-    ok = not failures
+    def joiner(shrunk: set[int]) -> Any | None:
+        if shrunk != survivors or started:
+            return None
+        started.append(start(world, world - 1, True))  # a new engine on the freed GPU, a new rank
+        return started[0]
+
+    outcome, failures = collect(results, procs, STEPS, 10 * args.timeout, joiner)
     print(f"refit_session_gpu: a trainer and {engines} engines on " + ("CPU (gloo)" if args.cpu else f"{gpus} GPUs"))
-    expected = {"start": world, "lose": world - 1, "join": world}
-    for step in STEPS:
-        rows = sorted(outcome[step])
-        counted = [r for r in rows if r[1] != "EXIT"]
-        statuses = {s for _, s, _, _ in counted}
-        if statuses == {"SKIP"}:
-            verdict = "SKIP"
-        elif statuses == {"PASS"} and len(counted) == expected[step]:
-            verdict = "PASS"
-        else:
-            verdict, ok = "FAIL", False
-        slowest = max((e for _, _, _, e in rows), default=0.0)
-        detail = counted[-1][2] if counted else "no report"  # an engine's, where it holds bytes
-        print(f"  {step:<6} {verdict:<4} {slowest:7.2f} s  {detail}")
-    for f in failures:
-        print("  " + f.replace("\n", "\n    "))
+    # an engine's detail (the last rank's), where it holds bytes
+    ok = verdicts(outcome, {"start": world, "lose": world - 1, "join": world}, failures, detail_of=-1)
     print("refit_session_gpu: " + ("all steps passed" if ok else "FAILED"))
     return 0 if ok else 1
 
