@@ -2,13 +2,14 @@
 
 Run with the vLLM environment's Python (``scripts/setup-vllm`` makes it)::
 
-    .venv-vllm/bin/python benchmarks/bench_vllm_refit.py [--layers 4] [--hidden 512] [--refits 5]
+    .venv-vllm/bin/python benchmarks/bench_vllm_refit.py [--layers 4] [--hidden 512] [--refits 5] [--rounds 2]
 
 Two gloo trainer processes hold a random Llama (float32, GQA) as FSDP2 DTensors; trainer
 rank 0 starts two vLLM CPU engines of tensor parallel 2 (data-parallel replicas). The same
 refit is then run both ways, side by side, each as the committed steps of an elastic refit
-session of its own (its own namespace and store port; the trainer leaves the first before
-the engines re-initialize into the second):
+session of its own (its own namespace and store port; the trainer leaves one before the
+engines re-initialize into the next), in rounds that alternate the order (ABBA), each
+session's first refit untimed:
 
 - **layoutlang**: ``preset:llama/vllm_fused``; each worker receives exactly its shards of
   vLLM's fused parameters, from the trainer ranks that hold them;
@@ -17,7 +18,7 @@ the engines re-initialize into the second):
   (``default: replicate``, ``checkpoint_format``), and vLLM's loaders narrow them.
 
 It prints, for each, the bytes the plan moves over the network (the plan statistics) and
-the median refit time, and the ratios. Nothing is asserted: figures, not tests.
+the median and best refit time, and the ratios. Nothing is asserted: figures, not tests.
 """
 
 from __future__ import annotations
@@ -98,44 +99,52 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
     engines = [engine(checkpoint), engine(checkpoint)] if rank == 0 else []
     clients = [OfflineLLMClient(e) for e in engines]
     dist.barrier()
-    rows = {}
+    ways = ["layoutlang", "whole tensors into load_weights"]
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    moved: dict[str, int] = {}
     sessions: list[Any] = []
     try:
-        for index, way in enumerate(["layoutlang", "whole tensors into load_weights"]):
-            info = LayoutlangTrainerInitInfo(
-                rank=rank,
-                master_address="127.0.0.1",
-                master_port=ports[1 + index],
-                program=program(checkpoint, train, "layoutlang" if index == 0 else "whole"),
-                namespace=f"bench{index}",
-                checkpoint_format=index == 1,
-                timeout=120,
-            )
-            refit = LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=model)
-            seconds = []
-            for _ in range(args.refits):
-                dist.barrier()
-                start = time.perf_counter()
-                report = refit.send_weights()
-                seconds.append(time.perf_counter() - start)
-                if rank == 0 and report.refitted != (0, 1):
-                    print(f"{way}: step {report.step} refitted engines {report.refitted}: {report.to_json()}")
-            stats = refit.session.plan.stats
-            rows[way] = (stats.bytes["network"], statistics.median(seconds))
-            refit.shutdown()  # the trainer leaves; the engines re-init into the next session
-            sessions.append(refit)  # keep rank 0's store served while the engines are members
+        for round_ in range(args.rounds):
+            for index, way in enumerate(ways if round_ % 2 == 0 else ways[::-1]):  # ABBA
+                layoutlang_way = way == "layoutlang"
+                info = LayoutlangTrainerInitInfo(
+                    rank=rank,
+                    master_address="127.0.0.1",
+                    master_port=ports[1 + 2 * round_ + index],  # rank 0 serves each session's store
+                    program=program(checkpoint, train, "layoutlang" if layoutlang_way else "whole"),
+                    namespace=f"bench{round_}-{index}",
+                    checkpoint_format=not layoutlang_way,
+                    timeout=120,
+                )
+                refit = LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=model)
+                for i in range(1 + args.refits):  # the first: a warm-up
+                    dist.barrier()
+                    start = time.perf_counter()
+                    report = refit.send_weights()
+                    if i > 0:
+                        seconds[way].append(time.perf_counter() - start)
+                    if rank == 0 and report.refitted != (0, 1):
+                        print(f"{way}: step {report.step} refitted engines {report.refitted}: {report.to_json()}")
+                moved[way] = refit.session.plan.stats.bytes["network"]
+                refit.shutdown()  # the trainer leaves; the engines re-init into the next session
+                sessions.append(refit)  # keep rank 0's store served while the engines are members
     finally:
         for e in engines:
             e.llm_engine.engine_core.shutdown()
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"model: Llama, {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f} M parameters (fp32)")
-        print(f"trainer: FSDP2 on {TRAINERS} ranks; inference: 2 vLLM engines x TP 2 (CPU); {args.refits} refits each")
-        print(f"{'refit':<34}{'network bytes':>16}{'median s':>12}")
-        for way, (moved, median) in rows.items():
-            print(f"{way:<34}{moved:>16,}{median:>12.3f}")
-        (exact, fast), (whole, slow) = rows.values()
+        print(f"trainer: FSDP2 on {TRAINERS} ranks; inference: 2 vLLM engines x TP 2 (CPU); {args.rounds} rounds "
+              f"(ABBA) of 1 warm-up + {args.refits} timed refits each way")
+        print(f"{'refit':<34}{'network bytes':>16}{'median s':>12}{'best s':>10}")
+        medians = {way: statistics.median(seconds[way]) for way in ways}
+        for way in ways:
+            print(f"{way:<34}{moved[way]:>16,}{medians[way]:>12.3f}{min(seconds[way]):>10.3f}")
+        exact, whole = (moved[way] for way in ways)
+        fast, slow = (medians[way] for way in ways)
         print(f"ratio (whole / layoutlang): bytes {whole / exact:.2f}x, time {slow / fast:.2f}x")
+        for way in ways:
+            print(f"  {way}: " + ", ".join(f"{t:.3f}" for t in seconds[way]))
         sys.stdout.flush()
     dist.barrier()
 
@@ -155,9 +164,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--refits", type=int, default=5)
+    parser.add_argument("--refits", type=int, default=5, help="timed refits each way per round")
+    parser.add_argument("--rounds", type=int, default=2, help="each way's session built afresh per round")
     args = parser.parse_args()
-    sockets = [socket.socket() for _ in range(3)]
+    sockets = [socket.socket() for _ in range(1 + 2 * args.rounds)]
     for s in sockets:
         s.bind(("127.0.0.1", 0))
     ports = [s.getsockname()[1] for s in sockets]
