@@ -319,6 +319,10 @@ class FailureDetector:
                 )
         return dict(self.failures)
 
+    def exits_moved(self) -> bool:
+        """Whether an exit or a leave was announced since the last :meth:`poll` (one read)."""
+        return self.use_exits and int(self.store.add(generation_key(self.generation, "exits"), 0)) != self._exits_seen
+
     def forgive(self, ranks: Iterable[int]) -> None:
         """Take back failures of ``ranks`` (their silence was not confirmed): they are
         watched again from now."""

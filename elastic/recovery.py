@@ -295,9 +295,12 @@ class Watch:
         return self.membership.detector(previous=self._previous, startup=self._startup, joining=self._joining)
 
     def now(self) -> None:
-        """Look at once (not at the watch's pace), e.g. before a step begins."""
-        self._last = 0.0
-        self()
+        """Before a step begins: a member that exited or left since the last look (announced:
+        one read of the store) raises at once, so the step is not begun without it. Silence is
+        found by the waits of the step, at their pace."""
+        if self.detector.exits_moved():
+            self._last = 0.0
+            self()
 
     def __call__(self) -> None:
         """Raised into every wait: a failed member, a newer generation, an aborted record."""
@@ -511,12 +514,14 @@ class Recoverer:
         many as fill the destination's open positions, and with ``grow`` every further whole
         unit (each a new coordinate of the unit axis)."""
         g = self.membership.current()
-        history = self.history(g)
         members = set(self.membership.members)
+        asking = [j for j in self.membership.join_requests(g + 1) if j not in members]
+        if not asking:
+            return []  # the usual case, decided by one read
+        history = self.history(g)
         mesh = self.spec.destination.mesh
         wanted = open_positions(history, mesh, self.spec.positions(history))
         returning = self.spec.returning
-        asking = [j for j in self.membership.join_requests(g + 1) if j not in members]
         back = [j for j in asking if j in self.spec.source.mesh]
         new = whole_units([j for j in asking if j not in returning], self.spec.unit)
         # a request outlives the process that made it: admit only joiners still beating
