@@ -15,6 +15,13 @@ never written into the store. The process that serves a store may :func:`remembe
 job's secret for it: records it reads or writes through that store object (the launcher's
 exit notifications) use that secret without an environment variable of its own.
 
+Records are bound to one *job*: the first member of a session decides a fresh job identity
+(:func:`establish_job`, the signed record ``{namespace}/job``, which also names the store's
+port), and every other record's tag covers it. With one operator secret shared by two jobs,
+a record copied from one into the other fails its check. Records written once (member lists,
+commit records) are remembered by each signer that read them: one later found missing or
+changed is a tampered store (:class:`StoreTampered`), never a decision.
+
 A sealed record is the tag, as 64 hex digits, followed by the value::
 
     >>> secret = JobSecret.parse("00112233445566778899aabbccddeeff")
@@ -30,9 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -41,13 +50,27 @@ import attrs
 
 from layoutlang.errors import MembershipError
 
-__all__ = ["SECRET_ENV", "JobSecret", "RecordSigner", "remember", "resolve_secret"]
+__all__ = [
+    "JOB_RECORD",
+    "SECRET_ENV",
+    "JobSecret",
+    "RecordSigner",
+    "StoreTampered",
+    "establish_job",
+    "peek",
+    "remember",
+    "resolve_secret",
+]
 
 #: The environment variable that holds the job's secret (hex, or any string).
 SECRET_ENV = "LAYOUTLANG_JOB_SECRET"
 
 _TAG = 64  # hex digits of an HMAC-SHA256 tag
 _DOMAIN = b"layoutlang-record\0"  # a tag of these records is never valid for another use
+#: the record naming the job a namespace's records belong to (:func:`establish_job`)
+JOB_RECORD = "job"
+# what compare_set is given to read a key without waiting for it: a value nobody writes
+_ABSENT = b"\0layoutlang-absent\0"
 
 logger = logging.getLogger(__name__)
 
@@ -127,22 +150,33 @@ def resolve_secret(secret: JobSecret | bytes | str | None, store: Any = None) ->
 _unsigned_warned = False
 
 
+class StoreTampered(MembershipError):
+    """A record of the job's committed history was deleted or changed in the store: someone
+    without the job's secret wrote there. Never a decision: the members that notice stop."""
+
+
 class RecordSigner:
     """Seals and opens the records of one namespace of the store.
 
     ``namespace`` is the prefix the keys live under (a record is bound to its full key, so
-    a tag copied to another namespace, generation or step does not verify). ``secret``
+    a tag copied to another namespace, generation or step does not verify), ``job`` the job
+    identity its tags cover (:func:`establish_job`; set later with :attr:`job`). ``secret``
     defaults to the one remembered for ``store``, then to ``LAYOUTLANG_JOB_SECRET``
     (:func:`resolve_secret`). Without a secret records are written and read as plain
     values, and one warning (per process) says so.
     """
 
-    def __init__(self, secret: JobSecret | bytes | str | None, namespace: str = "", *, store: Any = None):
+    def __init__(
+        self, secret: JobSecret | bytes | str | None, namespace: str = "", *, store: Any = None, job: str = ""
+    ):
         global _unsigned_warned
         self.secret = resolve_secret(secret, store)
         self.namespace = namespace
+        self.job = job
         self._warned: set[str] = set()
         self.refused = 0  # records that failed their check (each key is logged once)
+        # write-once records this signer has seen: key -> value (a later read must agree)
+        self._history: dict[str, bytes] = {}
         if self.secret is None and not _unsigned_warned:
             _unsigned_warned = True
             logger.warning(
@@ -159,8 +193,16 @@ class RecordSigner:
 
     def _tag(self, key: str, value: bytes) -> bytes:
         assert self.secret is not None
-        message = _DOMAIN + self._full(key).encode() + b"\0" + value
+        job = b"" if key == JOB_RECORD else self.job.encode()  # the job record names the job
+        message = _DOMAIN + job + b"\0" + self._full(key).encode() + b"\0" + value
         return hmac.new(self.secret.key, message, hashlib.sha256).hexdigest().encode()
+
+    def tag(self, purpose: str, message: bytes) -> bytes:
+        """An HMAC-SHA256 of ``message`` for ``purpose`` (not a record: e.g. a group's
+        challenge), bound to this signer's job and namespace."""
+        assert self.secret is not None
+        data = b"layoutlang-" + purpose.encode() + b"\0" + self.job.encode() + b"\0" + self.namespace.encode()
+        return hmac.new(self.secret.key, data + b"\0" + message, hashlib.sha256).digest()
 
     def seal(self, key: str, value: bytes) -> bytes:
         """``value`` as stored under ``key``: its tag, then the value."""
@@ -185,11 +227,30 @@ class RecordSigner:
             )
         return None
 
-    def read(self, store: Any, key: str) -> bytes | None:
-        """The authentic value of ``key`` in ``store`` (None: absent or refused)."""
-        if not store.check([key]):
-            return None
-        return self.open(key, store.get(key))
+    def read(self, store: Any, key: str, *, once: bool = False) -> bytes | None:
+        """The authentic value of ``key`` in ``store`` (None: absent or refused).
+
+        ``once``: a write-once record (a member list, a commit record). Its value is
+        remembered; when a later read finds it gone or changed, :class:`StoreTampered`."""
+        data = peek(store, key)
+        value = None if data is None else self.open(key, data)
+        if once:
+            value = self._remember(key, value)
+        return value
+
+    def _remember(self, key: str, value: bytes | None) -> bytes | None:
+        known = self._history.get(key)
+        if known is None:
+            if value is not None:
+                self._history[key] = value
+            return value
+        if value != known:
+            what = "deleted" if value is None else "changed"
+            raise StoreTampered(
+                f"the store record {self._full(key)!r} was {what} after it was decided: someone without the "
+                "job's secret writes the job's store; the members stop rather than decide again"
+            )
+        return value
 
     def set(self, store: Any, key: str, value: bytes) -> None:
         store.set(key, self.seal(key, value))
@@ -199,12 +260,17 @@ class RecordSigner:
         winning value, the first authentic one written. A record that fails its check is
         replaced (compare-and-set against it), so a forgery cannot occupy the key; a store
         that keeps being overwritten ``attempts`` times is an attack: MembershipError."""
+        if key in self._history:  # decided already: it must still be there, unchanged
+            known = self.read(store, key, once=True)
+            assert known is not None
+            return known
         sealed = self.seal(key, value)
         expected = b""
         for _ in range(attempts):
             won = bytes(store.compare_set(key, expected, sealed))
             authentic = self.open(key, won)
             if authentic is not None:
+                self._history[key] = authentic
                 return authentic
             # A missing key returns ``expected`` unchanged: try the absent key again.
             expected = b"" if won == expected else won
@@ -212,3 +278,62 @@ class RecordSigner:
             f"the store record {self._full(key)!r} was overwritten {attempts} times by writers without "
             "the job's secret: the job's store is under attack"
         )
+
+
+def peek(store: Any, key: str) -> bytes | None:
+    """The value of ``key`` in ``store``, or None when it is absent, in one request that never
+    waits (``get`` waits for a missing key): a compare-and-set that expects a value nobody
+    writes changes nothing and returns the current value."""
+    data = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if data == _ABSENT else data
+
+
+def establish_job(store: Any, records: RecordSigner, *, port: int | None, create: bool, timeout: float = 30.0) -> str:
+    """Bind ``records`` to the job of its namespace, and return the job's identity.
+
+    The job record (``JOB_RECORD``, signed with the secret alone) holds a random identity and
+    the port of the store it was made for. ``create``: the first member decides a fresh one
+    (compare-and-set); otherwise it is waited for (up to ``timeout``). A record this process
+    cannot open is not replaced: this process's secret is not the job's (or none was given),
+    and :class:`~layoutlang.errors.MembershipError` says so. A record made for another store
+    (copied from another job of the same secret) is refused the same way. ``store`` is the
+    namespace's store; ``port`` that of the TCPStore (None: not checked).
+    """
+    if records.secret is None:
+        data = peek(store, JOB_RECORD)
+        if data is not None and len(data) > _TAG and all(c in b"0123456789abcdef" for c in bytes(data)[:_TAG]):
+            raise MembershipError(
+                f"the records of '{records.namespace}' are signed with a job secret, and this process has none: "
+                f"set {SECRET_ENV} to the job's secret"
+            )
+        return ""
+    identity = json.dumps({"id": secrets.token_hex(16), "port": port}).encode()
+    end = time.monotonic() + timeout
+    while True:
+        data = peek(store, JOB_RECORD)
+        if data is None and create:
+            data = bytes(store.compare_set(JOB_RECORD, b"", records.seal(JOB_RECORD, identity)))
+        if data is not None:
+            break
+        if time.monotonic() >= end:
+            raise MembershipError(f"no session '{records.namespace}' in this store: its job record was not "
+                                  f"written within {timeout:g} s")
+        time.sleep(0.02)
+    value = records.open(JOB_RECORD, data)
+    if value is None:
+        raise MembershipError(
+            f"refused: the job record of '{records.namespace}' does not open with this process's job secret "
+            f"({SECRET_ENV}): the secret differs from the job's, or the record was forged"
+        )
+    try:
+        job = json.loads(value.decode())
+        job_id, job_port = str(job["id"]), job.get("port")
+    except (ValueError, KeyError, TypeError):
+        raise MembershipError(f"the job record of '{records.namespace}' is malformed") from None
+    if port is not None and job_port is not None and int(job_port) != int(port):
+        raise MembershipError(
+            f"refused: the job record of '{records.namespace}' was made for the store on port {job_port}, not this "
+            f"one (port {port}): it was copied from another job"
+        )
+    records.job = job_id
+    return job_id

@@ -88,7 +88,7 @@ class CommitRecords:
 
     def read(self, name: str) -> Record | None:
         """The record ``name`` of the current generation, or None when nobody decided it yet."""
-        value = self.membership.records.read(self.membership.store, self._key(name))
+        value = self.membership.records.read(self.membership.store, self._key(name), once=True)
         return None if value is None else json.loads(value.decode())
 
     def decide(self, name: str, record: Record) -> Record:

@@ -10,6 +10,15 @@ methods by :class:`GlooTransport`.
 A member's rank in the group is its index in the sorted member list, so the group of
 generation 1 of members ``[0, 1, 3]`` has ranks 0, 1, 2 for job ranks 0, 1, 3.
 
+With the job's secret, nobody without it becomes a member of a group (the data plane is
+authenticated, :func:`authenticated_group`): the addresses gloo publishes in the store are
+signed (:class:`SignedRendezvous`: a forged or garbage address is never handed to gloo, it
+is waited past), and before a group is used every pair of members proves it holds the
+secret over the group's own connections (a *challenge*: each member sends every other one
+an HMAC of the group's prefix and the pair). Each member then writes its verdict, signed;
+unless every member's is good, the group is given up, the impostor named, and the group is
+built again under a fresh prefix (:data:`REBUILDS` times at most).
+
 Grow: the coordinator (the lowest surviving rank) reads the join requests of the next
 generation and publishes its members including the joiners (:func:`admit`); joiners wait
 for a generation that includes them (:meth:`Membership.wait_until_member`); then every
@@ -20,19 +29,39 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from layoutlang.errors import ExecutionError, MembershipError
 from layoutlang.transport import Buffers, Pending, Transport
 
+from .auth import RecordSigner, peek
 from .membership import Membership, generation_key
 
-__all__ = ["ElasticGroup", "GlooGenerations", "GlooTransport", "abandon", "admit", "build_group"]
+#: how many times a group whose challenge failed is built again under a fresh prefix
+REBUILDS = 3
+#: the gloo tag of the challenge (a refit's exchanges use small tags from 0 up)
+CHALLENGE_TAG = (1 << 30) + 17
+_CHALLENGE_BYTES = 32
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ElasticGroup",
+    "GlooGenerations",
+    "GlooTransport",
+    "SignedRendezvous",
+    "abandon",
+    "admit",
+    "authenticated_group",
+    "build_group",
+]
 
 # Groups of dead generations, kept alive so their threads never block a destructor.
 _abandoned: list[Any] = []
@@ -98,35 +127,199 @@ def build_group(store: Any, membership: Membership, *, timeout: float = 30.0) ->
     """Build the gloo group of ``membership``'s current generation (all members call it at once).
 
     ``store`` is the raw store (the namespace is ``membership.namespace``); ``timeout`` bounds
-    the rendezvous and is the group's default operation timeout.
+    the rendezvous and is the group's default operation timeout. With the job's secret the
+    group is authenticated (:func:`authenticated_group`).
     """
-    import torch.distributed as dist
-
     g = membership.generation
     if g is None:
         raise MembershipError(
             f"rank {membership.rank}: enter a generation before building its group"
         )
-    prefix = (
-        f"{membership.namespace}/{generation_key(g, 'pg')}"
-        if membership.namespace
-        else generation_key(g, "pg")
-    )
     start = time.monotonic()
     members = membership.members
-    try:
-        pg = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store),
-            members.index(membership.rank),
-            len(members),
-            timedelta(seconds=timeout),
-        )
-    except RuntimeError as err:
-        raise MembershipError(
-            f"rank {membership.rank}: building the group of generation {g} (members {members}) failed: "
-            f"{str(err).splitlines()[0]}"
-        ) from None
+    namespaced = dist.PrefixStore(membership.namespace, store) if membership.namespace else store
+    pg = authenticated_group(
+        namespaced, generation_key(g, "pg"), membership.records, members, membership.rank, timeout=timeout,
+        what=f"the group of generation {g}",
+    )
     return ElasticGroup(g, members, membership.rank, pg, time.monotonic() - start)
+
+
+class SignedRendezvous(dist.Store):
+    """The store a group's rendezvous goes through: what gloo writes (its address) is sealed
+    with the job's secret, and what it reads must open with it. A value that does not (an
+    address written by someone without the secret, or garbage) is waited past: the member's
+    own write replaces one written before it; one written over it leaves the rendezvous
+    without that address until ``timeout`` (:attr:`patience`), and then the build fails. :attr:`forged` lists
+    the keys where such values were seen."""
+
+    def __init__(self, store: Any, prefix: str, records: RecordSigner, *, timeout: float):
+        super().__init__()
+        self.store, self.prefix, self.records, self.patience = store, prefix, records, timeout
+        self.forged: set[str] = set()
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self.store.set(self._key(key), self.records.seal(self._key(key), data))
+
+    def get(self, key: str) -> bytes:
+        full = self._key(key)
+        end = time.monotonic() + self.patience
+        while True:
+            data = peek(self.store, full)
+            if data is not None:
+                value = self.records.open(full, data)
+                if value is not None:
+                    return value
+                self.forged.add(key)
+            if time.monotonic() >= end:
+                raise MembershipError(f"no authentic value of {full!r} within {self.patience:g} s")
+            time.sleep(0.01)
+
+    def wait(self, keys: Any, timeout: Any = None) -> None:
+        full = [self._key(k) for k in keys]
+        if timeout is None:
+            self.store.wait(full)
+        else:
+            self.store.wait(full, timeout)
+
+    def check(self, keys: Any) -> bool:
+        return bool(self.store.check([self._key(k) for k in keys]))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(self._key(key), amount))
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        raise MembershipError("a group's rendezvous never compares and sets")  # gloo does not
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.store.delete_key(self._key(key)))
+
+    def num_keys(self) -> int:
+        return int(self.store.num_keys())
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.patience = timeout.total_seconds()
+
+
+def authenticated_group(
+    store: Any, prefix: str, records: RecordSigner, members: Sequence[int], rank: int, *, timeout: float,
+    what: str = "the group",
+) -> Any:
+    """A ``ProcessGroupGloo`` of ``members`` (job ranks; ``rank`` is this one) built under
+    ``prefix`` of ``store``, every member of which holds the job's secret (``records``).
+
+    Without a secret the group is built as it always was (nothing to prove). With it, the
+    rendezvous goes through :class:`SignedRendezvous`, then the members challenge each other
+    and agree on the verdict (module doc); a group that fails is given up and built again
+    under ``{prefix}/{attempt}``, up to :data:`REBUILDS` times, and then
+    :class:`~layoutlang.errors.MembershipError` names the members whose proof failed.
+    """
+    members = list(members)
+    group_rank = members.index(rank)
+    if not records.authenticated:
+        return _gloo(store, prefix, group_rank, len(members), timeout, what, rank, members)
+    failures: dict[int, str] = {}
+    for attempt in range(REBUILDS + 1):
+        attempt_prefix = f"{prefix}/{attempt}"
+        rendezvous = SignedRendezvous(store, attempt_prefix, records, timeout=timeout)
+        pg, verdict = None, "ok"
+        try:
+            pg = _gloo(rendezvous, "", group_rank, len(members), timeout, what, rank, members)
+            failed = _challenge(pg, records, attempt_prefix, members, group_rank, timeout)
+            if failed:
+                verdict = "failed: " + ", ".join(f"rank {members[r]} {why}" for r, why in failed.items())
+        except MembershipError as err:
+            verdict = f"failed: {err}"
+        if rendezvous.forged:
+            logger.warning(
+                "rank %d: %s: values written without the job's secret under %r (keys %s) were ignored",
+                rank, what, attempt_prefix, sorted(rendezvous.forged),
+            )
+        failures = _agree_verdicts(store, records, attempt_prefix, members, group_rank, verdict, timeout)
+        if not failures:
+            assert pg is not None
+            return pg
+        logger.warning("rank %d: %s under %r is given up: %s", rank, what, attempt_prefix,
+                       "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items())))
+        if pg is not None:
+            _abandoned.append(pg)
+            with contextlib.suppress(RuntimeError, AttributeError):
+                pg.abort()
+    raise MembershipError(
+        f"rank {rank}: {what} (members {members}) failed its authentication {REBUILDS + 1} times: "
+        + "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items()))
+        + ". Someone without the job's secret writes the job's store or connects to its members"
+    )
+
+
+def _gloo(
+    store: Any, prefix: str, group_rank: int, size: int, timeout: float, what: str, rank: int, members: list[int]
+) -> Any:
+    try:
+        return dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store) if prefix else store, group_rank, size, timedelta(seconds=timeout)
+        )
+    except (RuntimeError, MembershipError) as err:
+        raise MembershipError(
+            f"rank {rank}: building {what} (members {members}) failed: {str(err).splitlines()[0]}"
+        ) from None
+
+
+def _challenge(
+    pg: Any, records: RecordSigner, prefix: str, members: list[int], group_rank: int, timeout: float
+) -> dict[int, str]:
+    """Prove to every other member, over the group's own connections, that this one holds the
+    secret, and check their proofs; the group ranks whose proof failed (rank -> why)."""
+
+    def proof(sender: int, receiver: int) -> torch.Tensor:
+        tag = records.tag("group-challenge", f"{prefix}\0{members[sender]}\0{members[receiver]}".encode())
+        return torch.frombuffer(bytearray(tag), dtype=torch.uint8)
+
+    others = [r for r in range(len(members)) if r != group_rank]
+    received = {r: torch.zeros(_CHALLENGE_BYTES, dtype=torch.uint8) for r in others}
+    works = [(r, pg.recv([received[r]], r, CHALLENGE_TAG)) for r in others]
+    sent = [pg.send([proof(group_rank, r)], r, CHALLENGE_TAG) for r in others]
+    failed: dict[int, str] = {}
+    for r, work in works:
+        error = _work_error(work, timeout)
+        if error is not None:
+            failed[r] = f"sent no proof ({error})"
+        elif not torch.equal(received[r], proof(r, group_rank)):
+            failed[r] = "sent a wrong proof (it does not hold the job's secret)"
+    for work in sent:
+        _work_error(work, timeout)
+    return failed
+
+
+def _agree_verdicts(
+    store: Any, records: RecordSigner, prefix: str, members: list[int], group_rank: int, verdict: str, timeout: float
+) -> dict[int, str]:
+    """Write this member's verdict on the group (signed) and read everyone's: the members
+    whose verdict is not good (rank -> verdict; empty: the group is used). A verdict that
+    fails its check is waited past, as in the rendezvous."""
+    keys = [f"{prefix}/verdict/{r}" for r in range(len(members))]
+    records.set(store, keys[group_rank], verdict.encode())
+    verdicts: dict[int, str] = {}
+    end = time.monotonic() + timeout
+    pause = 0.0005
+    while True:
+        for r, key in enumerate(keys):
+            if r not in verdicts:
+                value = records.read(store, key)
+                if value is not None:
+                    verdicts[r] = value.decode(errors="replace")
+        if len(verdicts) == len(members):
+            break
+        if time.monotonic() >= end:
+            missing = [members[r] for r in range(len(members)) if r not in verdicts]
+            raise MembershipError(f"ranks {missing} gave no verdict on the group under {prefix!r} within {timeout:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 0.01)
+    return {members[r]: v for r, v in verdicts.items() if v != "ok"}
 
 
 def abandon(group: ElasticGroup | None) -> None:

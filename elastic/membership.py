@@ -16,9 +16,12 @@ prefixed by its *generation* (one membership epoch)::
 The member lists, exit notifications and join requests are *signed records*: each value is
 stored with an HMAC-SHA256 tag computed with the job's secret over its full key and the
 value (:mod:`elastic.auth`); a record that fails its check is ignored as absent and logged.
-The counters (heartbeats, ``exits``, ``joins``) are plain: a forged count only makes a
-reader look for records that are not there (or, for a heartbeat, keeps a silent rank
-looking alive until an exit notification or an exchange's deadline finds it).
+Heartbeats are signed too (each beat writes the rank's own count, sealed): a forged or
+replayed beat does not advance, so a stopped rank is found by its silence whatever an
+attacker writes. The counters ``exits`` and ``joins`` are plain: a forged count only makes
+a reader look for records that are not there. Member lists are write-once records
+(:meth:`~elastic.auth.RecordSigner.read` with ``once``): one deleted or changed after a
+member read it stops that member with :class:`~elastic.auth.StoreTampered`.
 
 Keys are never reused across generations: a new generation starts from empty keys, so a
 stale heartbeat or a half-built group of an earlier generation cannot be mistaken for a
@@ -42,6 +45,7 @@ later reader) reads the winning list back; a rank not in it learns it is exclude
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -52,7 +56,7 @@ from typing import Any
 
 from layoutlang.errors import ExecutionError, MembershipError, RuntimeFailure
 
-from .auth import JobSecret, RecordSigner
+from .auth import JobSecret, RecordSigner, establish_job, peek
 
 __all__ = [
     "ASKING",
@@ -119,7 +123,10 @@ def encode_members(members: Iterable[int]) -> bytes:
 
 
 def decode_members(data: bytes) -> list[int]:
-    value = json.loads(bytes(data).decode())
+    try:
+        value = json.loads(bytes(data).decode())
+    except (UnicodeDecodeError, ValueError):
+        value = None
     if not isinstance(value, list) or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
@@ -139,6 +146,10 @@ def _namespaced(store: Any, namespace: str) -> Any:
 class Heartbeat:
     """A daemon thread that advances ``gen{g}/hb/{rank}`` every ``interval`` seconds.
 
+    Each beat writes this rank's count of beats sealed with ``records`` (the membership's
+    signer, :class:`~elastic.auth.RecordSigner`; default: one with ``LAYOUTLANG_JOB_SECRET``):
+    only a process with the job's secret advances it.
+
     It uses its own store client (``TCPStore(host, port)``), so it never shares a socket
     with the thread that runs collectives or agreement. ``generation`` may be changed while
     it runs (:meth:`set_generation`): the counter then advances under the new prefix, and
@@ -157,10 +168,12 @@ class Heartbeat:
         generation: int = 0,
         interval: float = DEFAULT_INTERVAL,
         connect_timeout: float = 30.0,
+        records: RecordSigner | None = None,
     ):
         import torch.distributed as dist
 
         self.rank, self.interval, self.namespace = int(rank), float(interval), namespace
+        self.records = records if records is not None else RecordSigner(None, namespace)
         self._generation = int(generation)
         self._previous: int | None = None
         client = dist.TCPStore(
@@ -188,9 +201,9 @@ class Heartbeat:
     def _beat(self) -> None:
         self.beats += 1
         previous = self._previous
-        self._store.add(generation_key(self._generation, f"hb/{self.rank}"), 1)
-        if previous is not None:
-            self._store.add(generation_key(previous, f"hb/{self.rank}"), 1)
+        for generation in (self._generation,) if previous is None else (self._generation, previous):
+            key = generation_key(generation, f"hb/{self.rank}")
+            self._store.set(key, self.records.seal(key, str(self.beats).encode()))
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -246,9 +259,11 @@ class FailureDetector:
         startup: float | None = None,
         secret: JobSecret | bytes | str | None = None,
         joining: Iterable[int] = (),
+        records: RecordSigner | None = None,
     ):
         self.store = _namespaced(store, namespace)
-        self.records = RecordSigner(secret, namespace, store=store)  # exit notifications are signed
+        # exit notifications and heartbeats are signed (``records``: the membership's signer)
+        self.records = records if records is not None else RecordSigner(secret, namespace, store=store)
         # A member still busy in the previous generation beats only its keys: it is alive.
         self.previous = previous
         # A member never heard from may still be starting (importing torch): it has longer.
@@ -267,12 +282,12 @@ class FailureDetector:
         self.failures: dict[int, str] = {}
 
     def _counter(self, rank: int) -> int | None:
-        # add(0) is one request; a counter that was never advanced reads 0 (a beat makes it 1)
-        value = int(self.store.add(generation_key(self.generation, f"hb/{rank}"), 0))
+        generations = [self.generation]
         if self.previous is not None:
-            value += int(self.store.add(generation_key(self.previous, f"hb/{rank}"), 0))
+            generations.append(self.previous)
         if rank in self.joining:
-            value += int(self.store.add(generation_key(ASKING, f"hb/{rank}"), 0))
+            generations.append(ASKING)
+        value = sum(beats(self.store, self.records, g, rank) for g in generations)
         return value or None
 
     def poll(self, ranks: Iterable[int] | None = None) -> dict[int, str]:
@@ -376,6 +391,15 @@ class FailureDetector:
         return {r: self.failures[r] for r in ranks if r in self.failures}
 
 
+def beats(store: Any, records: RecordSigner, generation: int, rank: int) -> int:
+    """The authentic count of ``rank``'s heartbeat under ``generation`` (0: none yet, or one
+    that fails its check: a forged beat is no sign of life)."""
+    key = generation_key(generation, f"hb/{rank}")
+    data = peek(store, key)
+    value = None if data is None else records.open(key, data)
+    return int(value) if value is not None and value.isdigit() else 0
+
+
 _PEER = re.compile(r"\b(?:from|to|peer) rank (\d+)")
 
 
@@ -441,7 +465,7 @@ class Membership:
 
     def members_of(self, generation: int) -> list[int] | None:
         """The agreed members of ``generation``, or None when it has not been agreed yet."""
-        value = self.records.read(self.store, self.key(generation, "members"))
+        value = self.records.read(self.store, self.key(generation, "members"), once=True)
         return None if value is None else decode_members(value)
 
     def propose(self, generation: int, members: Iterable[int]) -> list[int]:
@@ -572,13 +596,12 @@ class Membership:
         ranks = sorted({int(r) for r in ranks})
         if not ranks:
             return []
-        keys = {r: generation_key(ASKING, f"hb/{r}") for r in ranks}
-        start = {r: int(self.store.add(k, 0)) for r, k in keys.items()}
+        start = {r: beats(self.store, self.records, ASKING, r) for r in ranks}
         alive: set[int] = set()
         end = time.monotonic() + (self.deadline if within is None else within)
         while len(alive) < len(ranks) and time.monotonic() < end:
             time.sleep(period)
-            alive |= {r for r, k in keys.items() if r not in alive and int(self.store.add(k, 0)) != start[r]}
+            alive |= {r for r in ranks if r not in alive and beats(self.store, self.records, ASKING, r) != start[r]}
         return sorted(alive)
 
     def detector(
@@ -604,6 +627,7 @@ class Membership:
             startup=startup,
             secret=self.records.secret,
             joining=joining,
+            records=self.records,
         )
 
 
@@ -659,8 +683,11 @@ class ExitWatcher:
 
     def _notify(self, rank: int, code: int | None) -> bool:
         """Write the exit of ``rank``; False when the store went away: the job is over."""
-        g = self._latest()
         try:
+            if not self.records.job and self.records.authenticated:
+                with contextlib.suppress(MembershipError):  # no session started yet: nobody reads it
+                    establish_job(self.store, self.records, port=None, create=False, timeout=0)
+            g = self._latest()
             for gen in (g, g + 1):
                 self.records.set(self.store, generation_key(gen, f"exited/{rank}"), f"exit code {code}".encode())
                 self.store.add(generation_key(gen, "exits"), 1)

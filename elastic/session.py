@@ -59,7 +59,7 @@ from layoutlang.plan.data import layout_digest
 from layoutlang.plan.loss import lost_regions
 from layoutlang.runtime.agreement import agree
 
-from .auth import JobSecret
+from .auth import JobSecret, establish_job
 from .commit import COMMITTED, step_record
 from .groups import GlooGenerations
 from .membership import ASKING, DEFAULT_DEADLINE, DEFAULT_INTERVAL, GenerationChanged, Heartbeat, Membership
@@ -198,10 +198,15 @@ class ElasticSession:
         self.on_shrink, self.on_grow = on_shrink, on_grow
         self.device = torch.device(device)
         self.membership = Membership(store, self.rank, namespace=namespace, deadline=deadline, secret=secret)
+        # every record from here on is bound to this session's job (a joiner finds the job the
+        # first members made; a process with another secret, or none, is refused here)
+        self.job = establish_job(self.membership.store, self.membership.records, port=port, create=not join,
+                                 timeout=timeout)
         # a joiner beats under a generation nobody watches until it is admitted: one that comes
         # back under its old rank must not look alive in the generation it was lost from
         self.heartbeat = Heartbeat(
-            host, port, self.rank, namespace=namespace, interval=heartbeat_interval, generation=ASKING if join else 0
+            host, port, self.rank, namespace=namespace, interval=heartbeat_interval, generation=ASKING if join else 0,
+            records=self.membership.records,
         )
         self._recoverer = Recoverer(
             spec, membership=self.membership, heartbeat=self.heartbeat,

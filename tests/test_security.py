@@ -29,7 +29,7 @@ import pytest
 import torch.distributed as dist
 
 from elastic import ExitWatcher, FailureDetector, Heartbeat, MemberFailure, Membership
-from elastic.auth import SECRET_ENV, JobSecret, RecordSigner, resolve_secret
+from elastic.auth import SECRET_ENV, JobSecret, RecordSigner, StoreTampered, resolve_secret
 from elastic.commit import COMMITTED, CommitRecords
 from elastic.store import serve_store
 from layoutlang.errors import MembershipError
@@ -93,14 +93,17 @@ def test_a_forged_member_list_excludes_nobody_and_is_replaced(store, caplog):
     # The honest proposal replaces the forgery; every member reads the honest winner.
     assert other.propose(1, [0, 1, 2]) == [0, 1, 2]
     assert m.members_of(1) == [0, 1, 2] and m.propose(1, [0, 1]) == [0, 1, 2]
-    # A forgery written after the agreement is still ignored... and the agreed list,
-    # overwritten, is lost to the members: the attacker can deny service, not decide.
+    # A forgery written over the agreed list is a tampered store for every member that read
+    # the list: they stop, never decide generation 1 again (the attacker can deny service only).
     forger.set("job/gen1/members", b"[0,1]")
-    assert m.members_of(1) is None
+    with pytest.raises(StoreTampered, match="'job/gen1/members' was deleted"):
+        m.members_of(1)
 
 
 def test_a_forged_exit_notification_does_not_fail_a_healthy_rank(store):
-    heartbeats = [Heartbeat("127.0.0.1", store.port, r, namespace="job", interval=0.05) for r in (0, 1)]
+    signed = RecordSigner(SECRET, "job")  # heartbeats are signed records too
+    heartbeats = [Heartbeat("127.0.0.1", store.port, r, namespace="job", interval=0.05, records=signed)
+                  for r in (0, 1)]
     try:
         detector = FailureDetector(store, 0, [0, 1], namespace="job", deadline=0.5, secret=SECRET)
         forger = attacker(store)

@@ -39,7 +39,7 @@ import attrs
 import torch
 
 from elastic import ElasticSession, GlooGenerations, JobSecret, NcclGenerations
-from elastic.auth import RecordSigner, resolve_secret
+from elastic.auth import JOB_RECORD, RecordSigner, establish_job, peek, resolve_secret
 from elastic.store import serve_store
 
 from ..errors import ExecutionError, LayoutValueError
@@ -153,8 +153,20 @@ def session_exists(store: Any, address: SessionAddress, secret: JobSecret) -> bo
     restarted trainer then joins it instead of starting one."""
     import torch.distributed as dist
 
+    namespaced = dist.PrefixStore(address.namespace, store)
+    if peek(namespaced, JOB_RECORD) is None:
+        return False
+    return _records(store, address, secret).read(namespaced, "gen0/members") is not None
+
+
+def _records(store: Any, address: SessionAddress, secret: JobSecret, *, wait: float = 30.0) -> RecordSigner:
+    """A signer of the session's records, bound to its job (waited for up to ``wait`` seconds;
+    a secret that is not the session's is refused: :class:`~layoutlang.errors.MembershipError`)."""
+    import torch.distributed as dist
+
     records = RecordSigner(secret, address.namespace, store=store)
-    return records.read(dist.PrefixStore(address.namespace, store), "gen0/members") is not None
+    establish_job(dist.PrefixStore(address.namespace, store), records, port=address.port, create=False, timeout=wait)
+    return records
 
 
 def engines_of(destination: Layout, engine_axis: str) -> list[tuple[int, ...]]:
@@ -192,7 +204,7 @@ def write_engine_ranks(store: Any, address: SessionAddress, secret: JobSecret, t
     re-attaching trainer maps its clients to the session's engines by it); signed."""
     import torch.distributed as dist
 
-    RecordSigner(secret, address.namespace, store=store).set(
+    _records(store, address, secret).set(
         dist.PrefixStore(address.namespace, store), f"engines/{token}", json.dumps(sorted(ranks)).encode()
     )
 
@@ -201,8 +213,6 @@ def read_engine_ranks(store: Any, address: SessionAddress, secret: JobSecret, to
     """The ranks recorded under ``token`` (None: none, or a record without the job's secret)."""
     import torch.distributed as dist
 
-    value = RecordSigner(secret, address.namespace, store=store).read(
-        dist.PrefixStore(address.namespace, store), f"engines/{token}"
-    )
+    value = _records(store, address, secret).read(dist.PrefixStore(address.namespace, store), f"engines/{token}")
     return None if value is None else tuple(int(r) for r in json.loads(value.decode()))
 
