@@ -61,6 +61,7 @@ __all__ = [
     "admit",
     "authenticated_group",
     "build_group",
+    "prove_group",
 ]
 
 # Groups of dead generations, kept alive so their threads never block a destructor.
@@ -151,19 +152,30 @@ class SignedRendezvous(dist.Store):
     address written by someone without the secret, or garbage) is waited past: the member's
     own write replaces one written before it; one written over it leaves the rendezvous
     without that address until ``timeout`` (:attr:`patience`), and then the build fails. :attr:`forged` lists
-    the keys where such values were seen."""
+    the keys where such values were seen. ``hide``: values are also encrypted with a pad
+    derived from the secret and the key (an NCCL unique id, which lets whoever reads it join
+    the communicator, stays unknown to readers without the secret)."""
 
-    def __init__(self, store: Any, prefix: str, records: RecordSigner, *, timeout: float):
+    def __init__(self, store: Any, prefix: str, records: RecordSigner, *, timeout: float, hide: bool = False):
         super().__init__()
         self.store, self.prefix, self.records, self.patience = store, prefix, records, timeout
+        self.hide = hide
         self.forged: set[str] = set()
 
     def _key(self, key: str) -> str:
-        return f"{self.prefix}/{key}"
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _pad(self, key: str, value: bytes) -> bytes:
+        if not self.hide:
+            return value
+        blocks = (len(value) + 31) // 32
+        pad = b"".join(self.records.tag("rendezvous-pad", f"{key}\0{i}".encode()) for i in range(blocks))
+        return bytes(a ^ b for a, b in zip(value, pad))
 
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self.store.set(self._key(key), self.records.seal(self._key(key), data))
+        full = self._key(key)
+        self.store.set(full, self.records.seal(full, self._pad(full, data)))
 
     def get(self, key: str) -> bytes:
         full = self._key(key)
@@ -173,7 +185,7 @@ class SignedRendezvous(dist.Store):
             if data is not None:
                 value = self.records.open(full, data)
                 if value is not None:
-                    return value
+                    return self._pad(full, value)
                 self.forged.add(key)
             if time.monotonic() >= end:
                 raise MembershipError(f"no authentic value of {full!r} within {self.patience:g} s")
@@ -254,6 +266,27 @@ def authenticated_group(
         + "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items()))
         + ". Someone without the job's secret writes the job's store or connects to its members"
     )
+
+
+def prove_group(
+    pg: Any, store: Any, records: RecordSigner, prefix: str, members: Sequence[int], rank: int, *, timeout: float,
+    what: str = "the group",
+) -> None:
+    """Check that every member of an already built group ``pg`` holds the job's secret (the
+    challenge and the verdicts of :func:`authenticated_group`); a group that fails raises
+    :class:`~layoutlang.errors.MembershipError` naming the members whose proof failed. For a
+    group that cannot be built again under another prefix (torch's default group)."""
+    members = list(members)
+    group_rank = members.index(rank)
+    failed = _challenge(pg, records, prefix, members, group_rank, timeout)
+    verdict = "ok" if not failed else "failed: " + ", ".join(f"rank {members[r]} {why}" for r, why in failed.items())
+    failures = _agree_verdicts(store, records, prefix, members, group_rank, verdict, timeout)
+    if failures:
+        raise MembershipError(
+            f"rank {rank}: {what} (members {members}) failed its authentication: "
+            + "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items()))
+            + ". Someone without the job's secret writes the job's store or connects to its members"
+        )
 
 
 def _gloo(

@@ -49,6 +49,7 @@ from typing import Any
 from layoutlang.errors import CudaError, MembershipError, NcclError, RuntimeFailure
 from layoutlang.transport.nccl import Communicator, NcclTransport
 
+from .groups import SignedRendezvous
 from .membership import Membership, generation_key
 
 __all__ = ["NcclGenerations", "NcclGroup"]
@@ -188,6 +189,10 @@ class NcclGenerations:
             )
         timeout = self.timeout if timeout is None else float(timeout)
         start = time.monotonic()
+        if membership.records.authenticated:
+            # the build records and the unique ids are signed and hidden: nobody without the
+            # secret feeds a forged one, or reads one to join the communicator
+            store = SignedRendezvous(store, "", membership.records, timeout=timeout, hide=True)
         records = self._rendezvous(store, membership, g, previous, timeout)
         base, existing, joiners = self._roles(membership, records)
         if previous is not None and records[rank]["base"] != base:

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from elastic.auth import SECRET_ENV, JobSecret, remember
+from elastic.auth import SECRET_ENV, JobSecret, RecordSigner, remember
 from elastic.store import serve_store
 
 from .._text import rank_ranges
@@ -145,13 +145,7 @@ def _worker_main(
 
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(prefix, store),  # each start of the pool's workers has its own
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=timeout),
-        )
+        _init_default_group(store, prefix, rank, size, timeout, secret)
     worker_context.update(rank=rank, size=size, port=port, store=store)
     while True:
         task = tasks.get()
@@ -167,6 +161,26 @@ def _worker_main(
             results.put((rank, False, failure))
     if default_group:
         dist.destroy_process_group()
+
+
+def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: float, secret: str | None) -> None:
+    """The workers' default gloo group under ``prefix`` (each start of the pool's workers has
+    its own). With the job's secret its rendezvous is signed and every worker proves it holds
+    the secret before the group is used (:func:`elastic.groups.prove_group`): a process
+    without it is never one of the pool's ranks."""
+    import torch.distributed as dist
+
+    from elastic.groups import SignedRendezvous, prove_group
+
+    records = RecordSigner(secret, prefix)
+    rendezvous: Any = dist.PrefixStore(prefix, store)
+    if records.authenticated:
+        rendezvous = SignedRendezvous(store, prefix, records, timeout=timeout)
+    dist.init_process_group("gloo", store=rendezvous, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+    if records.authenticated:
+        group = dist.distributed_c10d._get_default_group()
+        prove_group(group, store, records, f"{prefix}/proof", range(size), rank, timeout=timeout,
+                    what="the workers' default group")
 
 
 def _exit_text(code: int | None) -> str:
