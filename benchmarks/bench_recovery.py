@@ -46,6 +46,15 @@ load from other processes on the machine does not fall on one path only:
     refits after the stall against the median of those before it), with
     the rank still a member, every byte verified and no suspect left on any rank.
 
+``auth`` (what the authenticated data plane costs a recovery)
+    the group a shrink builds (the survivors: every rank but the victim) is built on the same
+    pool ``--auth-rounds`` (10) times with the data plane's authentication (signed
+    rendezvous, the challenge over every pair of members, signed verdicts: what every
+    recovery now does) and, alternately, without it (a signer without the secret, for this
+    comparison only), each build starting at a barrier of the members. Figure: the median
+    build time each way (the slowest member per build) and their difference; the target is
+    at most 50 ms.
+
 All paths verify every destination byte of every committed refit against the synthetic
 truth (exit status 1 if any differs, a path fails, or torchrun does not finish within
 ``--timeout``). The targets (shrink >= 5x faster than restart-all, best of repeats; shrink
@@ -97,6 +106,7 @@ SHRINK_TARGET_SECONDS = 1.0
 STALL_SECONDS = 1.5  # how long the stalled rank stays stopped
 STALL_TARGET_RATIO = 1.5  # the refits after a stall take at most this many times those before
 KiB = 1024
+AUTH_TARGET_SECONDS = 0.05  # what the data plane's authentication may add to a recovery
 
 
 # ------------------------------------------------------------------------ shrink path
@@ -183,6 +193,18 @@ def run_shrink(pool, layout: Path, *, world: int, steps: int, victim: int, kill_
 
 
 # ------------------------------------------------------------------------- stall path
+
+
+def run_auth(pool, members: list[int], rounds: int) -> dict[str, Any]:
+    """The auth path: the survivors' group built each way on the pool (recovery_auth_job)."""
+    from recovery_auth_job import build_groups
+
+    pool.respawn()
+    results = pool.run(build_groups, f"bench-auth-{os.getpid()}", members, rounds)
+    per_build = {way: [max(r["times"][way][i] for r in results if "times" in r) for i in range(rounds)]
+                 for way in ("on", "off")}
+    on, off = statistics.median(per_build["on"]), statistics.median(per_build["off"])
+    return {"on": on, "off": off, "cost": on - off, "builds": per_build}
 
 
 def run_stall(pool, layout: Path, *, steps: int, stalled: int, stall_step: int, memory_budget: int,
@@ -338,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-budget", type=int, default=512 * KiB,
                         help="memory_budget of both paths, in bytes (default 512 KiB: buckets of 256 KiB, "
                              "so a refit has several executor steps and the kill falls mid-transfer)")
-    parser.add_argument("--only", default=None, help="comma-separated paths: shrink,torchrun,stall")
+    parser.add_argument("--only", default=None, help="comma-separated paths: shrink,torchrun,stall,auth")
+    parser.add_argument("--auth-rounds", type=int, default=10, help="group builds each way of the auth path")
     parser.add_argument("--stall-rank", type=int, default=1, help="the rank that stalls (default 1, training)")
     parser.add_argument("--stall-step", type=int, default=4, help="the refit it stalls in (default 4)")
     parser.add_argument("--stall-steps", type=int, default=10, help="refits of a stall run (default 10)")
@@ -351,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write every figure to this file")
     args = parser.parse_args(argv)
 
-    paths = [p for p in ("shrink", "torchrun", "stall") if args.only is None or p in args.only.split(",")]
+    paths = [p for p in ("shrink", "torchrun", "stall", "auth") if args.only is None or p in args.only.split(",")]
     layout_path = Path(args.layout).resolve()
     program = layoutlang.load(layout_path)
     statement = program.reshard()
@@ -395,12 +418,22 @@ def main(argv: list[str] | None = None) -> int:
     begin = time.perf_counter()
     pool = None
     try:
-        if "shrink" in paths or "stall" in paths:
+        if "shrink" in paths or "stall" in paths or "auth" in paths:
             from layoutlang.cli.launch import LocalWorkers
 
             pool = LocalWorkers(world, timeout=120.0)
             pool.run(os.getpid)
             print(f"  pool of {world} workers started in {time.perf_counter() - begin:.1f} s", flush=True)
+        if "auth" in paths:
+            assert pool is not None
+            result = run_auth(pool, [r for r in range(world) if r != args.victim], args.auth_rounds)
+            runs["auth"].append(result)
+            print(f"  auth: the survivors' group ({world - 1} members), {args.auth_rounds} builds each way: "
+                  f"authenticated {result['on'] * 1000:.1f} ms, not {result['off'] * 1000:.1f} ms (medians of the "
+                  f"slowest member); authentication {result['cost'] * 1000:+.1f} ms per recovery "
+                  f"(target at most {AUTH_TARGET_SECONDS * 1000:.0f} ms: "
+                  f"{'met' if result['cost'] <= AUTH_TARGET_SECONDS else 'MISSED'})", flush=True)
+            paths.remove("auth")
         for n in range(args.repeats):
             for path in paths:
                 if path == "stall":
@@ -465,6 +498,9 @@ def _print_results(runs: dict[str, list[dict[str, Any]]], args) -> dict[str, Any
         )
         print(f"{'path':<24} {'best':>8} {'median':>8}   (repeats)")
     for path, results in runs.items():
+        if path == "auth":
+            summary["auth"] = results[0] if results else None  # printed as it was measured
+            continue
         if path == "stall":
             continue  # printed apart below
         times = [r["seconds"] for r in results if r.get("seconds") is not None and not r["errors"]]

@@ -338,8 +338,14 @@ def _agree_verdicts(
     records.set(store, keys[group_rank], verdict.encode())
     verdicts: dict[int, str] = {}
     end = time.monotonic() + timeout
+    with contextlib.suppress(RuntimeError):  # a member that never writes: named below
+        store.wait(keys, timedelta(seconds=timeout))  # one request, then one read of them all
+        for r, (key, data) in enumerate(zip(keys, store.multi_get(keys))):
+            value = records.open(key, data)
+            if value is not None:
+                verdicts[r] = value.decode(errors="replace")
     pause = 0.0005
-    while True:
+    while len(verdicts) < len(members):  # a forged verdict is waited past
         for r, key in enumerate(keys):
             if r not in verdicts:
                 value = records.read(store, key)
