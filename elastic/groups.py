@@ -216,6 +216,10 @@ class SignedRendezvous(dist.Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self.patience = timeout.total_seconds()
 
+    def clone(self) -> SignedRendezvous:
+        # torch clones a group's store for each new group built on it (a DeviceMesh's subgroups)
+        return SignedRendezvous(self.store.clone(), self.prefix, self.records, timeout=self.patience, hide=self.hide)
+
 
 def authenticated_group(
     store: Any, prefix: str, records: RecordSigner, members: Sequence[int], rank: int, *, timeout: float,
