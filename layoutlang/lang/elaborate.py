@@ -32,9 +32,9 @@ __all__ = ["load", "loads", "read_source"]
 class _Elaborator:
     """Reads the statements of a program's files, in order, into one scope."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str, allow_outside_includes: bool) -> None:
         self.scope = Scope()
-        self.includes = Includes()
+        self.includes = Includes(folder, allow_outside=allow_outside_includes)
         self.tokens = TokenBudget()  # of every file together: includes cannot multiply the limit
 
     def file(self, source: Source) -> None:
@@ -95,17 +95,23 @@ class _Elaborator:
         )
 
 
-def load(path: str | os.PathLike[str]) -> Program:
-    """Read a ``.layout`` file (and its includes) into a :class:`~layoutlang.model.Program`."""
+def load(path: str | os.PathLike[str], *, allow_outside_includes: bool = False) -> Program:
+    """Read a ``.layout`` file (and its includes) into a :class:`~layoutlang.model.Program`.
+
+    Its includes are confined to its folder (symbolic links resolved) and the presets;
+    ``allow_outside_includes`` lifts that, for a program one trusts (see
+    :mod:`~layoutlang.lang.includes`).
+    """
     display = os.fspath(path)
     real = os.path.realpath(display)
-    elaborator = _Elaborator()
+    elaborator = _Elaborator(os.path.dirname(real), allow_outside_includes)
     elaborator.file(Source(read_source(real, display), display, real))
     return elaborator.program(display)
 
 
-def loads(text: str, path: str = "<string>") -> Program:
-    """Read a program from text; includes are relative to the current directory."""
-    elaborator = _Elaborator()
+def loads(text: str, path: str = "<string>", *, allow_outside_includes: bool = False) -> Program:
+    """Read a program from text; includes are relative to, and confined to, the current
+    directory (``allow_outside_includes`` as for :func:`load`)."""
+    elaborator = _Elaborator(os.getcwd(), allow_outside_includes)
     elaborator.file(Source(text, path, None))
     return elaborator.program(path)
