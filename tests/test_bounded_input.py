@@ -61,7 +61,8 @@ def cli(*args: str, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess[
         capture_output=True,
         text=True,
         timeout=timeout,  # a command that blocks fails here instead of hanging the suite
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        # this checkout first; then the caller's path (a git worktree's fix-ups of the import)
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     return result, time.monotonic() - start
 
@@ -420,3 +421,64 @@ def test_includes_nest_at_most_max_include_depth_files_deep(tmp_path):
     span = info.value.span
     assert span is not None and span.path.endswith(f"f{MAX_INCLUDE_DEPTH - 1}.layout")
     assert len(span.included_from) == MAX_INCLUDE_DEPTH - 1
+
+
+# ------------------------------------------------- values past the 64-bit integers
+
+
+@pytest.mark.timeout(60)
+def test_a_let_chain_that_squares_its_value_is_refused_at_the_first_value_past_64_bits(tmp_path):
+    # 40 lines, under 800 bytes: before the bound, 3 ** (2 ** 40) grew for minutes and GBs
+    lines = ["let a0 = 3", *(f"let a{i + 1} = a{i} * a{i}" for i in range(40))]
+    program = tmp_path / "chain.layout"
+    program.write_text("\n".join(lines) + "\n")
+    result, seconds = cli("check", str(program))
+    # 3 ** 32 fits; a6 = 3 ** 64 is the first value past 2 ** 63 - 1
+    assert_refused(result, seconds, f"{program}:7:10", "outside the 64-bit integers", "let a6 = a5 * a5")
+    assert "internal error" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("text", "line", "column", "value"),
+    [
+        ("let big = 9223372036854775807 + 1\n", 1, 11, "9223372036854775808"),  # a sum
+        ("let x = -9223372036854775807 - 1\nlet y = -x\n", 2, 9, "9223372036854775808"),  # a negation
+        ("let x = -9223372036854775807 - 1\nlet y = x // -1\n", 2, 9, "9223372036854775808"),  # a division
+        ("let x = 3037000500\nlet y = max(x * x, 1)\n", 2, 13, "9223372037000250000"),  # inside a call
+        ('tensor "w" [99999999999999999999999] fp32\n', 1, 13, "99999999999999999999999"),  # a number
+        ('tensor "w{i}" [4] fp32 for i in 99999999999999999999990..99999999999999999999999\n', 1, 33, None),
+    ],
+)
+def test_every_value_past_64_bits_is_refused_at_its_place(text, line, column, value):
+    with pytest.raises(LayoutValueError, match="outside the 64-bit integers") as info:
+        loads(text, "p.layout")
+    span = info.value.span
+    assert span is not None and (span.path, span.line, span.column) == ("p.layout", line, column)
+    if value is not None:
+        assert value in info.value.message
+    # the edges themselves are values
+    assert loads("let a = 9223372036854775807\nlet b = -9223372036854775807 - 1\n").constants["b"] == -(1 << 63)
+
+
+@pytest.mark.timeout(60)
+def test_a_domain_size_past_its_limit_is_refused_at_check_not_an_internal_error_at_plan(tmp_path):
+    program = tmp_path / "p.layout"
+    program.write_text(
+        "topology { domain_size = 99999999999999999999999 }\nmesh m [tp = 2]\ntensor \"w\" [4] fp32\n"
+        "layout a on m { default: replicate }\nreshard a -> a\n"
+    )
+    for command in ("check", "plan"):
+        result, seconds = cli(command, str(program))
+        assert_refused(result, seconds, f"{program}:1:12", "'domain_size' = 1e+23 is too large", "2,147,483,647")
+    program.write_text(program.read_text().replace("99999999999999999999999", "2147483647"))
+    result, _ = cli("plan", str(program))
+    assert result.returncode == ExitCode.OK, result.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("entry", ["network_bandwidth = 1e300 TB/s", "copy_bandwidth = 1e306 GiB/s"])
+def test_a_topology_quantity_that_overflows_its_unit_is_refused(entry):
+    with pytest.raises(LayoutValueError, match="that layoutlang can compute with") as info:
+        loads(f"topology {{ {entry} }}\n")
+    assert info.value.span is not None and (info.value.span.line, info.value.span.column) == (1, 12)

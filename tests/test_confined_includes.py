@@ -112,7 +112,8 @@ def test_files_of_the_folder_and_below_and_presets_are_included(tmp_path):
     program(tmp_path / "models", MODEL, "model.layout")
     (tmp_path / "layouts").mkdir()
     # an include inside a subfolder may go up again, as long as it stays in the program's folder
-    program(tmp_path / "layouts", 'include "../models/model.layout"\nlayout a on m { default: replicate }\n', "a.layout")
+    layouts = 'include "../models/model.layout"\nlayout a on m { default: replicate }\n'
+    program(tmp_path / "layouts", layouts, "a.layout")
     main = program(tmp_path, 'include "layouts/a.layout"\ninclude "./models/model.layout"\nreshard a -> a\n')
     result = cli("check", str(main))
     assert result.returncode == ExitCode.OK, result.stderr

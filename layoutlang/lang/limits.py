@@ -16,6 +16,8 @@ from __future__ import annotations
 __all__ = [
     "INT32_MAX",
     "INT64_MAX",
+    "INT64_MIN",
+    "MAX_DOMAIN_SIZE",
     "MAX_EMBEDDED_EXPRESSION",
     "MAX_GENERATED_TENSORS",
     "MAX_INCLUDE_DEPTH",
@@ -32,8 +34,15 @@ MAX_GENERATED_TENSORS = 1 << 20
 #: tensors of a program, all statements together (about 6 s to generate; the largest
 #: benchmark, a 2.4T model with per-expert tensors, declares 144,189)
 MAX_PROGRAM_TENSORS = 1 << 20
+#: the range of every value an expression computes (a number, a constant, each step of an
+#: expression): the core's integers. A ``let`` chain that multiplies a value by itself is
+#: refused at the first value past it, instead of growing Python integers without end.
 INT64_MAX = (1 << 63) - 1
+INT64_MIN = -(1 << 63)
 INT32_MAX = (1 << 31) - 1
+#: ranks of one domain (``topology { domain_size = N }``); the largest NVLink domain has 72.
+#: The setting is read as a decimal number, exact up to 2**53: this bound keeps it exact
+MAX_DOMAIN_SIZE = INT32_MAX
 #: bytes of one ``.layout`` file (a program or an include)
 MAX_PROGRAM_BYTES = 16 << 20
 #: tokens (names, numbers, strings, symbols; not comments) of a program's files together
