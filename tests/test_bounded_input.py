@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,7 @@ from layoutlang.errors import (
 )
 from layoutlang.io._files import MAX_JSON_BYTES, open_regular, read_json_object, read_limited
 from layoutlang.lang import elaborate, load, loads
+from layoutlang.lang import layouts as lang_layouts
 from layoutlang.lang import tensors as lang_tensors
 from layoutlang.lang.limits import (
     MAX_EMBEDDED_EXPRESSION,
@@ -43,6 +46,10 @@ from layoutlang.lang.limits import (
     MAX_PROGRAM_TOKENS,
 )
 from layoutlang.lang.parser import TokenBudget
+from layoutlang.lang.scope import Constants
+from layoutlang.model import Replicate
+from layoutlang.model import layout as model_layout
+from layoutlang.model.rules import compile_pattern
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -482,3 +489,79 @@ def test_a_topology_quantity_that_overflows_its_unit_is_refused(entry):
     with pytest.raises(LayoutValueError, match="that layoutlang can compute with") as info:
         loads(f"topology {{ {entry} }}\n")
     assert info.value.span is not None and (info.value.span.line, info.value.span.column) == (1, 12)
+
+
+# ------------------------------------------- checking in time linear in the program
+
+
+class _CountingPattern:
+    """A compiled pattern that counts the names it is tried on (the unit of rule matching)."""
+
+    tried = 0
+
+    def __init__(self, regex: re.Pattern[str]) -> None:
+        self._regex = regex
+
+    def fullmatch(self, name: str) -> re.Match[str] | None:
+        _CountingPattern.tried += 1
+        return self._regex.fullmatch(name)
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self._regex, attribute)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rule", ['"layers.{i}.w"', '"layers.{i}.*w"', '"layers.{i}.w*"'])
+def test_rules_naming_single_tensors_are_tried_on_few_names_not_every_name(monkeypatch, rule):
+    # R rules with a literal digit over T tensors: every rule was tried on every name, twice
+    # (resolution, and whether the rule matches some tensor): 2 x T x R pattern tests
+    tensors, rules = 3000, 300
+
+    def counting(pattern: str) -> _CountingPattern:
+        return _CountingPattern(compile_pattern(pattern))
+
+    monkeypatch.setattr(model_layout, "compile_pattern", counting)
+    monkeypatch.setattr(lang_layouts, "compile_pattern", counting)
+    specific = "\n".join(f"  {rule.replace('{i}', str(i))}: tp = shard(1)" for i in range(rules))
+    program = loads(
+        f'mesh m [tp = 2]\ntensor "layers.{{l}}.w" [4, 4] fp32 for l in 0..{tensors - 1}\n'
+        f'layout a on m {{\n  "layers.{{l}}.w": tp = shard(0)\n{specific}\n}}\n'
+    )
+    _CountingPattern.tried = 0
+    program.check()
+    layout = program.layouts["a"]
+    assert layout.placement("layers.7.w") != layout.placement(f"layers.{rules}.w")  # the specific rule won
+    # each name is tried on its own rule and the skeleton's: a few per tensor, not one per rule
+    assert _CountingPattern.tried < 4 * (tensors + rules), _CountingPattern.tried
+
+
+@pytest.mark.timeout(120)
+def test_two_rules_naming_the_same_tensor_at_equal_specificity_are_still_a_tie():
+    text = 'mesh m [tp = 2]\ntensor "layers.{l}.w" [4, 4] fp32 for l in 0..9\nlayout a on m {\n'
+    with pytest.raises(LayoutValueError, match="two rules of equal specificity"):
+        loads(text + '  "layers.3.*": tp = shard(0)\n  "layers.*.w": tp = shard(1)\n}\n').check()
+    # a more specific rule with a digit wins over a tie of less specific ones, for its tensor only
+    rules = '  "*s.{l}.w": tp = shard(0)\n  "l*.{l}.w": tp = shard(1)\n  "layers.3.w": replicate\n}\n'
+    program = loads(text.replace("0..9", "3..3") + rules)
+    assert program.layouts["a"].placement("layers.3.w").placements == (Replicate(),)
+    with pytest.raises(LayoutValueError, match=r"tensor 'layers\.4\.w' is matched by two rules of equal specificity"):
+        loads(text.replace("0..9", "3..4") + rules).check()
+
+
+@pytest.mark.timeout(120)
+def test_generated_tensors_do_not_copy_the_constants_each(monkeypatch):
+    # C constants and T generated tensors: the constants were copied for every tensor (C x T;
+    # 5,000 constants and 20,000 tensors took 50 s)
+    copies = 0
+    iterate = Constants.__iter__
+
+    def counting(self: Constants) -> Iterator[str]:
+        nonlocal copies
+        copies += 1
+        return iterate(self)
+
+    monkeypatch.setattr(Constants, "__iter__", counting)
+    lets = "".join(f"let c{i} = {i}\n" for i in range(100))
+    program = loads(f'{lets}tensor "w{{i}}" [c7, i + 1] fp32 for i in 0..999\n')
+    assert program.tensors["w999"].shape == (7, 1000)
+    assert copies < 10, copies

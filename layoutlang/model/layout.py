@@ -60,6 +60,49 @@ def _captures(regex: re.Pattern[str] | None, name: str) -> dict[str, int]:
     return {k: int(v) for k, v in match.groupdict().items()} if match is not None else {}
 
 
+_PLACEHOLDERS = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}|\*")
+
+
+def _rule_kinds(
+    compiled: list[tuple[Rule, re.Pattern[str] | None]],
+) -> tuple[dict[int, dict[str, list[int]]], dict[str, int], list[int]]:
+    """The rules (indices into ``compiled``) by how a name finds them: with a literal digit and
+    a wildcard (by the length and the text of what precedes their first wildcard), naming one
+    tensor exactly (by name), and the rest, which match alike the names that differ only in
+    their digits (the default rule among them)."""
+    by_digits: dict[int, dict[str, list[int]]] = {}
+    exact: dict[str, int] = {}
+    plain: list[int] = []
+    for i, (rule, _) in enumerate(compiled):
+        pattern = rule.pattern
+        if pattern is None or not re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", pattern)):
+            plain.append(i)
+            continue
+        first = _PLACEHOLDERS.search(pattern)
+        if first is None and pattern not in exact:
+            exact[pattern] = i
+        else:
+            prefix = pattern[: first.start()] if first is not None else pattern
+            by_digits.setdefault(len(prefix), {}).setdefault(prefix, []).append(i)
+    return by_digits, exact, plain
+
+
+def _top_matches(name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]], among: list[int]) -> tuple[int, ...]:
+    """The first rules of ``among`` (most specific first) that match ``name``: the most specific
+    one, and a second of the same specificity if there is one (a tie, unless a rule matched
+    elsewhere is more specific still)."""
+    found: list[int] = []
+    for i in among:
+        rule, regex = compiled[i]
+        if found and rule.specificity < compiled[found[0]][0].specificity:
+            break
+        if regex is None or regex.fullmatch(name):
+            found.append(i)
+            if len(found) == 2:
+                break
+    return tuple(found)
+
+
 def _compiled_quantize(rule: QuantizeRule) -> tuple[QuantizeRule, re.Pattern[str] | None]:
     """A quantize rule and the regular expression of its pattern (None: it names its tensors)."""
     if rule.tensors is not None:
@@ -138,22 +181,37 @@ class _Resolved:
         layout = self.layout
         rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
         compiled = [_compiled(rule) for _, rule in rules]
-        # Names that differ only in their digits match the same rules when no pattern has a
-        # literal digit (captures match whole digit runs), so the search is cached by skeleton.
-        cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
-        by_skeleton: dict[tuple[str, ...], int] = {}
+        # Each tensor tests only the rules that can tell its name from others, so a layout is
+        # resolved in time linear in its tensors and rules together (not their product):
+        # - rules without a literal digit match the same for names that differ only in their
+        #   digits (captures match whole digit runs): searched once per skeleton, then cached;
+        # - a rule naming one tensor exactly ("layers.7.mlp.weight") is a dictionary lookup;
+        # - the rest (a literal digit and a wildcard: "layers.7.*") is tried on the names that
+        #   start with its text before the first wildcard, found by that text.
+        by_digits, exact, plain = _rule_kinds(compiled)
+        by_skeleton: dict[tuple[str, ...], tuple[int, ...]] = {}
         # A spec depends only on the rule and the number of dims; sub-mesh coordinates vary.
         spec_of_rule: dict[tuple[int, int], int] = {}
         spec_ids: dict[tuple, int] = {}
         digits = re.compile(r"[0-9]+")
         for name in self.names:
             tensor = layout.tensors[name]
-            key = tuple(digits.split(name)) if cacheable else None
-            chosen = by_skeleton.get(key) if key is not None else None
-            if chosen is None:
-                chosen = self._choose_rule(name, compiled)
-                if key is not None:
-                    by_skeleton[key] = chosen
+            key = tuple(digits.split(name))
+            matches = by_skeleton.get(key)
+            if matches is None:
+                matches = by_skeleton[key] = _top_matches(name, compiled, plain)
+            if by_digits or exact:
+                found = [
+                    i
+                    for length, rules_of_prefix in by_digits.items()
+                    for i in rules_of_prefix.get(name[:length], ())
+                    if compiled[i][1].fullmatch(name)  # type: ignore[union-attr]
+                ]
+                if name in exact:
+                    found.append(exact[name])
+                if found:
+                    matches = tuple(sorted((*matches, *found)))
+            chosen = self._choose_rule(name, compiled, matches)
             rule, regex = compiled[chosen]
             captures = _captures(regex, name)
             ndim = len(tensor.shape)
@@ -169,27 +227,26 @@ class _Resolved:
             self.spec_of.append(sid)
             self.submesh_of.append(self._submesh(name, rule, captures))
 
-    def _choose_rule(self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]]) -> int:
-        found: int | None = None
-        for i, (rule, regex) in enumerate(compiled):
-            if found is not None and rule.specificity < compiled[found][0].specificity:
-                break
-            if regex is None or regex.fullmatch(name):
-                if found is not None:
-                    first = compiled[found][0]
-                    where = f" (line {first.span.line})" if first.span else ""
-                    raise LayoutValueError(
-                        f"tensor '{name}' is matched by two rules of equal specificity in layout "
-                        f"'{self.layout.name}': \"{first.pattern}\"{where} and \"{rule.pattern}\"",
-                        rule.span,
-                        "make one pattern more specific (more literal characters wins)",
-                    )
-                found = i
-        if found is None:
+    def _choose_rule(
+        self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]], matches: tuple[int, ...]
+    ) -> int:
+        """The most specific of the rules ``matches`` (indices into ``compiled``, most specific
+        first); two of equal specificity, or none, are an error."""
+        if not matches:
             raise LayoutValueError(
                 f"tensor '{name}' is matched by no rule of layout '{self.layout.name}' and the layout has no default",
                 self.layout.span,
                 "add a rule for it, or 'default: replicate'",
+            )
+        found = matches[0]
+        if len(matches) > 1 and compiled[matches[1]][0].specificity == compiled[found][0].specificity:
+            first, rule = compiled[found][0], compiled[matches[1]][0]
+            where = f" (line {first.span.line})" if first.span else ""
+            raise LayoutValueError(
+                f"tensor '{name}' is matched by two rules of equal specificity in layout "
+                f"'{self.layout.name}': \"{first.pattern}\"{where} and \"{rule.pattern}\"",
+                rule.span,
+                "make one pattern more specific (more literal characters wins)",
             )
         return found
 
