@@ -19,6 +19,7 @@ import os
 
 from ..errors import LayoutNameError
 from ..model import Program, Reshard, Topology
+from ..model.program import cyclic_gc_paused
 from . import ast, layouts, meshes, tensors
 from .expressions import evaluate
 from .includes import Includes, Source, read_source
@@ -105,13 +106,15 @@ def load(path: str | os.PathLike[str], *, allow_outside_includes: bool = False) 
     display = os.fspath(path)
     real = os.path.realpath(display)
     elaborator = _Elaborator(os.path.dirname(real), allow_outside_includes)
-    elaborator.file(Source(read_source(real, display), display, real))
-    return elaborator.program(display)
+    with cyclic_gc_paused():  # time linear in the tensors built (see cyclic_gc_paused)
+        elaborator.file(Source(read_source(real, display), display, real))
+        return elaborator.program(display)
 
 
 def loads(text: str, path: str = "<string>", *, allow_outside_includes: bool = False) -> Program:
     """Read a program from text; includes are relative to, and confined to, the current
     directory (``allow_outside_includes`` as for :func:`load`)."""
     elaborator = _Elaborator(os.getcwd(), allow_outside_includes)
-    elaborator.file(Source(text, path, None))
-    return elaborator.program(path)
+    with cyclic_gc_paused():
+        elaborator.file(Source(text, path, None))
+        return elaborator.program(path)
