@@ -579,3 +579,28 @@ def test_no_full_garbage_collection_runs_while_a_program_is_read_and_checked():
     program.check()
     assert gc.get_stats()[2]["collections"] == before
     assert gc.isenabled()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("written", ["one storage rule per layer", "one storage rule for all layers"])
+def test_storage_rules_are_tried_on_the_names_they_could_match_not_every_name(monkeypatch, written):
+    # S storage rules over T tensors: each rule was tried on every name (S x T pattern tests)
+    layers = 2000
+
+    def counting(pattern: str) -> _CountingPattern:
+        return _CountingPattern(compile_pattern(pattern))
+
+    monkeypatch.setattr(model_layout, "compile_pattern", counting)
+    if written == "one storage rule per layer":
+        storages = "".join(f'  storage "l{i}.fused" = "l.{i}.a" | "l.{i}.b"\n' for i in range(layers // 10))
+    else:
+        storages = '  storage "l{n}.fused" = "l.{n}.a" | "l.{n}.b"\n'
+    program = loads(
+        f'mesh m [tp = 2]\ntensor "l.{{n}}.a" [4, 4] fp32 for n in 0..{layers - 1}\n'
+        f'tensor "l.{{n}}.b" [4, 4] fp32 for n in 0..{layers - 1}\n'
+        f'layout a on m {{\n  default: tp = shard(0)\n{storages}}}\n'
+    )
+    _CountingPattern.tried = 0
+    program.check()
+    assert program.layouts["a"].storage_of("l.7.b").name == "l7.fused"
+    assert _CountingPattern.tried < 6 * layers, _CountingPattern.tried

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -85,6 +87,40 @@ def _rule_kinds(
             prefix = pattern[: first.start()] if first is not None else pattern
             by_digits.setdefault(len(prefix), {}).setdefault(prefix, []).append(i)
     return by_digits, exact, plain
+
+
+class _NameIndex:
+    """Tensor names indexed so that a pattern is tried on the names it could match only, not on
+    every name (a layout of S storage rules and T tensors: S x T pattern tests before).
+
+    A pattern without a literal digit matches every name of a skeleton (the text between
+    digit runs) or none, so it is tried on one name per skeleton; one with a literal digit, on
+    the names that start with its text before its first wildcard. Names come in the order
+    the program declares them.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+        digits = re.compile(r"[0-9]+")
+        self._by_skeleton: dict[tuple[str, ...], list[int]] = {}
+        for i, name in enumerate(names):
+            self._by_skeleton.setdefault(tuple(digits.split(name)), []).append(i)
+        self._sorted: list[tuple[str, int]] | None = None
+
+    def could_match(self, pattern: str, regex: re.Pattern[str]) -> list[str]:
+        if not re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", pattern)):
+            found = [i for group in self._by_skeleton.values() if regex.fullmatch(self._names[group[0]]) for i in group]
+        else:
+            if self._sorted is None:
+                self._sorted = sorted((name, i) for i, name in enumerate(self._names))
+            first = _PLACEHOLDERS.search(pattern)
+            prefix = pattern[: first.start()] if first is not None else pattern
+            found = []
+            for name, i in itertools.islice(self._sorted, bisect.bisect_left(self._sorted, (prefix, -1)), None):
+                if not name.startswith(prefix):
+                    break
+                found.append(i)
+        return [self._names[i] for i in sorted(found)]
 
 
 def _top_matches(name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]], among: list[int]) -> tuple[int, ...]:
@@ -292,12 +328,14 @@ class _Resolved:
     def _resolve_storages(self) -> None:
         layout = self.layout
         assigned: dict[str, Storage] = {}
+        candidates = _NameIndex(self.names) if layout.storages else None
         for rule in layout.storages:
             first = compile_pattern(rule.parts[0])
             matched = False
             # A stack's elements by storage name: (stack capture, parts), ordered at the end.
             stacks: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
-            for name in self.names:
+            assert candidates is not None
+            for name in candidates.could_match(rule.parts[0], first):
                 m = first.fullmatch(name)
                 if m is None:
                     continue
