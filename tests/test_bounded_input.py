@@ -604,3 +604,27 @@ def test_storage_rules_are_tried_on_the_names_they_could_match_not_every_name(mo
     program.check()
     assert program.layouts["a"].storage_of("l.7.b").name == "l7.fused"
     assert _CountingPattern.tried < 6 * layers, _CountingPattern.tried
+
+
+@pytest.mark.timeout(120)
+def test_quantize_statements_are_tried_on_the_names_they_could_match_not_every_name(monkeypatch):
+    # Q quantize statements over T tensors: each statement was tried on every name (Q x T)
+    layers = 2000
+
+    def counting(pattern: str) -> _CountingPattern:
+        return _CountingPattern(compile_pattern(pattern))
+
+    monkeypatch.setattr(model_layout, "compile_pattern", counting)
+    per_layer = "".join(
+        f'  quantize "l.{i}.w*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32\n' for i in range(layers // 10)
+    )
+    program = loads(
+        f'mesh m [tp = 2]\ntensor "l.{{n}}.w" [256, 256] bf16 for n in 0..{layers - 1}\n'
+        f'tensor "norm" [256] bf16\nlayout a on m {{\n  default: replicate\n{per_layer}'
+        '  quantize "l.{n}.w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32\n}\n'
+    )
+    _CountingPattern.tried = 0
+    quantized = program.layouts["a"].quantized()
+    assert len(quantized) == layers and quantized["l.7.w"].rule.pattern == "l.7.w*"
+    assert quantized[f"l.{layers - 1}.w"].rule.pattern == "l.{n}.w"
+    assert _CountingPattern.tried < 6 * layers, _CountingPattern.tried

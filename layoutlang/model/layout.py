@@ -842,33 +842,34 @@ class Layout:
         ordered = sorted(self.quantize, key=lambda r: -r.specificity)
         compiled = [_compiled_quantize(rule) for rule in ordered]
         out: dict[str, Quantization] = {}
-        for name, tensor in self.tensors.items():
-            found: tuple[QuantizeRule, dict[str, int]] | None = None
-            for rule, regex in compiled:
-                if found is not None and rule.specificity < found[0].specificity:
-                    break
-                if regex is None:
-                    assert rule.tensors is not None
-                    if name not in rule.tensors:
-                        continue
-                    captures: dict[str, int] = {}
-                else:
-                    match = regex.fullmatch(name)
-                    if match is None:
-                        continue
-                    captures = {k: int(v) for k, v in match.groupdict().items()}
-                if found is not None:
-                    raise LayoutValueError(
-                        f"tensor '{name}' is matched by two quantize statements of equal specificity in layout "
-                        f"'{self.name}': \"{found[0].pattern}\" and \"{rule.pattern}\"",
-                        rule.span,
-                        "make one pattern more specific (more literal characters wins)",
-                        tensor=name,
-                    )
-                found = (rule, captures)
-            if found is None:
+        # each statement is tried on the names it could match (not every statement on every
+        # name): the statements matching a name, most specific first
+        candidates = _NameIndex(list(self.tensors))
+        matching: dict[str, list[tuple[QuantizeRule, dict[str, int]]]] = {}
+        for rule, regex in compiled:
+            if regex is None:
+                assert rule.tensors is not None
+                for name in rule.tensors:
+                    if name in self.tensors:
+                        matching.setdefault(name, []).append((rule, {}))
                 continue
-            rule, captures = found
+            for name in candidates.could_match(rule.pattern, regex):
+                match = regex.fullmatch(name)
+                if match is not None:
+                    matching.setdefault(name, []).append((rule, {k: int(v) for k, v in match.groupdict().items()}))
+        for name, tensor in self.tensors.items():
+            found = matching.get(name)
+            if not found:
+                continue
+            if len(found) > 1 and found[1][0].specificity == found[0][0].specificity:
+                raise LayoutValueError(
+                    f"tensor '{name}' is matched by two quantize statements of equal specificity in layout "
+                    f"'{self.name}': \"{found[0][0].pattern}\" and \"{found[1][0].pattern}\"",
+                    found[1][0].span,
+                    "make one pattern more specific (more literal characters wins)",
+                    tensor=name,
+                )
+            rule, captures = found[0]
             if tensor.dtype not in QUANTIZABLE:
                 raise LayoutValueError(
                     f"tensor '{name}' is {tensor.dtype}; quantize \"{rule.pattern}\" reads "
