@@ -40,6 +40,7 @@ from layoutlang.lang import tensors as lang_tensors
 from layoutlang.lang.limits import (
     MAX_EMBEDDED_EXPRESSION,
     MAX_INCLUDE_DEPTH,
+    MAX_LAYOUT_PLACEMENTS,
     MAX_MESH_RANKS,
     MAX_PROGRAM_BYTES,
     MAX_PROGRAM_TENSORS,
@@ -628,3 +629,17 @@ def test_quantize_statements_are_tried_on_the_names_they_could_match_not_every_n
     assert len(quantized) == layers and quantized["l.7.w"].rule.pattern == "l.7.w*"
     assert quantized[f"l.{layers - 1}.w"].rule.pattern == "l.{n}.w"
     assert _CountingPattern.tried < 6 * layers, _CountingPattern.tried
+
+
+@pytest.mark.timeout(120)
+def test_layouts_times_tensors_are_bounded_at_the_first_layout_past_the_limit(monkeypatch):
+    # checking resolves every tensor in every layout: a thousand one-line layouts of 2^18
+    # tensors are a small program and hours of work, so layouts x tensors is a limit of its own
+    assert MAX_LAYOUT_PLACEMENTS == 1 << 21
+    monkeypatch.setattr(elaborate, "MAX_LAYOUT_PLACEMENTS", 100)
+    text = 'mesh m [tp = 2]\ntensor "w{l}" [4] fp32 for l in 0..29\n'
+    three = "".join(f"layout l{i} on m {{ default: replicate }}\n" for i in range(3))
+    loads(text + three).check()  # 90 placements
+    with pytest.raises(LayoutValueError, match="declares 5 layouts of 30 tensors: 150 tensor placements") as info:
+        loads(text + three + "layout l3 on m { default: replicate }\nlayout l4 on m { default: replicate }\n")
+    assert info.value.span is not None and info.value.span.line == 6  # l3, the first past the limit

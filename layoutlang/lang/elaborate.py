@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 
-from ..errors import LayoutNameError
+from ..errors import LayoutNameError, LayoutValueError
 from ..model import Program, Reshard, Topology
 from ..model.program import cyclic_gc_paused
 from . import ast, layouts, meshes, tensors
 from .expressions import evaluate
 from .includes import Includes, Source, read_source
+from .limits import MAX_LAYOUT_PLACEMENTS
 from .parser import TokenBudget, parse
 from .scope import Declarations, Scope
 from .topology import topology
@@ -73,9 +74,25 @@ class _Elaborator:
             case ast.ReshardDecl():
                 scope.reshards.append(node)
 
+    def _check_placements(self, tensors: int) -> None:
+        """Refuse, at the first layout past it, a program whose layouts x tensors pass
+        MAX_LAYOUT_PLACEMENTS: checking resolves every tensor in every layout."""
+        declared = list(self.scope.layouts.values())
+        if len(declared) * tensors <= MAX_LAYOUT_PLACEMENTS:
+            return
+        first_past = declared[MAX_LAYOUT_PLACEMENTS // tensors]
+        raise LayoutValueError(
+            f"the program declares {len(declared)} layouts of {tensors:,} tensors: {len(declared) * tensors:,} tensor"
+            f" placements to resolve and check; a program holds at most {MAX_LAYOUT_PLACEMENTS:,}"
+            f" ({MAX_LAYOUT_PLACEMENTS // tensors} layouts of this many tensors)",
+            first_past.span,
+            "declare only the layouts the program's reshards use, and put the others in programs of their own",
+        )
+
     def program(self, path: str) -> Program:
         scope = self.scope
         every_tensor = dict(scope.tensors)
+        self._check_placements(len(every_tensor))
         names = layouts.TensorNames(list(every_tensor))
         built = {
             name: layouts.layout(scope, layouts.extended(scope.layouts, name), every_tensor, names)

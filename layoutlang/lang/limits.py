@@ -25,6 +25,7 @@ __all__ = [
     "MAX_EMBEDDED_EXPRESSION",
     "MAX_GENERATED_TENSORS",
     "MAX_INCLUDE_DEPTH",
+    "MAX_LAYOUT_PLACEMENTS",
     "MAX_MESH_RANKS",
     "MAX_PROGRAM_BYTES",
     "MAX_PROGRAM_TENSORS",
@@ -41,6 +42,11 @@ MAX_GENERATED_TENSORS = 1 << 18
 #: 2**18, which still holds the largest benchmark (a 2.4T model with per-expert tensors,
 #: 144,189) and DeepSeek-V3 (91k) with room to spare.
 MAX_PROGRAM_TENSORS = 1 << 18
+#: layouts x tensors of a program: checking it resolves every tensor in every layout (about
+#: 25 us each), so the program's size alone would not bound it (a thousand one-line layouts
+#: of 2**18 tensors). 2**21: eight layouts at the tensor limit, fourteen of the largest
+#: benchmark, in under a minute; programs have two to four
+MAX_LAYOUT_PLACEMENTS = 1 << 21
 #: the range of every value an expression computes (a number, a constant, each step of an
 #: expression): the core's integers. A ``let`` chain that multiplies a value by itself is
 #: refused at the first value past it, instead of growing Python integers without end.
