@@ -643,3 +643,25 @@ def test_layouts_times_tensors_are_bounded_at_the_first_layout_past_the_limit(mo
     with pytest.raises(LayoutValueError, match="declares 5 layouts of 30 tensors: 150 tensor placements") as info:
         loads(text + three + "layout l3 on m { default: replicate }\nlayout l4 on m { default: replicate }\n")
     assert info.value.span is not None and info.value.span.line == 6  # l3, the first past the limit
+
+
+@pytest.mark.timeout(120)
+def test_dtype_patterns_of_an_import_are_tried_on_the_names_they_could_match(tmp_path, monkeypatch):
+    # P patterns of a 'tensors from' body over T imported tensors: each pattern was tried on every name
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = 2000
+    save_file({f"l.{i}.w": torch.zeros(1) for i in range(tensors)}, str(tmp_path / "model.safetensors"))
+
+    def counting(pattern: str) -> _CountingPattern:
+        return _CountingPattern(compile_pattern(pattern))
+
+    monkeypatch.setattr(lang_tensors, "compile_pattern", counting)
+    body = "".join(f'  "l.{i}.w*": bf16\n' for i in range(tensors // 10))
+    text = f'tensors from safetensors "model.safetensors" {{\n{body}  "l.{{n}}.w": fp16\n}}\n'
+    (tmp_path / "p.layout").write_text(text)
+    _CountingPattern.tried = 0
+    dtypes = {name: t.dtype for name, t in load(tmp_path / "p.layout").tensors.items()}
+    assert dtypes["l.7.w"] == "bf16" and dtypes[f"l.{tensors - 1}.w"] == "fp16"
+    assert _CountingPattern.tried < 6 * tensors, _CountingPattern.tried

@@ -89,7 +89,7 @@ def _rule_kinds(
     return by_digits, exact, plain
 
 
-class _NameIndex:
+class NameIndex:
     """Tensor names indexed so that a pattern is tried on the names it could match only, not on
     every name (a layout of S storage rules and T tensors: S x T pattern tests before).
 
@@ -328,7 +328,7 @@ class _Resolved:
     def _resolve_storages(self) -> None:
         layout = self.layout
         assigned: dict[str, Storage] = {}
-        candidates = _NameIndex(self.names) if layout.storages else None
+        candidates = NameIndex(self.names) if layout.storages else None
         for rule in layout.storages:
             first = compile_pattern(rule.parts[0])
             matched = False
@@ -844,7 +844,7 @@ class Layout:
         out: dict[str, Quantization] = {}
         # each statement is tried on the names it could match (not every statement on every
         # name): the statements matching a name, most specific first
-        candidates = _NameIndex(list(self.tensors))
+        candidates = NameIndex(list(self.tensors))
         matching: dict[str, list[tuple[QuantizeRule, dict[str, int]]]] = {}
         for rule, regex in compiled:
             if regex is None:
