@@ -10,7 +10,6 @@ what can be checked from the text alone is checked here, pointing at the text.
 from __future__ import annotations
 
 import bisect
-import itertools
 import re
 from collections.abc import Collection, Mapping
 
@@ -71,7 +70,9 @@ class TensorNames:
             self._sorted = sorted(self.names)
         first = self._PLACEHOLDERS.search(pattern)
         prefix = pattern[: first.start()] if first is not None else pattern
-        for name in itertools.islice(self._sorted, bisect.bisect_left(self._sorted, prefix), None):
+        # by position: islice() would step through every name before the prefix
+        for position in range(bisect.bisect_left(self._sorted, prefix), len(self._sorted)):
+            name = self._sorted[position]
             if not name.startswith(prefix):
                 return False
             if regex.fullmatch(name):

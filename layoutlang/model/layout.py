@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -116,7 +115,9 @@ class NameIndex:
             first = _PLACEHOLDERS.search(pattern)
             prefix = pattern[: first.start()] if first is not None else pattern
             found = []
-            for name, i in itertools.islice(self._sorted, bisect.bisect_left(self._sorted, (prefix, -1)), None):
+            # by position: islice() would step through every name before the prefix
+            for position in range(bisect.bisect_left(self._sorted, (prefix, -1)), len(self._sorted)):
+                name, i = self._sorted[position]
                 if not name.startswith(prefix):
                     break
                 found.append(i)
