@@ -665,3 +665,18 @@ def test_dtype_patterns_of_an_import_are_tried_on_the_names_they_could_match(tmp
     dtypes = {name: t.dtype for name, t in load(tmp_path / "p.layout").tensors.items()}
     assert dtypes["l.7.w"] == "bf16" and dtypes[f"l.{tensors - 1}.w"] == "fp16"
     assert _CountingPattern.tried < 6 * tensors, _CountingPattern.tried
+
+
+@pytest.mark.timeout(60)
+def test_a_capture_past_64_bits_in_a_tensor_name_is_an_error_at_the_rule_not_an_internal_error(tmp_path):
+    # Python refuses to convert more than 4,300 digits: a ValueError and exit 3 before
+    def program(number: str) -> str:
+        return f'mesh m [tp = 2]\ntensor "l.{number}.w" [4] fp32\nlayout a on m {{ "l.{{n}}.w": replicate }}\n'
+
+    path = tmp_path / "digits.layout"
+    path.write_text(program("9" * 5000))
+    result, seconds = cli("check", str(path))
+    assert_refused(result, seconds, f"{path}:3:17", "which {n} captures", "outside the 64-bit integers")
+    with pytest.raises(LayoutValueError, match=r"the number 9223372036854775808, which \{n\} captures"):
+        loads(program(str(1 << 63))).check()
+    loads(program(str((1 << 63) - 1))).check()  # the largest 64-bit value is a capture like any other

@@ -55,10 +55,31 @@ def _compiled(rule: Rule) -> tuple[Rule, re.Pattern[str] | None]:
         raise
 
 
-def _captures(regex: re.Pattern[str] | None, name: str) -> dict[str, int]:
-    """The digits a rule's pattern captures from a tensor name it matches."""
+def _captures(regex: re.Pattern[str] | None, name: str, span: Span | None = None) -> dict[str, int]:
+    """The digits a rule's pattern (written at ``span``) captures from a tensor name it matches."""
     match = regex.fullmatch(name) if regex is not None else None
-    return {k: int(v) for k, v in match.groupdict().items()} if match is not None else {}
+    return captured_values(match, name, span) if match is not None else {}
+
+
+#: digits of the largest capture: 2**63 - 1 has 19
+_CAPTURE_DIGITS = len(str((1 << 63) - 1))
+
+
+def captured_values(match: re.Match[str], name: str, span: Span | None) -> dict[str, int]:
+    """The values of a match's captures, 64-bit integers like every value of the language: a
+    longer digit run of a tensor name is an error naming the tensor (converting thousands of
+    digits is slow, and Python refuses more than 4,300)."""
+    values = {}
+    for capture, digits in match.groupdict().items():
+        if len(digits.lstrip("0")) > _CAPTURE_DIGITS or int(digits) > (1 << 63) - 1:
+            shown = digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
+            raise LayoutValueError(
+                f"tensor '{name[:80]}' holds the number {shown}, which {{{capture}}} captures: it is outside"
+                " the 64-bit integers layoutlang computes with",
+                span,
+            )
+        values[capture] = int(digits)
+    return values
 
 
 _PLACEHOLDERS = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}|\*")
@@ -250,7 +271,7 @@ class _Resolved:
                     matches = tuple(sorted((*matches, *found)))
             chosen = self._choose_rule(name, compiled, matches)
             rule, regex = compiled[chosen]
-            captures = _captures(regex, name)
+            captures = _captures(regex, name, rule.span)
             ndim = len(tensor.shape)
             sid = spec_of_rule.get((chosen, ndim))
             if sid is None:
@@ -341,7 +362,7 @@ class _Resolved:
                 if m is None:
                     continue
                 matched = True
-                captures = {k: int(v) for k, v in m.groupdict().items()}
+                captures = captured_values(m, name, rule.span)
                 try:
                     parts = tuple(_substitute(p, captures) for p in rule.parts)
                     storage_name = rule.storage_name(captures)
@@ -857,7 +878,7 @@ class Layout:
             for name in candidates.could_match(rule.pattern, regex):
                 match = regex.fullmatch(name)
                 if match is not None:
-                    matching.setdefault(name, []).append((rule, {k: int(v) for k, v in match.groupdict().items()}))
+                    matching.setdefault(name, []).append((rule, captured_values(match, name, rule.span)))
         for name, tensor in self.tensors.items():
             found = matching.get(name)
             if not found:
