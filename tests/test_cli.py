@@ -405,7 +405,7 @@ def test_missing_file(capsys, tmp_path):
 
 
 def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tiny, monkeypatch):
-    def broken_load(path):
+    def broken_load(path, *, allow_outside_includes=False):
         raise RuntimeError("simulated bug")
 
     monkeypatch.setattr(check_command, "load", broken_load)
@@ -420,7 +420,7 @@ def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tin
 
 
 def test_a_runtime_failure_exits_1_without_traceback(capsys, tiny, monkeypatch):
-    def failing_load(path):
+    def failing_load(path, *, allow_outside_includes=False):
         raise layoutlang.ExecutionError("rank 3: receiving 64 bytes from rank 1 did not complete", rank=3, peers=[1])
 
     monkeypatch.setattr(check_command, "load", failing_load)

@@ -298,13 +298,13 @@ def run(args: argparse.Namespace) -> int:
         raise LayoutValueError("--overwrite replaces the files of a --to folder; give --to DIR")
     if args.plan_mode == "per-rank":
         # before any worker starts: every rank would fail to compile its part, in the agreement
-        program = load(args.file)
+        program = load(args.file, allow_outside_includes=args.allow_outside_includes)
         program.check()
         arguments.check_per_rank(program, args.reshard, args.policy, "--plan-mode per-rank")
     if args.from_dir or args.to_dir:
         # before torch is imported and any worker starts: a wrong checkpoint or --to folder fails in
         # well under a second; the program is checked first, so a bad one leaves the folder untouched
-        program = load(args.file)
+        program = load(args.file, allow_outside_includes=args.allow_outside_includes)
         program.check()
         program.reshard(args.reshard)
         if args.from_dir:
@@ -330,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
         cast=args.cast,
         cast_sources=args.cast_sources,
         allow_outside_paths=args.allow_outside_paths,
+        allow_outside_includes=args.allow_outside_includes,
         repeat=args.repeat,
         transport=args.transport,
         plan_mode=args.plan_mode,
@@ -340,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
             return ExitCode.OK
         launcher = "torchrun"
     else:
-        job.participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+        # a bad program fails here, before any process starts
+        job.participants_of(args.file, args.reshard, allow_outside_includes=args.allow_outside_includes)
         try:
             reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
         except WorkerError as err:
@@ -391,6 +393,8 @@ def _apply_elastic(args: argparse.Namespace) -> int:
             ("--cast", args.cast),
             ("--cast-sources", args.cast_sources),
             ("--allow-outside-paths", args.allow_outside_paths),
+            # the elastic workers read the program as it is confined
+            ("--allow-outside-includes", args.allow_outside_includes),
             ("--overwrite", args.overwrite),
             ("--policy", args.policy),
             ("--repeat", args.repeat != 1),
@@ -446,7 +450,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
 
 def _reshard_of(args: argparse.Namespace) -> tuple[Reshard, Layout, Layout]:
     """The reshard statement a report describes, and its source and destination layouts."""
-    program = load(args.file)
+    program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     statement = program.reshard(args.reshard)
     return statement, program.layout(statement.source), program.layout(statement.destination)
 

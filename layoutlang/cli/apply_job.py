@@ -60,6 +60,8 @@ class ApplyOptions:
     cast: str | None = None
     cast_sources: bool = False
     allow_outside_paths: bool = False
+    #: ``--allow-outside-includes``: the program may include files outside its folder
+    allow_outside_includes: bool = False
     repeat: int = 1
     transport: str = "torch"
     #: ``--plan-mode``: auto (the Resharder's default), fleet or per-rank
@@ -70,10 +72,10 @@ class ApplyOptions:
 _PER_RANK = {"auto": None, "fleet": False, "per-rank": True}
 
 
-def participants_of(program: str | Program, reshard: str | None) -> list[int]:
+def participants_of(program: str | Program, reshard: str | None, *, allow_outside_includes: bool = False) -> list[int]:
     """The ranks of the reshard's two meshes (raises LayoutError for a bad program)."""
     if not isinstance(program, Program):
-        program = load(program)
+        program = load(program, allow_outside_includes=allow_outside_includes)
         program.check()
     statement = program.reshard(reshard)
     source, destination = program.layout(statement.source), program.layout(statement.destination)
@@ -91,7 +93,7 @@ def apply_on_rank(
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
-    program = load(options.path)
+    program = load(options.path, allow_outside_includes=options.allow_outside_includes)
     checkpoint = None
     opening: Exception | None = None
     if options.from_dir:
@@ -379,7 +381,7 @@ def _local_job(options: ApplyOptions, participants: list[int]) -> dict[str, Any]
 
 def run_local(options: ApplyOptions, show_progress: bool) -> list[dict[str, Any]]:
     """Start one local worker per rank of the reshard, run, and return every rank's report."""
-    participants = participants_of(options.path, options.reshard)
+    participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
     with LocalWorkers(len(participants), timeout=options.timeout) as workers:
         workers.submit(_local_job, options, participants)
         if show_progress:
@@ -439,7 +441,9 @@ def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, A
         dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank = dist.get_rank()
     try:
-        participants = participants_of(options.path, options.reshard)
+        participants = participants_of(
+            options.path, options.reshard, allow_outside_includes=options.allow_outside_includes
+        )
     except LayoutError:
         participants = []
     if rank in participants:

@@ -9,12 +9,23 @@ from ..errors import LayoutValueError
 from ..model import Program
 from ..plan import DEFAULT_BUCKET_BYTES
 
-__all__ = ["add_bucket_size", "add_file", "add_reshard", "check_per_rank"]
+__all__ = ["add_allow_outside_includes", "add_bucket_size", "add_file", "add_reshard", "check_per_rank"]
 
 
 def add_file(parser: argparse.ArgumentParser) -> None:
-    """The program: ``FILE``, a .layout file."""
+    """The program: ``FILE``, a .layout file (and ``--allow-outside-includes`` for its includes)."""
     parser.add_argument("file", metavar="FILE", help="a .layout file")
+    add_allow_outside_includes(parser)
+
+
+def add_allow_outside_includes(parser: argparse.ArgumentParser) -> None:
+    """``--allow-outside-includes``: lift the confinement of a program's includes to its folder."""
+    parser.add_argument(
+        "--allow-outside-includes",
+        action="store_true",
+        help="let the program include files outside its folder (and its presets): for a program you trust;"
+        " kernel and device files (/proc, /sys, /dev) stay refused",
+    )
 
 
 def add_reshard(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import json
 
 from ..errors import ExitCode, LayoutError
 from ..lang import load
+from .arguments import add_allow_outside_includes
 from .progress import Progress
 from .report import print_error
 
@@ -26,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang check``."""
     parser.add_argument("files", nargs="+", metavar="FILE", help=".layout files")
     parser.add_argument("--json", action="store_true", help="print results (stdout) and errors (stderr) as JSON")
+    add_allow_outside_includes(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             with progress.step(f"reading {path}"):
-                program = load(path)
+                program = load(path, allow_outside_includes=args.allow_outside_includes)
             with progress.step(f"checking {path}"):
                 program.check()
         except LayoutError as err:

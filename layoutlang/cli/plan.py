@@ -95,7 +95,7 @@ def check_plan_size(program: Program, reshard: str | None) -> None:
 def run(args: argparse.Namespace) -> int:
     progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
-        program = load(args.file)
+        program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     if args.rank is None:  # one rank's part grows with what the rank moves, not with the fleet
         check_plan_size(program, args.reshard)
     else:

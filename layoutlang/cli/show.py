@@ -119,7 +119,7 @@ def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    program = load(args.file)
+    program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     layouts = [program.layout(args.layout)] if args.layout else list(program.layouts.values())
     tensors = _selected_tensors(program, args.tensor)
     out: list[dict[str, Any]] = []

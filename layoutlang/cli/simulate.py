@@ -152,7 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """``layoutlang simulate``: 0 on success; a LayoutError propagates to the CLI."""
 
-    program = load(args.file)
+    program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     check_plan_size(program, args.reshard)  # it compiles the reshard's plans
     sim = simulate(
         program, args.reshard, topology=args.topology, bucket_bytes=args.bucket_size, sequential=args.sequential

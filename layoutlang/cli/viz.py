@@ -483,7 +483,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """``layoutlang viz``: 0 on success; a LayoutError propagates to the CLI."""
-    program = load(args.file)
+    program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     draw(program, args.tensor, args.out, args.reshard, policy=args.policy, ranks=args.rank)
     print(f"wrote {args.out}")
     return 0

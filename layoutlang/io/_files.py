@@ -6,7 +6,8 @@ to be ("Hugging Face config").
 
 Every file layoutlang reads as input (``.layout`` programs and their includes, configs,
 indexes, safetensors headers) is opened by :func:`open_regular`: a FIFO, a device, a socket
-or a directory is refused at once, without blocking, and :func:`read_limited` reads at most
+or a directory is refused at once, without blocking (and :func:`read_limited` refuses the
+kernel's files of ``/proc`` and ``/sys``, which pass for regular files), and :func:`read_limited` reads at most
 a stated number of bytes, so ``/dev/zero`` or a FIFO given by mistake (or by an attacker)
 fails with a clear error instead of hanging or exhausting memory.
 """
@@ -109,9 +110,14 @@ def read_limited(
     shown = display if display is not None else os.fspath(path)
     with open_regular(path, what, display=shown, error=error) as stream:
         try:
+            size = os.fstat(stream.fileno()).st_size
             data = stream.read(limit + 1)
         except OSError as exc:
             raise error(f"{shown}: cannot read {what}: {exc.strerror}") from None
+    if size == 0 and data:
+        # /proc and /sys files pass for regular files of size 0 and are made as they are read
+        # (/proc/self/environ holds the process's secrets): refused, their bytes never shown
+        raise error(f"{shown}: {what} is a kernel file (as in /proc or /sys), not a regular file")
     if len(data) > limit:
         raise error(f"{shown}: {what} is larger than the limit of {_limit_text(limit)}")
     return data

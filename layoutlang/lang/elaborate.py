@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 
-from ..errors import LayoutNameError
+from ..errors import LayoutNameError, LayoutValueError
 from ..model import Program, Reshard, Topology
+from ..model.program import cyclic_gc_paused
 from . import ast, layouts, meshes, tensors
 from .expressions import evaluate
 from .includes import Includes, Source, read_source
+from .limits import MAX_LAYOUT_PLACEMENTS
 from .parser import TokenBudget, parse
 from .scope import Declarations, Scope
 from .topology import topology
@@ -32,9 +34,9 @@ __all__ = ["load", "loads", "read_source"]
 class _Elaborator:
     """Reads the statements of a program's files, in order, into one scope."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str, allow_outside_includes: bool) -> None:
         self.scope = Scope()
-        self.includes = Includes()
+        self.includes = Includes(folder, allow_outside=allow_outside_includes)
         self.tokens = TokenBudget()  # of every file together: includes cannot multiply the limit
 
     def file(self, source: Source) -> None:
@@ -72,9 +74,25 @@ class _Elaborator:
             case ast.ReshardDecl():
                 scope.reshards.append(node)
 
+    def _check_placements(self, tensors: int) -> None:
+        """Refuse, at the first layout past it, a program whose layouts x tensors pass
+        MAX_LAYOUT_PLACEMENTS: checking resolves every tensor in every layout."""
+        declared = list(self.scope.layouts.values())
+        if len(declared) * tensors <= MAX_LAYOUT_PLACEMENTS:
+            return
+        first_past = declared[MAX_LAYOUT_PLACEMENTS // tensors]
+        raise LayoutValueError(
+            f"the program declares {len(declared)} layouts of {tensors:,} tensors: {len(declared) * tensors:,} tensor"
+            f" placements to resolve and check; a program holds at most {MAX_LAYOUT_PLACEMENTS:,}"
+            f" ({MAX_LAYOUT_PLACEMENTS // tensors} layouts of this many tensors)",
+            first_past.span,
+            "declare only the layouts the program's reshards use, and put the others in programs of their own",
+        )
+
     def program(self, path: str) -> Program:
         scope = self.scope
         every_tensor = dict(scope.tensors)
+        self._check_placements(len(every_tensor))
         names = layouts.TensorNames(list(every_tensor))
         built = {
             name: layouts.layout(scope, layouts.extended(scope.layouts, name), every_tensor, names)
@@ -95,17 +113,25 @@ class _Elaborator:
         )
 
 
-def load(path: str | os.PathLike[str]) -> Program:
-    """Read a ``.layout`` file (and its includes) into a :class:`~layoutlang.model.Program`."""
+def load(path: str | os.PathLike[str], *, allow_outside_includes: bool = False) -> Program:
+    """Read a ``.layout`` file (and its includes) into a :class:`~layoutlang.model.Program`.
+
+    Its includes are confined to its folder (symbolic links resolved) and the presets;
+    ``allow_outside_includes`` lifts that, for a program one trusts (see
+    :mod:`~layoutlang.lang.includes`).
+    """
     display = os.fspath(path)
     real = os.path.realpath(display)
-    elaborator = _Elaborator()
-    elaborator.file(Source(read_source(real, display), display, real))
-    return elaborator.program(display)
+    elaborator = _Elaborator(os.path.dirname(real), allow_outside_includes)
+    with cyclic_gc_paused():  # time linear in the tensors built (see cyclic_gc_paused)
+        elaborator.file(Source(read_source(real, display), display, real))
+        return elaborator.program(display)
 
 
-def loads(text: str, path: str = "<string>") -> Program:
-    """Read a program from text; includes are relative to the current directory."""
-    elaborator = _Elaborator()
-    elaborator.file(Source(text, path, None))
-    return elaborator.program(path)
+def loads(text: str, path: str = "<string>", *, allow_outside_includes: bool = False) -> Program:
+    """Read a program from text; includes are relative to, and confined to, the current
+    directory (``allow_outside_includes`` as for :func:`load`)."""
+    elaborator = _Elaborator(os.getcwd(), allow_outside_includes)
+    with cyclic_gc_paused():
+        elaborator.file(Source(text, path, None))
+        return elaborator.program(path)

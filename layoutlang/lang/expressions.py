@@ -10,6 +10,12 @@ wrong numbers of arguments and division by zero point at their text.
 Names are constants (``let``), a model description's constants (``cfg.hidden_size``) and
 the sizes of mesh axes (``infer.tp``); :class:`~layoutlang.lang.scope.Constants` holds all
 three under these names. The functions are :data:`FUNCTIONS`.
+
+Values are 64-bit integers (:data:`~.limits.INT64_MIN` to :data:`~.limits.INT64_MAX`), as
+the core counts: every number, name and intermediate result :func:`evaluate` meets is
+checked, and the first one past the range is an error at its text. Python's integers have
+no bound of their own, so without this a chain of ``let a2 = a1 * a1`` lines squares its
+value's size at each line, and 40 of them run for minutes and exhaust memory.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections.abc import Callable, Collection, Mapping
 from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..model.rules import CaptureFn
 from . import ast
+from .limits import INT64_MAX, INT64_MIN
 
 __all__ = ["FUNCTIONS", "cdiv", "compile_expression", "evaluate", "names_in"]
 
@@ -63,33 +70,51 @@ def _check_call(node: ast.Call) -> Callable[..., int]:
     return function
 
 
+def _in_range(value: int, expr: ast.Expr) -> int:
+    """``value``, the value of ``expr``, refused past the 64-bit integers."""
+    if INT64_MIN <= value <= INT64_MAX:
+        return value
+    digits = len(str(abs(value))) if value.bit_length() < 4096 else None  # str() of a huge int is slow
+    shown = str(value) if digits is not None and digits <= 40 else f"a number of {digits or 'thousands of'} digits"
+    what = "the integer" if isinstance(expr, ast.Num) else "the value" if isinstance(expr, ast.Name | ast.Attr) else (
+        "this expression's value"
+    )
+    raise LayoutValueError(
+        f"{what} {shown} is outside the 64-bit integers layoutlang computes with"
+        f" ({INT64_MIN:,} to {INT64_MAX:,})",
+        expr.span,
+        "no size, rank or count of a layout is that large: look for a mistyped number, or a 'let' chain"
+        " that multiplies a value by itself",
+    )
+
+
 def evaluate(expr: ast.Expr, env: Mapping[str, int]) -> int:
-    """Integer value of ``expr`` with the names of ``env``."""
+    """Integer value of ``expr`` with the names of ``env``; every value on the way is a 64-bit integer."""
     if isinstance(expr, ast.Num):
-        return expr.value
+        return _in_range(expr.value, expr)
     if isinstance(expr, (ast.Name, ast.Attr)):
         if expr.name not in env:
             raise _unknown_name(expr, env)
-        return env[expr.name]
+        return _in_range(env[expr.name], expr)
     if isinstance(expr, ast.Neg):
-        return -evaluate(expr.operand, env)
+        return _in_range(-evaluate(expr.operand, env), expr)
     if isinstance(expr, ast.Call):
         function = _check_call(expr)
         args = [evaluate(a, env) for a in expr.args]
         if expr.function == "cdiv" and args[1] == 0:
             raise LayoutValueError("division by zero in 'cdiv'", expr.span)
-        return function(*args)
+        return _in_range(function(*args), expr)
     left = evaluate(expr.left, env)
     right = evaluate(expr.right, env)
     if expr.op == "+":
-        return left + right
+        return _in_range(left + right, expr)
     if expr.op == "-":
-        return left - right
+        return _in_range(left - right, expr)
     if expr.op == "*":
-        return left * right
+        return _in_range(left * right, expr)
     if right == 0:
         raise LayoutValueError(f"division by zero in '{expr.op}'", expr.span)
-    return left // right if expr.op == "//" else left % right
+    return _in_range(left // right if expr.op == "//" else left % right, expr)
 
 
 def names_in(expr: ast.Expr) -> list[ast.Name | ast.Attr]:

@@ -7,8 +7,17 @@ shipped with layoutlang. Each file is read once, so presets can be included from
 places, and a file that includes itself, directly or not, is an error naming the chain.
 
 Every file is read by :func:`layoutlang.io._files.read_limited`: only regular files (a FIFO,
-a device or a directory is refused at once, never waited on) of at most
-:data:`~.limits.MAX_PROGRAM_BYTES`.
+a device or a directory is refused at once, never waited on; so is a kernel file of
+``/proc`` or ``/sys``) of at most :data:`~.limits.MAX_PROGRAM_BYTES`.
+
+Includes are confined, as the files of a checkpoint's index are: a program may include the
+files of its own folder (the folder of the top-level file, or the current directory for a
+program given as text) and below, and the presets. Anything else (an absolute path, ``..``
+out of the folder, a symbolic link that resolves outside it) is refused before it is read
+or even looked for, so a program from someone else cannot make layoutlang read, and print
+in an error, ``/proc/self/environ`` or ``~/.ssh/id_rsa``. A program one trusts may lift the
+confinement: ``load(..., allow_outside_includes=True)`` or ``--allow-outside-includes``.
+Kernel and device files stay refused either way.
 """
 
 from __future__ import annotations
@@ -25,12 +34,21 @@ from ..io._files import read_limited
 from . import ast
 from .limits import MAX_INCLUDE_DEPTH, MAX_PROGRAM_BYTES
 
-__all__ = ["PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
+__all__ = ["OUTSIDE_INCLUDES_HINT", "PRESET_PREFIX", "Includes", "Source", "is_preset", "preset_file", "read_source"]
 
 #: ``include "preset:NAME"`` reads NAME.layout, or NAME/model.layout, from the packaged presets
 PRESET_PREFIX = "preset:"
 _PRESETS = Path(__file__).resolve().parent / "presets"
 _BYTE_ORDER_MARK = b"\xef\xbb\xbf"  # as some editors write at the start of UTF-8 text
+#: kernel file systems: their entries (``/proc/self/environ``) look like regular files but
+#: hold the process's secrets, or never end
+_KERNEL_FOLDERS = ("/proc", "/sys", "/dev")
+#: how to lift the confinement of includes, for a program one trusts
+OUTSIDE_INCLUDES_HINT = (
+    "move or copy the file into the program's folder, or include a packaged preset as \"preset:NAME\";"
+    " for a program you trust, pass --allow-outside-includes (command line) or"
+    " allow_outside_includes=True (layoutlang.load / loads)"
+)
 
 
 @attrs.frozen
@@ -96,6 +114,11 @@ def is_preset(path: str) -> bool:
     return os.path.realpath(path).startswith(f"{_PRESETS}{os.sep}")
 
 
+def _inside(path: str, folder: str) -> bool:
+    """Whether the resolved ``path`` is ``folder`` or lies below it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
 def _layout_files(folder: str) -> list[str]:
     try:
         return [f for f in os.listdir(folder) if f.endswith(".layout")]
@@ -104,11 +127,17 @@ def _layout_files(folder: str) -> list[str]:
 
 
 class Includes:
-    """The files a program has read, and the chain of includes being read now."""
+    """The files a program has read, and the chain of includes being read now.
 
-    def __init__(self) -> None:
+    ``folder``: the folder the program's includes are confined to (resolved here), with the
+    presets; ``allow_outside``: include any file but kernel and device files.
+    """
+
+    def __init__(self, folder: str, *, allow_outside: bool = False) -> None:
         self._read: set[str] = set()
         self._chain: list[str] = []
+        self.folder = os.path.realpath(folder)
+        self.allow_outside = allow_outside
 
     @contextlib.contextmanager
     def reading(self, source: Source) -> Iterator[None]:
@@ -125,11 +154,15 @@ class Includes:
 
     def source(self, node: ast.Include, including: Source) -> Source | None:
         """The file ``node`` includes from ``including``; None if it was read already."""
+        if "\0" in node.path:  # no file name holds one; os functions raise ValueError on it
+            raise LayoutIncludeError(f"cannot include {node.path!r}: a file name holds no NUL byte", node.span)
         if node.path.startswith(PRESET_PREFIX):
             real = display = preset_file(node.path[len(PRESET_PREFIX) :], node.span)
         else:
-            real = os.path.realpath(os.path.join(including.real_folder, node.path))
+            written = os.path.join(including.real_folder, node.path)
+            real = os.path.realpath(written)
             display = os.path.normpath(os.path.join(including.folder, node.path))
+            self._check_allowed(node, written, real)
         if real in self._chain:
             chain = [os.path.basename(p) for p in self._chain[self._chain.index(real) :]] + [os.path.basename(real)]
             raise LayoutIncludeError(f"include cycle: {' -> '.join(chain)}", node.span)
@@ -158,3 +191,22 @@ class Includes:
             err.span = attrs.evolve(err.span, included_from=led_here)  # a place in it: not UTF-8
             raise
         return Source(text, display, real, led_here)
+
+    def _check_allowed(self, node: ast.Include, written: str, real: str) -> None:
+        """Refuse a file outside the program's folder and the presets (unless allowed), and
+        kernel and device files always; before the file is looked for, so the error tells
+        nothing of what lies outside, and never shows its content."""
+        for kernel in _KERNEL_FOLDERS:
+            if _inside(real, kernel):
+                raise LayoutIncludeError(
+                    f"cannot include '{node.path}': it is a special file of {kernel}, not a program", node.span
+                )
+        if self.allow_outside or _inside(real, self.folder) or _inside(real, str(_PRESETS)):
+            return
+        if _inside(os.path.abspath(written), self.folder):
+            reason = "a symbolic link to a file outside the program's folder"
+        else:
+            reason = "outside the program's folder"
+        raise LayoutIncludeError(
+            f"cannot include '{node.path}': it is {reason} ({self.folder})", node.span, OUTSIDE_INCLUDES_HINT
+        )

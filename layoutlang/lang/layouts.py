@@ -9,6 +9,7 @@ what can be checked from the text alone is checked here, pointing at the text.
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Collection, Mapping
 
@@ -47,17 +48,36 @@ class TensorNames:
 
     _DIGITS = re.compile(r"[0-9]+")
 
+    _PLACEHOLDERS = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}|\*")
+
     def __init__(self, names: Collection[str]) -> None:
         self.names = names
         self.by_skeleton: dict[tuple[str, ...], str] = {}
         for name in names:
             self.by_skeleton.setdefault(tuple(self._DIGITS.split(name)), name)
+        self._sorted: list[str] | None = None  # for patterns with a literal digit, made on first use
 
     def matches_some(self, pattern: str) -> bool:
         regex = compile_pattern(pattern)
         literal = re.sub(r"\{[^}]*\}", "", pattern)
-        candidates = self.names if re.search(r"[0-9]", literal) else self.by_skeleton.values()
-        return any(regex.fullmatch(name) for name in candidates)
+        if not re.search(r"[0-9]", literal):
+            return any(regex.fullmatch(name) for name in self.by_skeleton.values())
+        # A literal digit tells names of one skeleton apart, so names are searched, but only
+        # those starting with the pattern's text before its first placeholder (an exact name:
+        # itself), found by bisection: a program of many such rules is checked in time
+        # linear in its size, not rules x tensors (only a pattern starting with '*' scans all).
+        if self._sorted is None:
+            self._sorted = sorted(self.names)
+        first = self._PLACEHOLDERS.search(pattern)
+        prefix = pattern[: first.start()] if first is not None else pattern
+        # by position: islice() would step through every name before the prefix
+        for position in range(bisect.bisect_left(self._sorted, prefix), len(self._sorted)):
+            name = self._sorted[position]
+            if not name.startswith(prefix):
+                return False
+            if regex.fullmatch(name):
+                return True
+        return False
 
     def closest(self, pattern: str, captures: list[str]) -> str | None:
         """A did-you-mean: the names written as patterns with the pattern's own captures."""

@@ -22,6 +22,7 @@ from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_y
 from ..io import hf, safetensors
 from ..model import LogicalTensor
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
+from ..model.layout import NameIndex
 from ..model.rules import Rule, compile_pattern
 from . import ast
 from .expressions import evaluate
@@ -109,8 +110,11 @@ def tensor(scope: Scope, node: ast.TensorDecl) -> None:
             widest.span,
         )
     _check_room(scope, count, node.span)
+    # one copy of the constants, the bindings written over it per tensor: a copy per tensor
+    # made a program of C constants and T tensors cost C x T (5,000 lets and 20,000 tensors: 50 s)
+    env = dict(scope.constants)
     for values in itertools.product(*ranges):
-        env = {**scope.constants, **dict(zip(names, values))}
+        env.update(zip(names, values))
         name = _instantiate(node.name, env)
         shape = tuple(evaluate(e, env) for e in node.shape)
         _declare(scope, name, shape, element, node.span)
@@ -177,22 +181,27 @@ def _declared_dtypes(
     # most specific first, so that the first match wins and a second of equal specificity is a tie
     entries.sort(key=lambda entry: -entry[2])
     used: set[int] = set()  # id() of the declarations that matched a tensor
+    # each pattern is tried on the names it could match, not on every imported name
+    candidates = NameIndex([name for name, _, _ in found])
+    matching: dict[str, list[int]] = {}  # name -> the entries matching it, most specific first
+    for index, (decl, regex, _, _) in enumerate(entries):
+        for name in candidates.could_match(decl.pattern, regex):
+            if regex.fullmatch(name):
+                matching.setdefault(name, []).append(index)
     out = []
     for name, shape, dtype in found:
         chosen = None
-        for index, (decl, regex, specificity, _) in enumerate(entries):
-            if chosen is not None and specificity < entries[chosen][2]:
-                break
-            if regex.fullmatch(name):
-                if chosen is not None:
-                    first = entries[chosen][0]
-                    raise LayoutValueError(
-                        f"tensor '{name}' is matched by two dtype patterns of equal specificity: "
-                        f'"{first.pattern}" (line {first.pattern_span.line}) and "{decl.pattern}"',
-                        decl.pattern_span,
-                        "make one pattern more specific (more literal characters wins)",
-                    )
-                chosen = index
+        matches = matching.get(name)
+        if matches:
+            chosen = matches[0]
+            if len(matches) > 1 and entries[matches[1]][2] == entries[chosen][2]:
+                first, decl = entries[chosen][0], entries[matches[1]][0]
+                raise LayoutValueError(
+                    f"tensor '{name}' is matched by two dtype patterns of equal specificity: "
+                    f'"{first.pattern}" (line {first.pattern_span.line}) and "{decl.pattern}"',
+                    decl.pattern_span,
+                    "make one pattern more specific (more literal characters wins)",
+                )
         if chosen is not None:
             used.add(id(entries[chosen][0]))
             dtype = entries[chosen][3]

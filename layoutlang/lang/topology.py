@@ -18,6 +18,7 @@ from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..model import Topology
 from ..model.topology import TOPOLOGY_PRESETS
 from . import ast
+from .limits import MAX_DOMAIN_SIZE
 
 __all__ = ["BANDWIDTH_UNITS", "SETTINGS", "TIME_UNITS", "topology"]
 
@@ -80,10 +81,22 @@ def _setting(entry: ast.TopologyEntry) -> float | int:
     if units is None:
         if entry.unit is not None or entry.value != int(entry.value) or entry.value < 1:
             raise LayoutValueError(f"'{entry.key}' is a whole number of ranks, at least 1", entry.span)
+        if entry.value > MAX_DOMAIN_SIZE:  # the planner's integers, and exact as read
+            raise LayoutValueError(
+                f"'{entry.key}' = {entry.value:g} is too large: a domain holds at most {MAX_DOMAIN_SIZE:,} ranks",
+                entry.span,
+            )
         return int(entry.value)
     if entry.unit not in units:
         raise LayoutValueError(f"'{entry.key}' needs a unit, one of: {', '.join(units)}", entry.span)
     if entry.value < 0 or (entry.value == 0 and units is BANDWIDTH_UNITS):
         least = "more than 0" if units is BANDWIDTH_UNITS else "at least 0"
         raise LayoutValueError(f"'{entry.key}' must be {least}", entry.span)
-    return entry.value * units[entry.unit]
+    value = entry.value * units[entry.unit]
+    if not math.isfinite(value) or (value == 0 and units is BANDWIDTH_UNITS):  # 1e308 TB/s, 1e-320 GB/s
+        raise LayoutValueError(
+            f"'{entry.key}' = {entry.value:g} {entry.unit} is not a number of bytes per second or seconds that"
+            " layoutlang can compute with",
+            entry.span,
+        )
+    return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -54,10 +55,110 @@ def _compiled(rule: Rule) -> tuple[Rule, re.Pattern[str] | None]:
         raise
 
 
-def _captures(regex: re.Pattern[str] | None, name: str) -> dict[str, int]:
-    """The digits a rule's pattern captures from a tensor name it matches."""
+def _captures(regex: re.Pattern[str] | None, name: str, span: Span | None = None) -> dict[str, int]:
+    """The digits a rule's pattern (written at ``span``) captures from a tensor name it matches."""
     match = regex.fullmatch(name) if regex is not None else None
-    return {k: int(v) for k, v in match.groupdict().items()} if match is not None else {}
+    return captured_values(match, name, span) if match is not None else {}
+
+
+#: digits of the largest capture: 2**63 - 1 has 19
+_CAPTURE_DIGITS = len(str((1 << 63) - 1))
+
+
+def captured_values(match: re.Match[str], name: str, span: Span | None) -> dict[str, int]:
+    """The values of a match's captures, 64-bit integers like every value of the language: a
+    longer digit run of a tensor name is an error naming the tensor (converting thousands of
+    digits is slow, and Python refuses more than 4,300)."""
+    values = {}
+    for capture, digits in match.groupdict().items():
+        if len(digits.lstrip("0")) > _CAPTURE_DIGITS or int(digits) > (1 << 63) - 1:
+            shown = digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
+            raise LayoutValueError(
+                f"tensor '{name[:80]}' holds the number {shown}, which {{{capture}}} captures: it is outside"
+                " the 64-bit integers layoutlang computes with",
+                span,
+            )
+        values[capture] = int(digits)
+    return values
+
+
+_PLACEHOLDERS = re.compile(r"\{[A-Za-z_][A-Za-z0-9_]*\}|\*")
+
+
+def _rule_kinds(
+    compiled: list[tuple[Rule, re.Pattern[str] | None]],
+) -> tuple[dict[int, dict[str, list[int]]], dict[str, int], list[int]]:
+    """The rules (indices into ``compiled``) by how a name finds them: with a literal digit and
+    a wildcard (by the length and the text of what precedes their first wildcard), naming one
+    tensor exactly (by name), and the rest, which match alike the names that differ only in
+    their digits (the default rule among them)."""
+    by_digits: dict[int, dict[str, list[int]]] = {}
+    exact: dict[str, int] = {}
+    plain: list[int] = []
+    for i, (rule, _) in enumerate(compiled):
+        pattern = rule.pattern
+        if pattern is None or not re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", pattern)):
+            plain.append(i)
+            continue
+        first = _PLACEHOLDERS.search(pattern)
+        if first is None and pattern not in exact:
+            exact[pattern] = i
+        else:
+            prefix = pattern[: first.start()] if first is not None else pattern
+            by_digits.setdefault(len(prefix), {}).setdefault(prefix, []).append(i)
+    return by_digits, exact, plain
+
+
+class NameIndex:
+    """Tensor names indexed so that a pattern is tried on the names it could match only, not on
+    every name (a layout of S storage rules and T tensors: S x T pattern tests before).
+
+    A pattern without a literal digit matches every name of a skeleton (the text between
+    digit runs) or none, so it is tried on one name per skeleton; one with a literal digit, on
+    the names that start with its text before its first wildcard. Names come in the order
+    the program declares them.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self._names = names
+        digits = re.compile(r"[0-9]+")
+        self._by_skeleton: dict[tuple[str, ...], list[int]] = {}
+        for i, name in enumerate(names):
+            self._by_skeleton.setdefault(tuple(digits.split(name)), []).append(i)
+        self._sorted: list[tuple[str, int]] | None = None
+
+    def could_match(self, pattern: str, regex: re.Pattern[str]) -> list[str]:
+        if not re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", pattern)):
+            found = [i for group in self._by_skeleton.values() if regex.fullmatch(self._names[group[0]]) for i in group]
+        else:
+            if self._sorted is None:
+                self._sorted = sorted((name, i) for i, name in enumerate(self._names))
+            first = _PLACEHOLDERS.search(pattern)
+            prefix = pattern[: first.start()] if first is not None else pattern
+            found = []
+            # by position: islice() would step through every name before the prefix
+            for position in range(bisect.bisect_left(self._sorted, (prefix, -1)), len(self._sorted)):
+                name, i = self._sorted[position]
+                if not name.startswith(prefix):
+                    break
+                found.append(i)
+        return [self._names[i] for i in sorted(found)]
+
+
+def _top_matches(name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]], among: list[int]) -> tuple[int, ...]:
+    """The first rules of ``among`` (most specific first) that match ``name``: the most specific
+    one, and a second of the same specificity if there is one (a tie, unless a rule matched
+    elsewhere is more specific still)."""
+    found: list[int] = []
+    for i in among:
+        rule, regex = compiled[i]
+        if found and rule.specificity < compiled[found[0]][0].specificity:
+            break
+        if regex is None or regex.fullmatch(name):
+            found.append(i)
+            if len(found) == 2:
+                break
+    return tuple(found)
 
 
 def _compiled_quantize(rule: QuantizeRule) -> tuple[QuantizeRule, re.Pattern[str] | None]:
@@ -138,24 +239,39 @@ class _Resolved:
         layout = self.layout
         rules = sorted(enumerate(layout.rules), key=lambda ir: (-ir[1].specificity, ir[0]))
         compiled = [_compiled(rule) for _, rule in rules]
-        # Names that differ only in their digits match the same rules when no pattern has a
-        # literal digit (captures match whole digit runs), so the search is cached by skeleton.
-        cacheable = not any(r.pattern and re.search(r"[0-9]", re.sub(r"\{[^}]*\}", "", r.pattern)) for r, _ in compiled)
-        by_skeleton: dict[tuple[str, ...], int] = {}
+        # Each tensor tests only the rules that can tell its name from others, so a layout is
+        # resolved in time linear in its tensors and rules together (not their product):
+        # - rules without a literal digit match the same for names that differ only in their
+        #   digits (captures match whole digit runs): searched once per skeleton, then cached;
+        # - a rule naming one tensor exactly ("layers.7.mlp.weight") is a dictionary lookup;
+        # - the rest (a literal digit and a wildcard: "layers.7.*") is tried on the names that
+        #   start with its text before the first wildcard, found by that text.
+        by_digits, exact, plain = _rule_kinds(compiled)
+        by_skeleton: dict[tuple[str, ...], tuple[int, ...]] = {}
         # A spec depends only on the rule and the number of dims; sub-mesh coordinates vary.
         spec_of_rule: dict[tuple[int, int], int] = {}
         spec_ids: dict[tuple, int] = {}
         digits = re.compile(r"[0-9]+")
         for name in self.names:
             tensor = layout.tensors[name]
-            key = tuple(digits.split(name)) if cacheable else None
-            chosen = by_skeleton.get(key) if key is not None else None
-            if chosen is None:
-                chosen = self._choose_rule(name, compiled)
-                if key is not None:
-                    by_skeleton[key] = chosen
+            key = tuple(digits.split(name))
+            matches = by_skeleton.get(key)
+            if matches is None:
+                matches = by_skeleton[key] = _top_matches(name, compiled, plain)
+            if by_digits or exact:
+                found = [
+                    i
+                    for length, rules_of_prefix in by_digits.items()
+                    for i in rules_of_prefix.get(name[:length], ())
+                    if compiled[i][1].fullmatch(name)  # type: ignore[union-attr]
+                ]
+                if name in exact:
+                    found.append(exact[name])
+                if found:
+                    matches = tuple(sorted((*matches, *found)))
+            chosen = self._choose_rule(name, compiled, matches)
             rule, regex = compiled[chosen]
-            captures = _captures(regex, name)
+            captures = _captures(regex, name, rule.span)
             ndim = len(tensor.shape)
             sid = spec_of_rule.get((chosen, ndim))
             if sid is None:
@@ -169,27 +285,26 @@ class _Resolved:
             self.spec_of.append(sid)
             self.submesh_of.append(self._submesh(name, rule, captures))
 
-    def _choose_rule(self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]]) -> int:
-        found: int | None = None
-        for i, (rule, regex) in enumerate(compiled):
-            if found is not None and rule.specificity < compiled[found][0].specificity:
-                break
-            if regex is None or regex.fullmatch(name):
-                if found is not None:
-                    first = compiled[found][0]
-                    where = f" (line {first.span.line})" if first.span else ""
-                    raise LayoutValueError(
-                        f"tensor '{name}' is matched by two rules of equal specificity in layout "
-                        f"'{self.layout.name}': \"{first.pattern}\"{where} and \"{rule.pattern}\"",
-                        rule.span,
-                        "make one pattern more specific (more literal characters wins)",
-                    )
-                found = i
-        if found is None:
+    def _choose_rule(
+        self, name: str, compiled: list[tuple[Rule, re.Pattern[str] | None]], matches: tuple[int, ...]
+    ) -> int:
+        """The most specific of the rules ``matches`` (indices into ``compiled``, most specific
+        first); two of equal specificity, or none, are an error."""
+        if not matches:
             raise LayoutValueError(
                 f"tensor '{name}' is matched by no rule of layout '{self.layout.name}' and the layout has no default",
                 self.layout.span,
                 "add a rule for it, or 'default: replicate'",
+            )
+        found = matches[0]
+        if len(matches) > 1 and compiled[matches[1]][0].specificity == compiled[found][0].specificity:
+            first, rule = compiled[found][0], compiled[matches[1]][0]
+            where = f" (line {first.span.line})" if first.span else ""
+            raise LayoutValueError(
+                f"tensor '{name}' is matched by two rules of equal specificity in layout "
+                f"'{self.layout.name}': \"{first.pattern}\"{where} and \"{rule.pattern}\"",
+                rule.span,
+                "make one pattern more specific (more literal characters wins)",
             )
         return found
 
@@ -235,17 +350,19 @@ class _Resolved:
     def _resolve_storages(self) -> None:
         layout = self.layout
         assigned: dict[str, Storage] = {}
+        candidates = NameIndex(self.names) if layout.storages else None
         for rule in layout.storages:
             first = compile_pattern(rule.parts[0])
             matched = False
             # A stack's elements by storage name: (stack capture, parts), ordered at the end.
             stacks: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
-            for name in self.names:
+            assert candidates is not None
+            for name in candidates.could_match(rule.parts[0], first):
                 m = first.fullmatch(name)
                 if m is None:
                     continue
                 matched = True
-                captures = {k: int(v) for k, v in m.groupdict().items()}
+                captures = captured_values(m, name, rule.span)
                 try:
                     parts = tuple(_substitute(p, captures) for p in rule.parts)
                     storage_name = rule.storage_name(captures)
@@ -747,33 +864,34 @@ class Layout:
         ordered = sorted(self.quantize, key=lambda r: -r.specificity)
         compiled = [_compiled_quantize(rule) for rule in ordered]
         out: dict[str, Quantization] = {}
-        for name, tensor in self.tensors.items():
-            found: tuple[QuantizeRule, dict[str, int]] | None = None
-            for rule, regex in compiled:
-                if found is not None and rule.specificity < found[0].specificity:
-                    break
-                if regex is None:
-                    assert rule.tensors is not None
-                    if name not in rule.tensors:
-                        continue
-                    captures: dict[str, int] = {}
-                else:
-                    match = regex.fullmatch(name)
-                    if match is None:
-                        continue
-                    captures = {k: int(v) for k, v in match.groupdict().items()}
-                if found is not None:
-                    raise LayoutValueError(
-                        f"tensor '{name}' is matched by two quantize statements of equal specificity in layout "
-                        f"'{self.name}': \"{found[0].pattern}\" and \"{rule.pattern}\"",
-                        rule.span,
-                        "make one pattern more specific (more literal characters wins)",
-                        tensor=name,
-                    )
-                found = (rule, captures)
-            if found is None:
+        # each statement is tried on the names it could match (not every statement on every
+        # name): the statements matching a name, most specific first
+        candidates = NameIndex(list(self.tensors))
+        matching: dict[str, list[tuple[QuantizeRule, dict[str, int]]]] = {}
+        for rule, regex in compiled:
+            if regex is None:
+                assert rule.tensors is not None
+                for name in rule.tensors:
+                    if name in self.tensors:
+                        matching.setdefault(name, []).append((rule, {}))
                 continue
-            rule, captures = found
+            for name in candidates.could_match(rule.pattern, regex):
+                match = regex.fullmatch(name)
+                if match is not None:
+                    matching.setdefault(name, []).append((rule, captured_values(match, name, rule.span)))
+        for name, tensor in self.tensors.items():
+            found = matching.get(name)
+            if not found:
+                continue
+            if len(found) > 1 and found[1][0].specificity == found[0][0].specificity:
+                raise LayoutValueError(
+                    f"tensor '{name}' is matched by two quantize statements of equal specificity in layout "
+                    f"'{self.name}': \"{found[0][0].pattern}\" and \"{found[1][0].pattern}\"",
+                    found[1][0].span,
+                    "make one pattern more specific (more literal characters wins)",
+                    tensor=name,
+                )
+            rule, captures = found[0]
             if tensor.dtype not in QUANTIZABLE:
                 raise LayoutValueError(
                     f"tensor '{name}' is {tensor.dtype}; quantize \"{rule.pattern}\" reads "

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+import gc
+from collections.abc import Iterator, Mapping
 
 import attrs
 
@@ -12,6 +14,27 @@ from .mesh import Mesh
 from .rules import Rule, compile_pattern
 from .tensor import LogicalTensor
 from .topology import Topology
+
+__all__ = ["Program", "Reshard", "cyclic_gc_paused"]
+
+
+@contextlib.contextmanager
+def cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a program is built or checked.
+
+    A full collection visits every live object, and they are collected more often the more
+    objects are made, so building a program's million small objects cost time quadratic in
+    its tensors: 300,000 tensors checked in 51 s with it, 30 s without. What is built here
+    holds no garbage cycles worth collecting in the meantime; the collector resumes after
+    (and stays off if it was off).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @attrs.frozen
@@ -97,5 +120,6 @@ class Program:
 
     def check(self) -> None:
         """Resolves every layout for every tensor and validates every storage on every rank."""
-        for layout in self.layouts.values():
-            layout.check()
+        with cyclic_gc_paused():
+            for layout in self.layouts.values():
+                layout.check()
