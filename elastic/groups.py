@@ -216,6 +216,16 @@ class SignedRendezvous(dist.Store):
     def set_timeout(self, timeout: timedelta) -> None:
         self.patience = timeout.total_seconds()
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def has_extended_api(self) -> bool:
+        return True  # multi_get and multi_set, above
+
     def clone(self) -> SignedRendezvous:
         # torch clones a group's store for each new group built on it (a DeviceMesh's subgroups)
         return SignedRendezvous(self.store.clone(), self.prefix, self.records, timeout=self.patience, hide=self.hide)
