@@ -61,11 +61,15 @@ __all__ = [
     "admit",
     "authenticated_group",
     "build_group",
+    "keep_store",
     "prove_group",
 ]
 
 # Groups of dead generations, kept alive so their threads never block a destructor.
 _abandoned: list[Any] = []
+# The Python stores of built groups: torch holds them from C++ only, and a Python store whose
+# Python object is gone answers every later call (a subgroup's rendezvous) "Not implemented".
+_kept_stores: list[Any] = []
 
 
 class ElasticGroup:
@@ -268,6 +272,7 @@ def authenticated_group(
         failures = _agree_verdicts(store, records, attempt_prefix, members, group_rank, verdict, timeout)
         if not failures:
             assert pg is not None
+            keep_store(rendezvous)
             return pg
         logger.warning("rank %d: %s under %r is given up: %s", rank, what, attempt_prefix,
                        "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items())))
@@ -280,6 +285,12 @@ def authenticated_group(
         + "; ".join(f"rank {r}: {v}" for r, v in sorted(failures.items()))
         + ". Someone without the job's secret writes the job's store or connects to its members"
     )
+
+
+def keep_store(store: Any) -> None:
+    """Keep a Python store that torch holds from C++ only (a group's :class:`SignedRendezvous`)
+    alive as long as this process: otherwise later calls on it fail."""
+    _kept_stores.append(store)
 
 
 def prove_group(

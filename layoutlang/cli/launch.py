@@ -170,12 +170,13 @@ def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: 
     without it is never one of the pool's ranks."""
     import torch.distributed as dist
 
-    from elastic.groups import SignedRendezvous, prove_group
+    from elastic.groups import SignedRendezvous, keep_store, prove_group
 
     records = RecordSigner(secret, prefix)
     rendezvous: Any = dist.PrefixStore(prefix, store)
     if records.authenticated:
         rendezvous = SignedRendezvous(store, prefix, records, timeout=timeout)
+        keep_store(rendezvous)  # every later group of the workers (new_group) is built on it
     dist.init_process_group("gloo", store=rendezvous, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
     if records.authenticated:
         group = dist.distributed_c10d._get_default_group()
