@@ -36,6 +36,10 @@ PLAN_MODES = ("auto", "fleet", "per-rank")
 #: layoutlang.runtime.PER_RANK_PLAN_RANKS, written out for the help text: importing the runtime
 #: imports torch, which the other commands start without (a test keeps the two equal)
 PER_RANK_PLAN_RANKS = 1024
+#: ``--source-policy`` / ``--destination-policy``: elastic.remesh.SESSION_POLICIES but
+#: ``callback`` (a Python function, which a command line cannot give), written out because
+#: importing elastic imports torch (a test keeps the two equal)
+REMESH_POLICIES = ("drop-replica", "shrink-axis", "fill-spares", "await-rejoin")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="staging memory per rank (default 512MiB; buckets are half of it)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for a peer (default 300)"
+        "--timeout",
+        type=arguments.seconds,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for a peer (default 300; finite, above 0, at most a week)",
     )
     parser.add_argument(
         "--cast",
@@ -96,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --from: accept checkpoint tensors stored in another dtype than the source layout's "
         "(fp32 master weights for a bf16 layout), converted to the layout's dtype while packed",
     )
-    parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
+    parser.add_argument(
+        "--repeat", type=arguments.positive_count, default=1, metavar="N", help="run N times and report the fastest"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live")
     parser.add_argument(
         "--transport",
@@ -114,7 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument(
         "--elastic", action="store_true", help="repeated refits that survive rank loss and replacement"
     )
-    elastic.add_argument("--steps", type=int, default=4, metavar="N", help="refits to run (default 4)")
+    elastic.add_argument(
+        "--steps", type=arguments.positive_count, default=4, metavar="N", help="refits to run (default 4)"
+    )
     elastic.add_argument(
         "--kill",
         action="append",
@@ -136,19 +148,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     elastic.add_argument(
         "--deadline",
-        type=float,
+        type=arguments.seconds,
         default=1.0,
         metavar="S",
         help="seconds of silence after which a rank counts as failed (default 1)",
     )
     elastic.add_argument(
         "--source-policy",
+        type=arguments.choice_of(REMESH_POLICIES, "remesh policy"),
         default="drop-replica",
         metavar="POLICY",
-        help="remesh policy of the source layout when it loses ranks (default drop-replica)",
+        help=f"remesh policy of the source layout when it loses ranks: {', '.join(REMESH_POLICIES)} "
+        "(default drop-replica)",
     )
     elastic.add_argument(
         "--destination-policy",
+        type=arguments.choice_of(REMESH_POLICIES, "remesh policy"),
         default="drop-replica",
         metavar="POLICY",
         help="remesh policy of the destination layout (default drop-replica; shrink-axis needs --destination-axis)",
@@ -270,13 +285,26 @@ def _rank_at_step(text: str) -> tuple[int, int]:
 MAX_LOCAL_WORKERS = 64
 
 
-def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> None:
-    """Refuse, before torch is imported and any process starts, a local launch of more
-    workers than one machine runs (ranks 0 to the reshard's highest, and the replacements)."""
+def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
+    """Refuse, before torch is imported and any process starts or joins a group, a job of the
+    wrong size: under torchrun, a WORLD_SIZE smaller than the reshard's ranks (a process per
+    rank, RANK = program rank; a missing rank would leave its peers waiting on a process that
+    does not exist); launched alone, more workers than one machine runs (ranks 0 to the
+    reshard's highest, and the replacements)."""
+    statement, source, destination = _reshard_of(args, checked=True)
+    ranks = {*source.mesh.ranks, *destination.mesh.ranks}
+    processes = max(ranks) + 1
     if environment_is_torchrun():
-        return  # torchrun starts the processes, wherever it was told to
-    _, source, destination = _reshard_of(args)
-    processes = max({*source.mesh.ranks, *destination.mesh.ranks}) + 1 + replacements
+        world = os.environ["WORLD_SIZE"]
+        if not world.isdigit() or int(world) < processes:
+            raise LayoutValueError(
+                f"{args.file}: reshard '{statement.name}' needs {processes:,} processes (its meshes hold ranks "
+                f"{rank_ranges(sorted(ranks))}, one process per rank), but torchrun started {world} "
+                "(WORLD_SIZE); nothing was started",
+                hint=f"start {processes:,} processes in all: nodes x --nproc-per-node = {processes:,}",
+            )
+        return
+    processes += replacements
     if processes > MAX_LOCAL_WORKERS:
         raise LayoutValueError(
             f"{args.file}: the reshard needs {processes:,} worker processes (one per rank); the local launcher "
@@ -285,9 +313,40 @@ def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> Non
         )
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """Refuse ``--device cuda`` / ``--transport nccl`` on a machine without what they need,
+    found by the doctor's own detection, before torch.distributed starts and any worker runs;
+    and ``--device cuda`` without torchrun (the local launcher's workers hold storages on CPU)."""
+    asked = [
+        flag
+        for flag, given in (("--device cuda", args.device == "cuda"), ("--transport nccl", args.transport == "nccl"))
+        if given
+    ]
+    if not asked:
+        return
+    from .doctor import missing_for_run
+
+    missing = missing_for_run(args.device, args.transport)
+    if missing:
+        raise LayoutValueError(
+            f"{' and '.join(asked)}: this machine has {'; '.join(missing)} (as `layoutlang doctor` reports)",
+            hint="run `layoutlang doctor` to see what was looked for and where; without a GPU, leave out "
+            + " and ".join(asked)
+            + " (storages on CPU, gloo)",
+        )
+    if args.device == "cuda" and not environment_is_torchrun():
+        raise LayoutValueError(
+            "--device cuda: the local launcher's workers hold their storages on CPU (gloo); storages on CUDA "
+            "devices need torchrun, one process per GPU",
+            hint="torchrun --nproc-per-node N -m layoutlang.cli apply FILE --device cuda",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.elastic:
         return _apply_elastic(args)
+    check_device(args)
+    _check_processes(args)
     if args.kill or args.stop or args.replace:
         raise LayoutValueError("--kill, --stop and --replace need --elastic")
     if args.cast_sources and not args.from_dir:
@@ -313,7 +372,6 @@ def run(args: argparse.Namespace) -> int:
             # under torchrun every process checks here, before any joins the job: none has written yet
             prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir)
 
-    _check_local_workers(args)
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
     from .launch import WorkerError
@@ -377,7 +435,7 @@ def plan_modes_shown(args: argparse.Namespace, summary: dict[str, Any]) -> dict[
 
 
 def _apply_elastic(args: argparse.Namespace) -> int:
-    _check_local_workers(args, len(args.kill) + len(args.stop) if args.replace else 0)
+    _check_processes(args, len(args.kill) + len(args.stop) if args.replace else 0)
     # The jobs import torch: here, so that the other commands start without it.
     from . import elastic_job as job
     from .apply_job import participants_of
@@ -395,14 +453,13 @@ def _apply_elastic(args: argparse.Namespace) -> int:
             ("--policy", args.policy),
             ("--repeat", args.repeat != 1),
             ("--transport nccl", args.transport == "nccl"),
+            ("--device cuda", args.device == "cuda"),
             (f"--plan-mode {args.plan_mode}", args.plan_mode != "auto"),
         )
         if given
     ]
     if refused:
         raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
-    if args.steps < 1:
-        raise LayoutValueError(f"--steps must be at least 1, not {args.steps}")
     participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
     faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
     for rank, step, how in faults:
@@ -444,9 +501,12 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
 
 
-def _reshard_of(args: argparse.Namespace) -> tuple[Reshard, Layout, Layout]:
-    """The reshard statement a report describes, and its source and destination layouts."""
+def _reshard_of(args: argparse.Namespace, checked: bool = False) -> tuple[Reshard, Layout, Layout]:
+    """The reshard statement a report describes, and its source and destination layouts
+    (``checked``: the whole program checked first, so that its first error is the one reported)."""
     program = load(args.file)
+    if checked:
+        program.check()
     statement = program.reshard(args.reshard)
     return statement, program.layout(statement.source), program.layout(statement.destination)
 

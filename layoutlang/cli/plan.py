@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="*",
         help='print the moves of the tensors matching PATTERN (default "*": all), one line each',
     )
-    parser.add_argument("--limit", type=int, default=100, metavar="N", help="print at most N moves (default 100)")
+    parser.add_argument(
+        "--limit", type=arguments.count, default=100, metavar="N", help="print at most N moves (default 100)"
+    )
     arguments.add_bucket_size(parser)
     parser.add_argument(
         "--policy",
@@ -64,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rank",
-        type=int,
+        type=arguments.rank_number,
         metavar="R",
         help="compile, validate and print only rank R's part of the pairwise plan (what a rank compiles "
         "in a large fleet); its fingerprint covers the whole program",

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._text import rank_ranges, ranks_phrase
-from ..errors import AgreementError, ExecutionError, LayoutError
+from ..errors import AgreementError, ExecutionError, LayoutError, LayoutValueError
 from ..io.torch_dtypes import torch_dtype
 from ..lang import load
 from ..model import Program
@@ -114,6 +114,8 @@ class Resharder:
                 "no process in this job (rank_map)",
                 rank=rank,
             )
+        if transport is None:
+            _check_group_size(plan.name if plan else reshard, participants, rank_map, group, rank)
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
         # The executor is built before the agreement: what its constructor refuses on this
         # rank alone (a per-rank plan of another rank, a quantized tensor moved by broadcast,
@@ -231,6 +233,29 @@ def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool
     if policy is not None:
         return policy == "reshard"
     return all(statement.policy_for(name) == "reshard" for name in source.resolved.names)
+
+
+def _check_group_size(
+    reshard: str | None, participants: list[int], rank_map: Mapping[int, int] | None, group: Any, rank: int
+) -> None:
+    """Refuse, before the agreement and before any byte moves, a process group smaller than the
+    reshard: a rank without a process would leave its peers waiting for the whole timeout and
+    then blame a peer. Without ``rank_map`` program rank r is process r of the group; with
+    it, rank_map[r] is."""
+    if not dist.is_initialized():
+        return  # TorchTransport says so, in its own words
+    size = dist.get_world_size(group)
+    processes = [rank_map[r] for r in participants] if rank_map is not None else participants
+    if max(processes) < size:
+        return
+    what = f"reshard '{reshard}'" if reshard else "the reshard"
+    needed = max(processes) + 1
+    mapped = " (through rank_map)" if rank_map is not None else ""
+    raise LayoutValueError(
+        f"{what} needs a process group of at least {needed:,} processes{mapped} (its meshes hold ranks "
+        f"{rank_ranges(participants)}), but the process group has {size:,}; nothing was started",
+        hint="start one process per rank of the reshard's meshes, or pass the group that holds them (group=)",
+    )
 
 
 def _participants_of(
