@@ -225,6 +225,42 @@ def test_index_files_outside_the_folder_are_refused_unless_allowed(tmp_path: Pat
     assert set(SafetensorsCheckpoint(folder, allow_outside_paths=True).files) == {"w"}
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_folder_whose_checkpoint_file_links_outside_it_is_refused_unless_allowed(
+    tmp_path: Path, outside: Path, linked: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    if linked == "model.safetensors":
+        (folder / linked).symlink_to(outside)
+    else:  # an index outside (its names are read from the folder of the link)
+        write_index(tmp_path, {"w": "../secret.safetensors"})
+        (folder / linked).symlink_to(tmp_path / "model.safetensors.index.json")
+    message = refusal(folder)
+    assert f"{folder / linked}: the checkpoint's {linked} is a symbolic link to" in message
+    assert "must lie inside it" in message and "--allow-outside-paths" in message
+    with pytest.raises(ModelDescriptionError, match="must lie inside it"):
+        SafetensorsCheckpoint(folder)
+    # opted in, the link is followed, as an index's entries are
+    assert tensors_from_safetensors(folder, allow_outside_paths=True) == [("w", (2,), "fp32")]
+    assert set(SafetensorsCheckpoint(folder, allow_outside_paths=True).files) == {"w"}
+    # a file named directly is the caller's own choice
+    if linked == "model.safetensors":
+        assert tensors_from_safetensors(folder / linked) == [("w", (2,), "fp32")]
+
+
+def test_apply_refuses_a_model_safetensors_link_leaving_the_from_folder(tmp_path: Path, program: Path) -> None:
+    nan_checkpoint(tmp_path / "real")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").symlink_to(tmp_path / "real" / "model.safetensors")
+    result = run("apply", str(program), "--from", "ckpt", cwd=tmp_path)
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "is a symbolic link to" in result.stderr
+    assert "--allow-outside-paths" in result.stderr
+    allowed = run("apply", str(program), "--from", "ckpt", "--allow-outside-paths", "--json", cwd=tmp_path)
+    assert allowed.returncode == ExitCode.OK, allowed.stdout + allowed.stderr
+    assert json.loads(allowed.stdout)["ok"]
+
+
 def test_a_loop_of_links_is_refused_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "a.safetensors").symlink_to("b.safetensors")
     (tmp_path / "b.safetensors").symlink_to("a.safetensors")

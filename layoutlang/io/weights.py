@@ -32,7 +32,7 @@ import torch
 from .._text import region
 from ..errors import LayoutError, LayoutValueError, ModelDescriptionError, RuntimeFailure
 from ..model import Box, Layout
-from .safetensors import SAFETENSORS_DTYPE, checkpoint_file, index_files, read_safetensors_header
+from .safetensors import SAFETENSORS_DTYPE, confined_checkpoint_file, index_files, read_safetensors_header
 from .torch_dtypes import dtype_name, torch_dtype
 
 __all__ = [
@@ -227,7 +227,7 @@ class SafetensorsCheckpoint:
     ``allow_outside_paths`` (:mod:`layoutlang.io.safetensors`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, allow_outside_paths: bool = False):
-        start = checkpoint_file(path)
+        start = confined_checkpoint_file(path, allow_outside_paths=allow_outside_paths)
         self.files: dict[str, tuple[Path, dict, int]] = {}
         if start.suffix == ".json":
             # an index's files are confined to its folder (see layoutlang.io.safetensors)
