@@ -105,6 +105,25 @@ def test_every_command_refuses_bad_values_in_its_parser(capsys, argv, refusal):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "options, refusal",
+    [
+        (
+            ["--destination-policy", "shrink-axis"],
+            (
+                "--destination-policy shrink-axis: name the axis it shrinks with --destination-axis (axes of mesh "
+                "'infer': dp, tp)"
+            ),
+        ),
+        (["--source-axis", "dp"], "--source-axis dp: the source layout 'megatron' is on mesh 'train', whose axes"),
+    ],
+)
+def test_an_elastic_remesh_axis_is_checked_against_the_program_before_any_process_starts(capsys, options, refusal):
+    assert main(["apply", REFIT, "--elastic", *options]) == ExitCode.BAD_INPUT
+    assert refusal in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
 def test_the_remesh_policies_the_command_line_offers_are_the_sessions_but_callback():
     from elastic.remesh import SESSION_POLICIES
 

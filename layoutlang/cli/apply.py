@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
-from ..errors import ExitCode, LayoutValueError, ModelDescriptionError
+from ..errors import ExitCode, LayoutValueError, ModelDescriptionError, did_you_mean
+from ..io.output import MANIFEST, WrittenFile, check_room, read_manifest, why_not_removable, write_manifest
 from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
 from ..lang import load
 from ..model import Layout, Program, Reshard
-from ..model.dtypes import DTYPES, canonical_dtype
+from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from ..plan import POLICIES
 from . import arguments
 from .report import plan_mode_line
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-outside-paths",
         action="store_true",
         help="with --from: follow the files an index names outside its folder (absolute paths, '..', "
-        "symbolic links leaving it); refused by default",
+        "symbolic links leaving it) and a model.safetensors or index that links outside it; refused by default",
     )
     parser.add_argument(
         "--to",
@@ -76,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="with --to: remove the earlier run's files the folder holds (rank files, model.safetensors*) first",
+        help="with --to: remove first the files an earlier layoutlang run wrote there (listed in the folder's "
+        ".layoutlang-manifest.json and unchanged); any other rank file or model.safetensors* is refused by name, "
+        "and so is a disk without room for this run, before anything is removed",
     )
     parser.add_argument(
         "--memory-budget",
@@ -231,16 +236,28 @@ def check_checkpoint(
 _RUN_FILE = re.compile(
     r"rank\d+\.safetensors|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|\.rank\d+\.safetensors\..*\.tmp"
 )
+#: a temporary file of write_safetensors that an interrupted run left: partial bytes under a
+#: name only its mkstemp makes, never in a manifest, and never anyone's output
+_INTERRUPTED_WRITE = re.compile(r"\.rank\d+\.safetensors\.[A-Za-z0-9_]+\.tmp")
 
 
-def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str | None = None) -> list[str]:
-    """Make ``--to`` ready before a worker starts: created if missing, writable, and holding no
-    earlier run's files (rank files, ``model.safetensors*``) unless ``overwrite``, which removes
-    them all first, so the folder never mixes two runs' files. Returns the names removed.
+def prepare_output_folder(
+    to_dir: str, *, overwrite: bool = False, from_dir: str | None = None, will_write: int = 0
+) -> list[str]:
+    """Make ``--to`` ready before a worker starts: created if missing, writable, with room for
+    the ``will_write`` bytes the run writes, and holding no earlier run's files (rank files,
+    ``model.safetensors*``) unless ``overwrite``, which removes them first, so the folder never
+    mixes two runs' files. Returns the names removed.
+
+    ``overwrite`` removes only what a layoutlang run wrote there: the files its manifest
+    (:mod:`layoutlang.io.output`) lists and that still match it, and the temporary files of an
+    interrupted write. Any other such file (a ``model.safetensors`` layoutlang did not write,
+    a rank file changed since) is refused by name, and then nothing is removed; so is a disk
+    without room for the run, even once the earlier files are gone.
 
     Every refusal is a :class:`~layoutlang.errors.LayoutValueError` naming the folder: a file in
     its place, a folder that cannot be created or written (read-only), the ``--from`` folder
-    itself, an earlier run's files."""
+    itself, an earlier run's files, files not written by layoutlang, a disk without room."""
     folder = Path(to_dir)
     if from_dir is not None and folder.resolve() == checkpoint_file(from_dir).parent.resolve():
         raise LayoutValueError(f"--to {folder}: is the folder of the --from checkpoint; write to another folder")
@@ -257,6 +274,7 @@ def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str
         raise LayoutValueError(f"--to {folder}: cannot {what} the folder: {exc.strerror or exc}") from None
     earlier = sorted(entry.name for entry in os.scandir(folder) if _RUN_FILE.fullmatch(entry.name))
     if not earlier:
+        check_room(folder, will_write)
         return []
     if not overwrite:
         shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
@@ -265,12 +283,82 @@ def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str
             f" run ({shown})",
             hint="pass --overwrite to remove them before this run writes its own, or choose an empty folder",
         )
+    manifest = read_manifest(folder)
+    checked = [(name, why_not_removable(folder, name, manifest.get(name))) for name in earlier]
+    refused = [(name, why) for name, why in checked if why is not None and not _INTERRUPTED_WRITE.fullmatch(name)]
+    if refused:
+        listed = "\n".join(f"  {name} {why}" for name, why in refused[:10])
+        more = f"\n  and {len(refused) - 10} more" if len(refused) > 10 else ""
+        raise LayoutValueError(
+            f"--to {folder}: --overwrite removes only the files a layoutlang run wrote there (listed in its "
+            f"{MANIFEST}, unchanged); {len(refused)} file{'s' if len(refused) != 1 else ''} of the folder "
+            f"{'are' if len(refused) != 1 else 'is'} not, so nothing was removed:\n{listed}{more}",
+            hint="move those files away yourself if they may go, or write to another folder",
+        )
+    check_room(folder, will_write, freed=sum(_size_of(folder / name) for name in earlier))
     try:
         for name in earlier:
             (folder / name).unlink(missing_ok=True)  # missing: another torchrun process removed it first
     except OSError as exc:
         raise LayoutValueError(f"--to {folder}: cannot remove {exc.filename}: {exc.strerror or exc}") from None
+    # the manifest stays until this run replaces it: another process of a torchrun job may
+    # still be checking the same files against it
     return earlier
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def bytes_to_write(program: Program, reshard: str | None, cast: str | None, ranks: Iterable[int] | None = None) -> int:
+    """About the bytes the destination ranks (``ranks`` among them; all when None) write into
+    ``--to``: their storages in the destination dtype (``cast``, a torch name, else the logical
+    one; an fp8 destination counted at its logical dtype, so the estimate is never short),
+    and a header of each file."""
+    destination = program.layout(program.reshard(reshard).destination)
+    wanted = None if ranks is None else set(ranks)
+    cast_size = itemsize(canonical_dtype(cast) or "fp32") if cast else None
+    total = 0
+    for rank in destination.mesh.ranks:
+        if wanted is not None and rank not in wanted:
+            continue
+        storages = destination.storages_on(rank)
+        total += _HEADER_BYTES + _HEADER_BYTES_PER_TENSOR * len(storages)
+        for name, shape in storages.items():
+            elements = math.prod(shape)
+            if elements:
+                size = cast_size or itemsize(destination.tensors[destination.storage(name, rank).parts[0]].dtype)
+                total += elements * size
+    return total
+
+
+#: a rank file's header, over-estimated: its length, metadata, and each tensor's entry
+_HEADER_BYTES = 1024
+_HEADER_BYTES_PER_TENSOR = 256
+
+
+def _this_nodes_ranks() -> range | None:
+    """The ranks torchrun started on this node (its default: consecutive, LOCAL_RANK 0 first),
+    whose files this node's ``--to`` folder gets; None for a local launch (every rank)."""
+    if not environment_is_torchrun():
+        return None
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    return range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+
+
+def record_output(to_dir: str, reports: Iterable[dict[str, Any]]) -> None:
+    """Write the ``--to`` folder's manifest: the files the ranks wrote (their reports say
+    each file's name, size and SHA-256), so that a later ``--overwrite`` may remove them."""
+    files = [
+        WrittenFile(**run["written"])
+        for report in reports
+        for run in report.get("runs", {}).values()
+        if "written" in run
+    ]
+    write_manifest(to_dir, files)
 
 
 def _rank_at_step(text: str) -> tuple[int, int]:
@@ -370,7 +458,8 @@ def run(args: argparse.Namespace) -> int:
             check_checkpoint(program, args.reshard, args.from_dir, args.cast_sources, args.allow_outside_paths)
         if args.to_dir:
             # under torchrun every process checks here, before any joins the job: none has written yet
-            prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir)
+            will_write = bytes_to_write(program, args.reshard, args.cast, _this_nodes_ranks())
+            prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir, will_write=will_write)
 
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
@@ -412,6 +501,8 @@ def run(args: argparse.Namespace) -> int:
                 print(err.message, file=sys.stderr)
             return err.exit_code
         launcher = "local gloo workers"
+    if args.to_dir:
+        record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -461,6 +552,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     if refused:
         raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
     participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+    _check_remesh_axes(args)
     faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
     for rank, step, how in faults:
         if rank not in participants:
@@ -499,6 +591,30 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     if any(e["kind"] == "internal" for e in summary["errors"].values()):
         return ExitCode.INTERNAL
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+
+
+def _check_remesh_axes(args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, what each side's remesh policy would only find at the
+    first fault (turning a recoverable loss into a failed job): ``shrink-axis`` without its
+    axis, and an axis the side's mesh does not have."""
+    _, source, destination = _reshard_of(args)
+    for side, layout, policy, axis in (
+        ("source", source, args.source_policy, args.source_axis),
+        ("destination", destination, args.destination_policy, args.destination_axis),
+    ):
+        axes = layout.mesh.axis_names
+        if policy == "shrink-axis" and axis is None:
+            raise LayoutValueError(
+                f"--{side}-policy shrink-axis: name the axis it shrinks with --{side}-axis "
+                f"(axes of mesh '{layout.mesh.name}': {', '.join(axes)})"
+            )
+        if axis is not None and axis not in axes:
+            hint = did_you_mean(axis, axes)
+            raise LayoutValueError(
+                f"--{side}-axis {axis}: the {side} layout '{layout.name}' is on mesh '{layout.mesh.name}', whose axes "
+                f"are {', '.join(axes)}",
+                hint=hint,
+            )
 
 
 def _reshard_of(args: argparse.Namespace, checked: bool = False) -> tuple[Reshard, Layout, Layout]:
