@@ -92,6 +92,8 @@ def test_apply_refuses_a_bad_option_value_as_a_usage_error_before_any_worker_sta
         (["plan", REFIT, "--bucket-size", "0"], "argument --bucket-size: '0' is not a size"),
         (["simulate", REFIT, "--bucket-size", "nan"], "argument --bucket-size: 'nan' is not a size"),
         (["apply", REFIT, "--memory-budget=-1MiB"], "argument --memory-budget: '-1MiB' is not a size"),
+        (["plan", REFIT, "--bucket-size", "99999999999999999999GiB"], "argument --bucket-size: '9999"),
+        (["apply", REFIT, "--memory-budget", "2048GiB"], "is more than 1TiB"),
         (["apply", REFIT, "--elastic", "--steps", "-2"], "argument --steps: expected a whole number of at least 1"),
         (["apply", REFIT, "--elastic", "--kill=-1@1"], "argument --kill: expected RANK@STEP"),
     ],

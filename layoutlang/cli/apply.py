@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
+from .._text import human_bytes, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError, ModelDescriptionError, did_you_mean
 from ..io.output import MANIFEST, WrittenFile, check_room, read_manifest, why_not_removable, write_manifest
 from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
@@ -22,6 +22,7 @@ from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from ..plan import POLICIES
 from . import arguments
+from .doctor import missing_for_run
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
 
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--memory-budget",
         metavar="SIZE",
-        type=parse_size,
+        type=arguments.memory_size,
         default=512 * 2**20,
         help="staging memory per rank (default 512MiB; buckets are half of it)",
     )
@@ -412,8 +413,6 @@ def check_device(args: argparse.Namespace) -> None:
     ]
     if not asked:
         return
-    from .doctor import missing_for_run
-
     missing = missing_for_run(args.device, args.transport)
     if missing:
         raise LayoutValueError(

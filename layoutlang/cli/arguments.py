@@ -13,12 +13,14 @@ from ..plan import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "MAX_SECONDS",
+    "MAX_SIZE",
     "add_bucket_size",
     "add_file",
     "add_reshard",
     "check_per_rank",
     "choice_of",
     "count",
+    "memory_size",
     "positive_count",
     "rank_number",
     "seconds",
@@ -47,6 +49,20 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, not {text!r}")
     if value > MAX_SECONDS:
         raise argparse.ArgumentTypeError(f"{text!r} seconds is more than a week ({MAX_SECONDS:g} s)")
+    return value
+
+
+#: The largest staging memory or bucket an option may ask for (1 TiB per rank): far above
+#: any device's memory, and within the 64-bit sizes the core computes with.
+MAX_SIZE = 1 << 40
+
+
+def memory_size(text: str) -> int:
+    """A size in bytes such as ``64MiB`` (:func:`~layoutlang._text.parse_size`), at least one
+    byte and at most :data:`MAX_SIZE`."""
+    value = parse_size(text)
+    if value > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 1TiB, the most staging memory a rank may be given")
     return value
 
 
@@ -112,7 +128,7 @@ def add_bucket_size(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-size",
         metavar="SIZE",
-        type=parse_size,
+        type=memory_size,
         default=DEFAULT_BUCKET_BYTES,
         help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
     )
