@@ -191,3 +191,13 @@ def test_a_gpu_option_without_a_gpu_is_refused_at_once_in_the_doctors_words(opti
     assert f"error: {' '.join(option)}: this machine has " in result.stderr
     assert "no CUDA device (as `layoutlang doctor` reports)" in result.stderr
     assert "Traceback" not in result.stderr and "rank " not in result.stderr  # no worker ran
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["a-folder", "missing-folder"])
+def test_plan_out_that_cannot_be_written_is_a_path_mistake_before_compiling(capsys, tmp_path, where):
+    out = tmp_path if where == "a-folder" else tmp_path / "missing" / "plan.json"
+    assert main(["plan", REFIT, "--out", str(out)]) == ExitCode.BAD_INPUT
+    err = capsys.readouterr().err
+    assert f"error: --out {out}: " in err and "internal error" not in err
+    assert ("is a folder" if where == "a-folder" else "does not exist") in err
