@@ -26,7 +26,7 @@ import torch
 
 from layoutlang.errors import ExitCode, LayoutValueError, ModelDescriptionError, RuntimeFailure
 from layoutlang.io import weights
-from layoutlang.io.output import write_manifest
+from layoutlang.io.output import WrittenFile, read_manifest, why_not_removable, write_manifest
 from layoutlang.io.safetensors import MAX_HEADER_BYTES, read_safetensors_header, tensors_from_safetensors
 from layoutlang.io.weights import SafetensorsCheckpoint, write_safetensors
 
@@ -492,6 +492,28 @@ def test_overwrite_refuses_files_layoutlang_did_not_write_and_removes_nothing(
     assert {entry: (out / entry).read_bytes() for entry in os.listdir(out)} == before  # nothing removed
     if what == "rank-file-now-a-link":
         assert (tmp_path / "precious.safetensors").exists()
+
+
+def test_the_manifest_records_what_write_safetensors_wrote_and_a_full_disk_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written = write_safetensors(tmp_path / "rank00003.safetensors", {"w": torch.arange(4.0)})
+    data = (tmp_path / "rank00003.safetensors").read_bytes()
+    assert written == WrittenFile("rank00003.safetensors", len(data), hashlib.sha256(data).hexdigest())
+    write_manifest(tmp_path, [written])
+    assert read_manifest(tmp_path) == {"rank00003.safetensors": written}
+    assert why_not_removable(tmp_path, "rank00003.safetensors", written) is None
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(RuntimeFailure) as error:
+        write_manifest(tmp_path, [written])
+    monkeypatch.undo()
+    assert "No space left on device" in error.value.message
+    assert "a later --overwrite refuses them" in error.value.message
+    assert sorted(os.listdir(tmp_path)) == [".layoutlang-manifest.json", "rank00003.safetensors"]  # no temporary left
 
 
 def test_overwrite_checks_the_room_before_removing_the_earlier_output(tmp_path: Path, program: Path) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 import attrs
 
 from .._text import human_bytes
-from ..errors import LayoutValueError, ModelDescriptionError
+from ..errors import LayoutValueError, ModelDescriptionError, RuntimeFailure
 from ._files import read_json_object
 
 __all__ = ["MANIFEST", "WrittenFile", "check_room", "read_manifest", "why_not_removable", "write_manifest"]
@@ -55,18 +55,33 @@ def write_manifest(folder: str | os.PathLike[str], files: Iterable[WrittenFile])
     target = Path(folder) / MANIFEST
     entries = {f.name: {"bytes": f.size, "sha256": f.sha256} for f in sorted(files, key=lambda f: f.name)}
     text = json.dumps({"format": _FORMAT, "files": entries}, indent=1) + "\n"
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{MANIFEST}.", suffix=".tmp")
+    try:
+        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f"{MANIFEST}.", suffix=".tmp")
+    except OSError as exc:
+        raise _unrecorded(target, exc) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as stream:
             stream.write(text)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
+        if isinstance(exc, OSError):
+            raise _unrecorded(target, exc) from None
         raise
     return target
+
+
+def _unrecorded(target: Path, exc: OSError) -> RuntimeFailure:
+    """A manifest that could not be written (a full disk): the run's files are whole, but no
+    later run may remove them, which the message says."""
+    return RuntimeFailure(
+        f"cannot write {target}: {exc.strerror or exc}; the run's files are written and whole, but unrecorded: "
+        "a later --overwrite refuses them",
+        hint="free space on that disk; remove the unrecorded files yourself before writing there again",
+    )
 
 
 def read_manifest(folder: str | os.PathLike[str]) -> dict[str, WrittenFile]:
