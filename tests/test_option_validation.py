@@ -136,8 +136,17 @@ def test_the_remesh_policies_the_command_line_offers_are_the_sessions_but_callba
 def test_torchrun_with_fewer_processes_than_the_reshard_is_refused_with_both_numbers_and_no_crash():
     result = subprocess.run(
         [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
-            "-m", "layoutlang.cli", "apply", REFIT,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "0",
+            "-m",
+            "layoutlang.cli",
+            "apply",
+            REFIT,
         ],
         capture_output=True,
         text=True,
@@ -177,6 +186,28 @@ def test_a_resharder_on_a_process_group_smaller_than_the_reshard_is_refused_at_o
     assert err.value.kind == "value" and err.value.exit_code == ExitCode.BAD_INPUT
     assert "reshard 'refit' needs a process group of at least 4 processes" in err.value.message
     assert "(its meshes hold ranks 0..3), but the process group has 2; nothing was started" in err.value.message
+
+
+@pytest.mark.timeout(120)
+def test_a_resharder_on_a_subgroup_is_checked_against_the_groups_members(tmp_path):
+    # program ranks are global ranks: a subgroup holding them all is accepted, one lacking some is refused
+    held = tmp_path / "held.layout"
+    held.write_text(
+        FOUR_RANKS.replace("[dp = 2]\n", "[dp = 1] on ranks 2..2\n", 1).replace(
+            "[dp = 2] on ranks 2..3", "[dp = 1] on ranks 3..3"
+        )
+    )
+    four = tmp_path / "four.layout"
+    four.write_text(FOUR_RANKS)
+    with LocalWorkers(4, timeout=60.0) as workers:
+        assert workers.run(launch_jobs.resharder_on_a_subgroup, str(held), [2, 3]) == ["outside"] * 2 + ["built"] * 2
+        workers.submit(launch_jobs.resharder_on_a_subgroup, str(four), [2, 3])
+        with pytest.raises(WorkerError) as err:
+            workers.collect(timeout=90)
+    assert err.value.kind == "value"
+    assert (
+        "reshard 'refit' needs processes 0, 1, which the process group (global ranks 2, 3) lacks" in err.value.message
+    )
 
 
 @pytest.mark.timeout(120)

@@ -238,22 +238,30 @@ def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool
 def _check_group_size(
     reshard: str | None, participants: list[int], rank_map: Mapping[int, int] | None, group: Any, rank: int
 ) -> None:
-    """Refuse, before the agreement and before any byte moves, a process group smaller than the
-    reshard: a rank without a process would leave its peers waiting for the whole timeout and
-    then blame a peer. Without ``rank_map`` program rank r is process r of the group; with
-    it, rank_map[r] is."""
+    """Refuse, before the agreement and before any byte moves, a process group that lacks a
+    process of the reshard: a rank without one would leave its peers waiting for the whole
+    timeout and then blame a peer. Program rank r is global process r (rank_map[r] with a
+    rank_map), as torch's point-to-point calls address peers, and must be in ``group``."""
     if not dist.is_initialized():
         return  # TorchTransport says so, in its own words
-    size = dist.get_world_size(group)
     processes = [rank_map[r] for r in participants] if rank_map is not None else participants
-    if max(processes) < size:
+    members = set(dist.get_process_group_ranks(group)) if group is not None else None
+    size = dist.get_world_size(group)
+    if members is None and max(processes) < size:
+        return
+    if members is not None and members.issuperset(processes):
         return
     what = f"reshard '{reshard}'" if reshard else "the reshard"
-    needed = max(processes) + 1
     mapped = " (through rank_map)" if rank_map is not None else ""
+    if members is None:
+        problem = f"needs a process group of at least {max(processes) + 1:,} processes{mapped}"
+    else:
+        absent = sorted(set(processes) - members)
+        held = rank_ranges(sorted(members))
+        problem = f"needs processes {rank_ranges(absent)}{mapped}, which the process group (global ranks {held}) lacks"
     raise LayoutValueError(
-        f"{what} needs a process group of at least {needed:,} processes{mapped} (its meshes hold ranks "
-        f"{rank_ranges(participants)}), but the process group has {size:,}; nothing was started",
+        f"{what} {problem} (its meshes hold ranks {rank_ranges(participants)}), but the process group has "
+        f"{size:,}; nothing was started",
         hint="start one process per rank of the reshard's meshes, or pass the group that holds them (group=)",
     )
 
