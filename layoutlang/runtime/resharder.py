@@ -50,6 +50,11 @@ class Resharder:
     Every rank decides alike from the program; a rank that decided otherwise (another
     program, another option) is refused by the fingerprint agreement.
 
+    Without ``transport``, the process group (``group``, else the default one) must hold a
+    process for every rank of the reshard (program rank r is global process r, or
+    ``rank_map[r]``): a smaller one raises :class:`~layoutlang.errors.LayoutValueError` naming
+    both numbers on every rank at once, before the agreement.
+
     ``problem`` reports what this rank found wrong before the plan is agreed (an engine whose
     parameters do not match the destination layout): the agreement fails on every rank with
     it, naming this rank, and nothing moves.
