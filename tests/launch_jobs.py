@@ -26,3 +26,24 @@ def one_rank_is_killed(killed: int) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(2.0)
     return rank
+
+
+def resharder_on_the_group(path: str, rank_map: dict[int, int] | None = None) -> str:
+    """Build a Resharder of ``path`` on the launcher's process group, as a framework would."""
+    from layoutlang.runtime import Resharder
+
+    Resharder(path, rank_map=rank_map, timeout=60.0)
+    return "built"
+
+
+def resharder_on_a_subgroup(path: str, members: list[int]) -> str:
+    """Build a Resharder of ``path`` on the subgroup of the launcher's processes ``members``."""
+    import torch.distributed as dist
+
+    from layoutlang.runtime import Resharder
+
+    group = dist.new_group(members)  # every process takes part in making a group
+    if dist.get_rank() not in members:
+        return "outside"
+    Resharder(path, group=group, timeout=60.0)
+    return "built"

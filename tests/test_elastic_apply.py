@@ -158,7 +158,7 @@ def test_a_lost_region_stops_every_survivor_with_the_lost_boxes(tmp_path):
         (["--elastic", "--kill", "12@1"], "rank 12 is in no mesh of the reshard (its ranks: 0..7)"),
         (["--elastic", "--steps", "2", "--kill", "5@2"], "there are only 2 steps (0..1)"),
         (["--elastic", "--compare"], "it does not take --compare"),
-        (["--elastic", "--steps", "0"], "--steps must be at least 1"),
+        (["--elastic", "--steps", "0"], "argument --steps: expected a whole number of at least 1, not '0'"),
         (["--elastic", "--kill", "five@1"], "expected RANK@STEP (e.g. 5@1), not 'five@1'"),
     ],
 )

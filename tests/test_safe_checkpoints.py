@@ -10,6 +10,7 @@ little-endian length, a JSON header, the data), not with layoutlang's writer; CL
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import torch
 
 from layoutlang.errors import ExitCode, LayoutValueError, ModelDescriptionError, RuntimeFailure
 from layoutlang.io import weights
+from layoutlang.io.output import WrittenFile, read_manifest, why_not_removable, write_manifest
 from layoutlang.io.safetensors import MAX_HEADER_BYTES, read_safetensors_header, tensors_from_safetensors
 from layoutlang.io.weights import SafetensorsCheckpoint, write_safetensors
 
@@ -225,6 +227,42 @@ def test_index_files_outside_the_folder_are_refused_unless_allowed(tmp_path: Pat
     assert set(SafetensorsCheckpoint(folder, allow_outside_paths=True).files) == {"w"}
 
 
+@pytest.mark.parametrize("linked", ["model.safetensors", "model.safetensors.index.json"])
+def test_a_folder_whose_checkpoint_file_links_outside_it_is_refused_unless_allowed(
+    tmp_path: Path, outside: Path, linked: str
+) -> None:
+    folder = tmp_path / "ckpt"
+    if linked == "model.safetensors":
+        (folder / linked).symlink_to(outside)
+    else:  # an index outside (its names are read from the folder of the link)
+        write_index(tmp_path, {"w": "../secret.safetensors"})
+        (folder / linked).symlink_to(tmp_path / "model.safetensors.index.json")
+    message = refusal(folder)
+    assert f"{folder / linked}: the checkpoint's {linked} is a symbolic link to" in message
+    assert "must lie inside it" in message and "--allow-outside-paths" in message
+    with pytest.raises(ModelDescriptionError, match="must lie inside it"):
+        SafetensorsCheckpoint(folder)
+    # opted in, the link is followed, as an index's entries are
+    assert tensors_from_safetensors(folder, allow_outside_paths=True) == [("w", (2,), "fp32")]
+    assert set(SafetensorsCheckpoint(folder, allow_outside_paths=True).files) == {"w"}
+    # a file named directly is the caller's own choice
+    if linked == "model.safetensors":
+        assert tensors_from_safetensors(folder / linked) == [("w", (2,), "fp32")]
+
+
+def test_apply_refuses_a_model_safetensors_link_leaving_the_from_folder(tmp_path: Path, program: Path) -> None:
+    nan_checkpoint(tmp_path / "real")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "model.safetensors").symlink_to(tmp_path / "real" / "model.safetensors")
+    result = run("apply", str(program), "--from", "ckpt", cwd=tmp_path)
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "is a symbolic link to" in result.stderr
+    assert "--allow-outside-paths" in result.stderr
+    allowed = run("apply", str(program), "--from", "ckpt", "--allow-outside-paths", "--json", cwd=tmp_path)
+    assert allowed.returncode == ExitCode.OK, allowed.stdout + allowed.stderr
+    assert json.loads(allowed.stdout)["ok"]
+
+
 def test_a_loop_of_links_is_refused_naming_the_file(tmp_path: Path) -> None:
     (tmp_path / "a.safetensors").symlink_to("b.safetensors")
     (tmp_path / "b.safetensors").symlink_to("a.safetensors")
@@ -391,22 +429,123 @@ def test_a_nan_checkpoint_refits_verified_into_a_folder_of_an_earlier_run_with_o
 ) -> None:
     a, b = nan_checkpoint(tmp_path / "ckpt")
     out = tmp_path / "out"
-    out.mkdir()
-    stale = ["rank00002.safetensors", "rank00007.safetensors", "model.safetensors", ".rank00002.safetensors.x.tmp"]
-    for name in stale:
-        (out / name).write_bytes(b"an earlier run")
+    first = run("apply", str(program), "--from", "ckpt", "--to", "out", cwd=tmp_path)
+    assert first.returncode == ExitCode.OK, first.stdout + first.stderr
+    # the run recorded what it wrote: name, size and SHA-256
+    manifest = json.loads((out / ".layoutlang-manifest.json").read_text(encoding="utf-8"))
+    written = (out / "rank00002.safetensors").read_bytes()
+    assert manifest["files"] == {
+        "rank00002.safetensors": {"bytes": len(written), "sha256": hashlib.sha256(written).hexdigest()}
+    }
+    interrupted = ".rank00002.safetensors.k3j_x9.tmp"  # what a write killed halfway leaves
+    (out / interrupted).write_bytes(b"half a file")
     (out / "README").write_text("not a run's file", encoding="utf-8")
+    before = sorted(os.listdir(out))
     refused = run("apply", str(program), "--from", "ckpt", "--to", "out", cwd=tmp_path)
     assert refused.returncode == ExitCode.BAD_INPUT, refused.stderr
     assert "Traceback" not in refused.stderr and "earlier run" in refused.stderr and "--overwrite" in refused.stderr
-    assert sorted(os.listdir(out)) == sorted([*stale, "README"])  # untouched
+    assert sorted(os.listdir(out)) == before  # untouched
     result = run("apply", str(program), "--from", "ckpt", "--to", "out", "--overwrite", "--json", cwd=tmp_path)
     assert result.returncode == ExitCode.OK, result.stdout + result.stderr
     report = json.loads(result.stdout)
     assert report["ok"] and report["runs"]["reshard"]["verified_bytes"] == 48
     # the earlier run's files are gone, not left beside this run's one; other files stay
-    assert sorted(os.listdir(out)) == ["README", "rank00002.safetensors"]
+    assert sorted(os.listdir(out)) == [".layoutlang-manifest.json", "README", "rank00002.safetensors"]
     assert written_bytes(out / "rank00002.safetensors") == {"a.weight": a, "b.weight": b}  # NaN bits moved
+
+
+def earlier_run(out: Path) -> dict[str, bytes]:
+    """A folder as a layoutlang run leaves it: a rank file and the manifest recording it."""
+    out.mkdir()
+    written = write_safetensors(out / "rank00002.safetensors", {"a.weight": torch.zeros(2)})
+    write_manifest(out, [written])
+    return {name: (out / name).read_bytes() for name in os.listdir(out)}
+
+
+@pytest.mark.parametrize("what", ["foreign-model", "changed-rank-file", "rank-file-now-a-link", "forged-manifest"])
+def test_overwrite_refuses_files_layoutlang_did_not_write_and_removes_nothing(
+    tmp_path: Path, program: Path, what: str
+) -> None:
+    nan_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    earlier_run(out)
+    if what == "foreign-model":
+        (out / "model.safetensors").write_bytes(b"the user's own checkpoint")
+        name, why = "model.safetensors", "is not in the folder's .layoutlang-manifest.json: layoutlang did not write it"
+    elif what == "changed-rank-file":
+        with open(out / "rank00002.safetensors", "r+b") as stream:
+            stream.seek(-1, os.SEEK_END)
+            stream.write(b"\x01")  # same size, other bytes
+        name, why = "rank00002.safetensors", "its bytes differ from the SHA-256 in the manifest"
+    elif what == "rank-file-now-a-link":
+        (tmp_path / "precious.safetensors").write_bytes((out / "rank00002.safetensors").read_bytes())
+        (out / "rank00002.safetensors").unlink()
+        (out / "rank00002.safetensors").symlink_to(tmp_path / "precious.safetensors")
+        name, why = "rank00002.safetensors", "is not the regular file layoutlang wrote"
+    else:  # a manifest that claims a file it did not write is a manifest's to check: not JSON of ours
+        (out / ".layoutlang-manifest.json").write_text('{"files": {"model.safetensors": 1}}', encoding="utf-8")
+        name, why = ".layoutlang-manifest.json", "not a layoutlang manifest"
+    before = {entry: (out / entry).read_bytes() for entry in os.listdir(out)}
+    result = run("apply", str(program), "--from", "ckpt", "--to", "out", "--overwrite", cwd=tmp_path)
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and name in result.stderr and why in result.stderr
+    assert {entry: (out / entry).read_bytes() for entry in os.listdir(out)} == before  # nothing removed
+    if what == "rank-file-now-a-link":
+        assert (tmp_path / "precious.safetensors").exists()
+
+
+def test_the_manifest_records_what_write_safetensors_wrote_and_a_full_disk_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written = write_safetensors(tmp_path / "rank00003.safetensors", {"w": torch.arange(4.0)})
+    data = (tmp_path / "rank00003.safetensors").read_bytes()
+    assert written == WrittenFile("rank00003.safetensors", len(data), hashlib.sha256(data).hexdigest())
+    write_manifest(tmp_path, [written])
+    assert read_manifest(tmp_path) == {"rank00003.safetensors": written}
+    assert why_not_removable(tmp_path, "rank00003.safetensors", written) is None
+
+    def full_disk(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(RuntimeFailure) as error:
+        write_manifest(tmp_path, [written])
+    monkeypatch.undo()
+    assert "No space left on device" in error.value.message
+    assert "a later --overwrite refuses them" in error.value.message
+    assert sorted(os.listdir(tmp_path)) == [".layoutlang-manifest.json", "rank00003.safetensors"]  # no temporary left
+
+
+def test_overwrite_checks_the_room_before_removing_the_earlier_output(tmp_path: Path, program: Path) -> None:
+    nan_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    before = earlier_run(out)  # a smaller file than this run writes: removing it does not make room
+    # The launcher script makes the disk report no free room to the launching process.
+    script = tmp_path / "no_room.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import shutil, sys
+            real_disk_usage = shutil.disk_usage
+            shutil.disk_usage = lambda path: real_disk_usage(path)._replace(free=0)
+            if __name__ == "__main__":
+                from layoutlang.cli.main import main
+                sys.exit(main(sys.argv[1:]))
+            """
+        ),
+        encoding="utf-8",
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), "apply", str(program), "--from", "ckpt", "--to", "out", "--overwrite"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == ExitCode.BAD_INPUT, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "--to out: this run writes" in result.stderr
+    assert "but the disk has 0 B free" in result.stderr and "nothing was removed or written" in result.stderr
+    assert {entry: (out / entry).read_bytes() for entry in os.listdir(out)} == before  # the good output stays
 
 
 def test_apply_refuses_bad_headers_and_escaping_indexes_before_any_worker(tmp_path: Path, program: Path) -> None:

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .._text import human_bytes, parse_size, rank_ranges, rank_span, table
-from ..errors import ExitCode, LayoutValueError, ModelDescriptionError
+from .._text import human_bytes, rank_ranges, rank_span, table
+from ..errors import ExitCode, LayoutValueError, ModelDescriptionError, did_you_mean
+from ..io.output import MANIFEST, WrittenFile, check_room, read_manifest, why_not_removable, write_manifest
 from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
 from ..lang import load
 from ..model import Layout, Program, Reshard
-from ..model.dtypes import DTYPES, canonical_dtype
+from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from ..plan import POLICIES
 from . import arguments
+from .doctor import missing_for_run
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
 
@@ -36,6 +40,10 @@ PLAN_MODES = ("auto", "fleet", "per-rank")
 #: layoutlang.runtime.PER_RANK_PLAN_RANKS, written out for the help text: importing the runtime
 #: imports torch, which the other commands start without (a test keeps the two equal)
 PER_RANK_PLAN_RANKS = 1024
+#: ``--source-policy`` / ``--destination-policy``: elastic.remesh.SESSION_POLICIES but
+#: ``callback`` (a Python function, which a command line cannot give), written out because
+#: importing elastic imports torch (a test keeps the two equal)
+REMESH_POLICIES = ("drop-replica", "shrink-axis", "fill-spares", "await-rejoin")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-outside-paths",
         action="store_true",
         help="with --from: follow the files an index names outside its folder (absolute paths, '..', "
-        "symbolic links leaving it); refused by default",
+        "symbolic links leaving it) and a model.safetensors or index that links outside it; refused by default",
     )
     parser.add_argument(
         "--to",
@@ -72,17 +80,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="with --to: remove the earlier run's files the folder holds (rank files, model.safetensors*) first",
+        help="with --to: remove first the files an earlier layoutlang run wrote there (listed in the folder's "
+        ".layoutlang-manifest.json and unchanged); any other rank file or model.safetensors* is refused by name, "
+        "and so is a disk without room for this run, before anything is removed",
     )
     parser.add_argument(
         "--memory-budget",
         metavar="SIZE",
-        type=parse_size,
+        type=arguments.memory_size,
         default=512 * 2**20,
         help="staging memory per rank (default 512MiB; buckets are half of it)",
     )
     parser.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="seconds to wait for a peer (default 300)"
+        "--timeout",
+        type=arguments.seconds,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for a peer (default 300; finite, above 0, at most a week)",
     )
     parser.add_argument(
         "--cast",
@@ -96,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --from: accept checkpoint tensors stored in another dtype than the source layout's "
         "(fp32 master weights for a bf16 layout), converted to the layout's dtype while packed",
     )
-    parser.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and report the fastest")
+    parser.add_argument(
+        "--repeat", type=arguments.positive_count, default=1, metavar="N", help="run N times and report the fastest"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="under torchrun: where storages live")
     parser.add_argument(
         "--transport",
@@ -114,7 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     elastic.add_argument(
         "--elastic", action="store_true", help="repeated refits that survive rank loss and replacement"
     )
-    elastic.add_argument("--steps", type=int, default=4, metavar="N", help="refits to run (default 4)")
+    elastic.add_argument(
+        "--steps", type=arguments.positive_count, default=4, metavar="N", help="refits to run (default 4)"
+    )
     elastic.add_argument(
         "--kill",
         action="append",
@@ -136,19 +154,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     elastic.add_argument(
         "--deadline",
-        type=float,
+        type=arguments.seconds,
         default=1.0,
         metavar="S",
         help="seconds of silence after which a rank counts as failed (default 1)",
     )
     elastic.add_argument(
         "--source-policy",
+        type=arguments.choice_of(REMESH_POLICIES, "remesh policy"),
         default="drop-replica",
         metavar="POLICY",
-        help="remesh policy of the source layout when it loses ranks (default drop-replica)",
+        help=f"remesh policy of the source layout when it loses ranks: {', '.join(REMESH_POLICIES)} "
+        "(default drop-replica)",
     )
     elastic.add_argument(
         "--destination-policy",
+        type=arguments.choice_of(REMESH_POLICIES, "remesh policy"),
         default="drop-replica",
         metavar="POLICY",
         help="remesh policy of the destination layout (default drop-replica; shrink-axis needs --destination-axis)",
@@ -216,16 +237,28 @@ def check_checkpoint(
 _RUN_FILE = re.compile(
     r"rank\d+\.safetensors|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|\.rank\d+\.safetensors\..*\.tmp"
 )
+#: a temporary file of write_safetensors that an interrupted run left: partial bytes under a
+#: name only its mkstemp makes, never in a manifest, and never anyone's output
+_INTERRUPTED_WRITE = re.compile(r"\.rank\d+\.safetensors\.[A-Za-z0-9_]+\.tmp")
 
 
-def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str | None = None) -> list[str]:
-    """Make ``--to`` ready before a worker starts: created if missing, writable, and holding no
-    earlier run's files (rank files, ``model.safetensors*``) unless ``overwrite``, which removes
-    them all first, so the folder never mixes two runs' files. Returns the names removed.
+def prepare_output_folder(
+    to_dir: str, *, overwrite: bool = False, from_dir: str | None = None, will_write: int = 0
+) -> list[str]:
+    """Make ``--to`` ready before a worker starts: created if missing, writable, with room for
+    the ``will_write`` bytes the run writes, and holding no earlier run's files (rank files,
+    ``model.safetensors*``) unless ``overwrite``, which removes them first, so the folder never
+    mixes two runs' files. Returns the names removed.
+
+    ``overwrite`` removes only what a layoutlang run wrote there: the files its manifest
+    (:mod:`layoutlang.io.output`) lists and that still match it, and the temporary files of an
+    interrupted write. Any other such file (a ``model.safetensors`` layoutlang did not write,
+    a rank file changed since) is refused by name, and then nothing is removed; so is a disk
+    without room for the run, even once the earlier files are gone.
 
     Every refusal is a :class:`~layoutlang.errors.LayoutValueError` naming the folder: a file in
     its place, a folder that cannot be created or written (read-only), the ``--from`` folder
-    itself, an earlier run's files."""
+    itself, an earlier run's files, files not written by layoutlang, a disk without room."""
     folder = Path(to_dir)
     if from_dir is not None and folder.resolve() == checkpoint_file(from_dir).parent.resolve():
         raise LayoutValueError(f"--to {folder}: is the folder of the --from checkpoint; write to another folder")
@@ -242,6 +275,7 @@ def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str
         raise LayoutValueError(f"--to {folder}: cannot {what} the folder: {exc.strerror or exc}") from None
     earlier = sorted(entry.name for entry in os.scandir(folder) if _RUN_FILE.fullmatch(entry.name))
     if not earlier:
+        check_room(folder, will_write)
         return []
     if not overwrite:
         shown = ", ".join(earlier[:4]) + (f" and {len(earlier) - 4} more" if len(earlier) > 4 else "")
@@ -250,12 +284,82 @@ def prepare_output_folder(to_dir: str, *, overwrite: bool = False, from_dir: str
             f" run ({shown})",
             hint="pass --overwrite to remove them before this run writes its own, or choose an empty folder",
         )
+    manifest = read_manifest(folder)
+    checked = [(name, why_not_removable(folder, name, manifest.get(name))) for name in earlier]
+    refused = [(name, why) for name, why in checked if why is not None and not _INTERRUPTED_WRITE.fullmatch(name)]
+    if refused:
+        listed = "\n".join(f"  {name} {why}" for name, why in refused[:10])
+        more = f"\n  and {len(refused) - 10} more" if len(refused) > 10 else ""
+        raise LayoutValueError(
+            f"--to {folder}: --overwrite removes only the files a layoutlang run wrote there (listed in its "
+            f"{MANIFEST}, unchanged); {len(refused)} file{'s' if len(refused) != 1 else ''} of the folder "
+            f"{'are' if len(refused) != 1 else 'is'} not, so nothing was removed:\n{listed}{more}",
+            hint="move those files away yourself if they may go, or write to another folder",
+        )
+    check_room(folder, will_write, freed=sum(_size_of(folder / name) for name in earlier))
     try:
         for name in earlier:
             (folder / name).unlink(missing_ok=True)  # missing: another torchrun process removed it first
     except OSError as exc:
         raise LayoutValueError(f"--to {folder}: cannot remove {exc.filename}: {exc.strerror or exc}") from None
+    # the manifest stays until this run replaces it: another process of a torchrun job may
+    # still be checking the same files against it
     return earlier
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return os.lstat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def bytes_to_write(program: Program, reshard: str | None, cast: str | None, ranks: Iterable[int] | None = None) -> int:
+    """About the bytes the destination ranks (``ranks`` among them; all when None) write into
+    ``--to``: their storages in the destination dtype (``cast``, a torch name, else the logical
+    one; an fp8 destination counted at its logical dtype, so the estimate is never short),
+    and a header of each file."""
+    destination = program.layout(program.reshard(reshard).destination)
+    wanted = None if ranks is None else set(ranks)
+    cast_size = itemsize(canonical_dtype(cast) or "fp32") if cast else None
+    total = 0
+    for rank in destination.mesh.ranks:
+        if wanted is not None and rank not in wanted:
+            continue
+        storages = destination.storages_on(rank)
+        total += _HEADER_BYTES + _HEADER_BYTES_PER_TENSOR * len(storages)
+        for name, shape in storages.items():
+            elements = math.prod(shape)
+            if elements:
+                size = cast_size or itemsize(destination.tensors[destination.storage(name, rank).parts[0]].dtype)
+                total += elements * size
+    return total
+
+
+#: a rank file's header, over-estimated: its length, metadata, and each tensor's entry
+_HEADER_BYTES = 1024
+_HEADER_BYTES_PER_TENSOR = 256
+
+
+def _this_nodes_ranks() -> range | None:
+    """The ranks torchrun started on this node (its default: consecutive, LOCAL_RANK 0 first),
+    whose files this node's ``--to`` folder gets; None for a local launch (every rank)."""
+    if not environment_is_torchrun():
+        return None
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    return range(rank - local, rank - local + int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
+
+
+def record_output(to_dir: str, reports: Iterable[dict[str, Any]]) -> None:
+    """Write the ``--to`` folder's manifest: the files the ranks wrote (their reports say
+    each file's name, size and SHA-256), so that a later ``--overwrite`` may remove them."""
+    files = [
+        WrittenFile(**run["written"])
+        for report in reports
+        for run in report.get("runs", {}).values()
+        if "written" in run
+    ]
+    write_manifest(to_dir, files)
 
 
 def _rank_at_step(text: str) -> tuple[int, int]:
@@ -270,13 +374,26 @@ def _rank_at_step(text: str) -> tuple[int, int]:
 MAX_LOCAL_WORKERS = 64
 
 
-def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> None:
-    """Refuse, before torch is imported and any process starts, a local launch of more
-    workers than one machine runs (ranks 0 to the reshard's highest, and the replacements)."""
+def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
+    """Refuse, before torch is imported and any process starts or joins a group, a job of the
+    wrong size: under torchrun, a WORLD_SIZE smaller than the reshard's ranks (a process per
+    rank, RANK = program rank; a missing rank would leave its peers waiting on a process that
+    does not exist); launched alone, more workers than one machine runs (ranks 0 to the
+    reshard's highest, and the replacements)."""
+    statement, source, destination = _reshard_of(args, checked=True)
+    ranks = {*source.mesh.ranks, *destination.mesh.ranks}
+    processes = max(ranks) + 1
     if environment_is_torchrun():
-        return  # torchrun starts the processes, wherever it was told to
-    _, source, destination = _reshard_of(args)
-    processes = max({*source.mesh.ranks, *destination.mesh.ranks}) + 1 + replacements
+        world = os.environ["WORLD_SIZE"]
+        if not world.isdigit() or int(world) < processes:
+            raise LayoutValueError(
+                f"{args.file}: reshard '{statement.name}' needs {processes:,} processes (its meshes hold ranks "
+                f"{rank_ranges(sorted(ranks))}, one process per rank), but torchrun started {world} "
+                "(WORLD_SIZE); nothing was started",
+                hint=f"start {processes:,} processes in all: nodes x --nproc-per-node = {processes:,}",
+            )
+        return
+    processes += replacements
     if processes > MAX_LOCAL_WORKERS:
         raise LayoutValueError(
             f"{args.file}: the reshard needs {processes:,} worker processes (one per rank); the local launcher "
@@ -285,9 +402,38 @@ def _check_local_workers(args: argparse.Namespace, replacements: int = 0) -> Non
         )
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """Refuse ``--device cuda`` / ``--transport nccl`` on a machine without what they need,
+    found by the doctor's own detection, before torch.distributed starts and any worker runs;
+    and ``--device cuda`` without torchrun (the local launcher's workers hold storages on CPU)."""
+    asked = [
+        flag
+        for flag, given in (("--device cuda", args.device == "cuda"), ("--transport nccl", args.transport == "nccl"))
+        if given
+    ]
+    if not asked:
+        return
+    missing = missing_for_run(args.device, args.transport)
+    if missing:
+        raise LayoutValueError(
+            f"{' and '.join(asked)}: this machine has {'; '.join(missing)} (as `layoutlang doctor` reports)",
+            hint="run `layoutlang doctor` to see what was looked for and where; without a GPU, leave out "
+            + " and ".join(asked)
+            + " (storages on CPU, gloo)",
+        )
+    if args.device == "cuda" and not environment_is_torchrun():
+        raise LayoutValueError(
+            "--device cuda: the local launcher's workers hold their storages on CPU (gloo); storages on CUDA "
+            "devices need torchrun, one process per GPU",
+            hint="torchrun --nproc-per-node N -m layoutlang.cli apply FILE --device cuda",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.elastic:
         return _apply_elastic(args)
+    check_device(args)
+    _check_processes(args)
     if args.kill or args.stop or args.replace:
         raise LayoutValueError("--kill, --stop and --replace need --elastic")
     if args.cast_sources and not args.from_dir:
@@ -311,9 +457,9 @@ def run(args: argparse.Namespace) -> int:
             check_checkpoint(program, args.reshard, args.from_dir, args.cast_sources, args.allow_outside_paths)
         if args.to_dir:
             # under torchrun every process checks here, before any joins the job: none has written yet
-            prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir)
+            will_write = bytes_to_write(program, args.reshard, args.cast, _this_nodes_ranks())
+            prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir, will_write=will_write)
 
-    _check_local_workers(args)
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
     from .launch import WorkerError
@@ -356,6 +502,8 @@ def run(args: argparse.Namespace) -> int:
                 print(err.message, file=sys.stderr)
             return err.exit_code
         launcher = "local gloo workers"
+    if args.to_dir:
+        record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -379,7 +527,7 @@ def plan_modes_shown(args: argparse.Namespace, summary: dict[str, Any]) -> dict[
 
 
 def _apply_elastic(args: argparse.Namespace) -> int:
-    _check_local_workers(args, len(args.kill) + len(args.stop) if args.replace else 0)
+    _check_processes(args, len(args.kill) + len(args.stop) if args.replace else 0)
     # The jobs import torch: here, so that the other commands start without it.
     from . import elastic_job as job
     from .apply_job import participants_of
@@ -399,15 +547,15 @@ def _apply_elastic(args: argparse.Namespace) -> int:
             ("--policy", args.policy),
             ("--repeat", args.repeat != 1),
             ("--transport nccl", args.transport == "nccl"),
+            ("--device cuda", args.device == "cuda"),
             (f"--plan-mode {args.plan_mode}", args.plan_mode != "auto"),
         )
         if given
     ]
     if refused:
         raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
-    if args.steps < 1:
-        raise LayoutValueError(f"--steps must be at least 1, not {args.steps}")
     participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+    _check_remesh_axes(args)
     faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
     for rank, step, how in faults:
         if rank not in participants:
@@ -448,9 +596,36 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
 
 
-def _reshard_of(args: argparse.Namespace) -> tuple[Reshard, Layout, Layout]:
-    """The reshard statement a report describes, and its source and destination layouts."""
+def _check_remesh_axes(args: argparse.Namespace) -> None:
+    """Refuse, before any process starts, what each side's remesh policy would only find at the
+    first fault (turning a recoverable loss into a failed job): ``shrink-axis`` without its
+    axis, and an axis the side's mesh does not have."""
+    _, source, destination = _reshard_of(args)
+    for side, layout, policy, axis in (
+        ("source", source, args.source_policy, args.source_axis),
+        ("destination", destination, args.destination_policy, args.destination_axis),
+    ):
+        axes = layout.mesh.axis_names
+        if policy == "shrink-axis" and axis is None:
+            raise LayoutValueError(
+                f"--{side}-policy shrink-axis: name the axis it shrinks with --{side}-axis "
+                f"(axes of mesh '{layout.mesh.name}': {', '.join(axes)})"
+            )
+        if axis is not None and axis not in axes:
+            hint = did_you_mean(axis, axes)
+            raise LayoutValueError(
+                f"--{side}-axis {axis}: the {side} layout '{layout.name}' is on mesh '{layout.mesh.name}', whose axes "
+                f"are {', '.join(axes)}",
+                hint=hint,
+            )
+
+
+def _reshard_of(args: argparse.Namespace, checked: bool = False) -> tuple[Reshard, Layout, Layout]:
+    """The reshard statement a report describes, and its source and destination layouts
+    (``checked``: the whole program checked first, so that its first error is the one reported)."""
     program = load(args.file, allow_outside_includes=args.allow_outside_includes)
+    if checked:
+        program.check()
     statement = program.reshard(args.reshard)
     return statement, program.layout(statement.source), program.layout(statement.destination)
 

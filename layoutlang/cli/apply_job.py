@@ -193,11 +193,12 @@ def _run_policy(
         if output is not None:
             # checked before the run; write_safetensors names any failure since (a folder
             # removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
-            write_safetensors(
+            written = write_safetensors(
                 output,
                 destinations,
                 {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
             )
+            result["written"] = attrs.asdict(written)  # for the folder's manifest (layoutlang.io.output)
     return result
 
 

@@ -3,13 +3,115 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 
 from .._text import parse_size, rank_ranges
-from ..errors import LayoutValueError
+from ..errors import LayoutValueError, did_you_mean
 from ..model import Program
 from ..plan import DEFAULT_BUCKET_BYTES
 
-__all__ = ["add_allow_outside_includes", "add_bucket_size", "add_file", "add_reshard", "check_per_rank"]
+__all__ = [
+    "MAX_SECONDS",
+    "MAX_SIZE",
+    "add_allow_outside_includes",
+    "add_bucket_size",
+    "add_file",
+    "add_reshard",
+    "check_per_rank",
+    "choice_of",
+    "count",
+    "memory_size",
+    "positive_count",
+    "rank_number",
+    "seconds",
+]
+
+#: The longest wait an option may ask for (a week): beyond it a timeout is a mistake, and
+#: datetime.timedelta, which torch's waits take, overflows long before float does.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
+# ------------------------------------------------------------- argparse types
+#
+# Each raises argparse.ArgumentTypeError with the value it refuses: argparse then prints
+# "argument --timeout: ..." with the usage line and exits 2, before any command runs, so
+# no worker ever sees a value that would only fail inside it.
+
+
+def seconds(text: str) -> float:
+    """A wait in seconds: a finite number above zero and at most :data:`MAX_SECONDS`
+    (``nan``, ``inf``, 0 and negative waits are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds such as 30 or 0.5, not {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds above 0, not {text!r}")
+    if value > MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r} seconds is more than a week ({MAX_SECONDS:g} s)")
+    return value
+
+
+#: The largest staging memory or bucket an option may ask for (1 TiB per rank): far above
+#: any device's memory, and within the 64-bit sizes the core computes with.
+MAX_SIZE = 1 << 40
+
+
+def memory_size(text: str) -> int:
+    """A size in bytes such as ``64MiB`` (:func:`~layoutlang._text.parse_size`), at least one
+    byte and at most :data:`MAX_SIZE`."""
+    value = parse_size(text)
+    if value > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is more than 1TiB, the most staging memory a rank may be given")
+    return value
+
+
+def _integer(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, not {text!r}") from None
+
+
+def positive_count(text: str) -> int:
+    """A count of at least 1 (``--repeat``, ``--steps``)."""
+    value = _integer(text, "a whole number of at least 1")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """A count of 0 or more (``--limit``)."""
+    value = _integer(text, "a whole number of 0 or more")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of 0 or more, not {text!r}")
+    return value
+
+
+def rank_number(text: str) -> int:
+    """A rank: a whole number of 0 or more (``--rank``)."""
+    value = _integer(text, "a rank (a whole number of 0 or more)")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a rank is 0 or more, not {text!r}")
+    return value
+
+
+def choice_of(names: tuple[str, ...], what: str) -> Callable[[str], str]:
+    """An argparse type taking one of ``names``; the refusal lists them all and suggests the
+    nearest (argparse's ``choices=`` says the same, but cannot say what the names are of)."""
+
+    def parse(text: str) -> str:
+        if text in names:
+            return text
+        hint = did_you_mean(text, names)
+        raise argparse.ArgumentTypeError(
+            f"unknown {what} {text!r} (known: {', '.join(names)})" + (f"; {hint}" if hint else "")
+        )
+
+    parse.__name__ = what.replace(" ", "_")
+    return parse
 
 
 def add_file(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +140,7 @@ def add_bucket_size(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-size",
         metavar="SIZE",
-        type=parse_size,
+        type=memory_size,
         default=DEFAULT_BUCKET_BYTES,
         help="staging memory per rank and bucket, e.g. 64MiB (default 256MiB)",
     )

@@ -20,12 +20,13 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from .. import __version__
 from ..errors import CudaError
 
-__all__ = ["add_arguments", "facts", "main", "render", "run"]
+__all__ = ["add_arguments", "facts", "main", "missing_for_run", "render", "run"]
 
 
 HELP = "report the NCCL, CUDA and torch this machine offers"
@@ -112,17 +113,35 @@ def facts(nccl_library: str | None = None) -> dict[str, Any]:
     }
 
 
-def _problems(f: dict[str, Any]) -> list[str]:
-    problems = []
-    nccl = f["nccl"]
+def _nccl_problems(nccl: Mapping[str, Any], *, recovery: bool = True) -> list[str]:
+    """What the NCCL library found lacks; with ``recovery``, also the functions failure recovery needs."""
     if not nccl["found"]:
-        problems.append("no NCCL library")
-    else:
-        missing = [name for name, v in nccl["features"].items() if not v["available"]]
-        if missing:
-            problems.append("NCCL lacks " + ", ".join(missing))
-    if not f["torch"]["device_count"]:
-        problems.append("no CUDA device")
+        return ["no NCCL library"]
+    missing = [name for name, v in nccl["features"].items() if not v["available"]]
+    return ["NCCL lacks " + ", ".join(missing)] if recovery and missing else []
+
+
+def _device_problems(torch_facts: dict[str, Any]) -> list[str]:
+    return [] if torch_facts["device_count"] else ["no CUDA device"]
+
+
+def _problems(f: dict[str, Any]) -> list[str]:
+    return _nccl_problems(f["nccl"]) + _device_problems(f["torch"])
+
+
+def missing_for_run(device: str, transport: str, nccl_library: str | None = None) -> list[str]:
+    """What this machine lacks for a run with storages on ``device`` (``cpu`` or ``cuda``) over
+    ``transport`` (``torch`` or ``nccl``, the native core), in the words of the doctor's report:
+    the same detection, asked only what that run needs (a plain run needs no recovery
+    functions of NCCL). Empty when nothing is missing."""
+    problems = []
+    if transport == "nccl":
+        # The NCCL transport imports torch: here, so that the other commands start without it.
+        from ..transport.nccl import library_facts
+
+        problems += _nccl_problems(library_facts(nccl_library), recovery=False)
+    if device == "cuda" or transport == "nccl":
+        problems += _device_problems(_torch_facts())
     return problems
 
 

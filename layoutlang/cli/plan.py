@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from pathlib import Path
 
 from ..errors import ExitCode, LayoutValueError
 from ..lang import load
@@ -48,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="*",
         help='print the moves of the tensors matching PATTERN (default "*": all), one line each',
     )
-    parser.add_argument("--limit", type=int, default=100, metavar="N", help="print at most N moves (default 100)")
+    parser.add_argument(
+        "--limit", type=arguments.count, default=100, metavar="N", help="print at most N moves (default 100)"
+    )
     arguments.add_bucket_size(parser)
     parser.add_argument(
         "--policy",
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rank",
-        type=int,
+        type=arguments.rank_number,
         metavar="R",
         help="compile, validate and print only rank R's part of the pairwise plan (what a rank compiles "
         "in a large fleet); its fingerprint covers the whole program",
@@ -92,7 +95,30 @@ def check_plan_size(program: Program, reshard: str | None) -> None:
         )
 
 
+def _check_out(out: str) -> None:
+    """Refuse, before anything is compiled, a ``--out`` the plan cannot be written to: a folder,
+    or a file in a folder that does not exist (a path mistake, exit 2, not an internal error
+    after minutes of compiling)."""
+    path = Path(out)
+    if path.is_dir():
+        raise LayoutValueError(f"--out {out}: is a folder; give the plan file's name (PLAN.json or PLAN)")
+    if not path.parent.is_dir():
+        raise LayoutValueError(f"--out {out}: its folder {path.parent} does not exist")
+
+
+def _write_plan(plan: Plan, out: str) -> None:
+    """The plan into ``out``: JSON when it ends in .json, else the binary form."""
+    data = json.dumps(plan.to_json(), indent=1).encode("utf-8") if out.endswith(".json") else plan.to_bytes()
+    try:
+        with open(out, "wb") as f:
+            f.write(data)
+    except OSError as err:
+        raise LayoutValueError(f"--out {out}: cannot write the plan: {err.strerror or err}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.out:
+        _check_out(args.out)
     progress = Progress("plan", args.json)
     with progress.step(f"reading {args.file}"):
         program = load(args.file, allow_outside_includes=args.allow_outside_includes)
@@ -120,12 +146,7 @@ def run(args: argparse.Namespace) -> int:
         with progress.step("compiling the gather-and-broadcast baseline"):
             baseline = compile_plan(program, args.reshard, bucket_bytes=args.bucket_size, policy="broadcast")
     if args.out:
-        if args.out.endswith(".json"):
-            with open(args.out, "w", encoding="utf-8") as f:
-                json.dump(plan.to_json(), f, indent=1)
-        else:
-            with open(args.out, "wb") as f:
-                f.write(plan.to_bytes())
+        _write_plan(plan, args.out)
     explained = list(itertools.islice(plan.moves(args.explain), args.limit)) if args.explain else []
     if args.json:
         with progress.step("computing the statistics"):

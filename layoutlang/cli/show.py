@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor", metavar="T", help='only tensors matching this name or pattern ("*" and "{x}" allowed)'
     )
-    parser.add_argument("--rank", metavar="R", type=int, help="only this rank")
+    parser.add_argument("--rank", metavar="R", type=arguments.rank_number, help="only this rank")
     parser.add_argument("--summary", action="store_true", help="per rank totals instead of boxes")
     parser.add_argument("--json", action="store_true", help="print JSON")
 

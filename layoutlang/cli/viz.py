@@ -473,7 +473,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rank",
         metavar="R",
-        type=int,
+        type=arguments.rank_number,
         action="append",
         default=[],
         help="also draw the storage that holds the tensor on rank R, in each layout that has it there, with every "

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from ..errors import ModelDescriptionError
 from ..model.dtypes import DTYPES, canonical_dtype
 from ._files import TensorEntry, read_json_object
-from .safetensors import checkpoint_file, tensors_from_safetensors
+from .safetensors import checkpoint_file, confined_checkpoint_file, tensors_from_safetensors
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -72,8 +72,10 @@ def read_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def checkpoint_beside(path: str | os.PathLike[str]) -> Path | None:
     """The safetensors checkpoint in the folder of the ``config.json`` at ``path``, if it has one:
-    its ``model.safetensors.index.json``, else its ``model.safetensors``; None for a config alone."""
-    file = checkpoint_file(_config_file(path).parent)
+    its ``model.safetensors.index.json``, else its ``model.safetensors``; None for a config alone.
+    A file of that name that is a symbolic link leaving the folder is refused
+    (:func:`~layoutlang.io.safetensors.confined_checkpoint_file`)."""
+    file = confined_checkpoint_file(_config_file(path).parent)
     return file if file.is_file() else None
 
 

@@ -26,7 +26,10 @@ make layoutlang open ``/etc/shadow`` or a file beside the checkpoint. One except
 Hugging Face hub cache working: in a snapshot folder (``.../snapshots/REV``) the links into
 the repository's own ``blobs`` folder (``../../blobs/HASH``) are inside. The keyword
 ``allow_outside_paths=True`` (``apply --from DIR --allow-outside-paths`` on the command
-line) lifts the confinement for an index one trusts.
+line) lifts the confinement for an index one trusts. The file a model folder is read from
+(its ``model.safetensors`` or ``model.safetensors.index.json``) is confined the same way: a
+link of that name leaving the folder is refused unless allowed
+(:func:`confined_checkpoint_file`).
 
 Every refusal is a :class:`~layoutlang.errors.ModelDescriptionError` naming the file and
 the tensor.
@@ -57,6 +60,7 @@ __all__ = [
     "TensorEntry",
     "checkpoint_file",
     "checkpoint_mismatches",
+    "confined_checkpoint_file",
     "index_files",
     "read_safetensors_header",
     "read_weight_map",
@@ -152,7 +156,7 @@ def tensors_from_safetensors(path: str | os.PathLike[str], *, allow_outside_path
     ``allow_outside_paths`` (see :func:`index_files`). Raises
     :class:`ModelDescriptionError` naming the file at fault.
     """
-    file = checkpoint_file(path)
+    file = confined_checkpoint_file(path, allow_outside_paths=allow_outside_paths)
     if file.suffix == ".json":
         return _tensors_from_index(file, allow_outside_paths)
     return _tensors_from_file(file)
@@ -244,6 +248,32 @@ def checkpoint_file(path: str | os.PathLike[str]) -> Path:
     return file
 
 
+def confined_checkpoint_file(path: str | os.PathLike[str], *, allow_outside_paths: bool = False) -> Path:
+    """:func:`checkpoint_file`, with the file a model folder names confined to the folder as an
+    index's files are (:func:`index_files`): a ``model.safetensors`` or index that is a symbolic
+    link leaving the folder (but for the hub cache's ``blobs``) is refused unless
+    ``allow_outside_paths``. A file named directly is the caller's own choice and is followed."""
+    file = checkpoint_file(path)
+    folder = Path(path)
+    if allow_outside_paths or not folder.is_dir():
+        return file
+    root = folder.resolve()
+    reason = _leaves_folder(file.name, file, root, _hub_blobs(root))
+    if reason is not None:
+        raise ModelDescriptionError(
+            f"{file}: the checkpoint's {file.name} {reason}; the files of a checkpoint folder must lie inside it",
+            hint="copy the file into the checkpoint folder; or, for a folder you trust, pass allow_outside_paths=True"
+            " (Python) or --allow-outside-paths (layoutlang apply --from)",
+        )
+    return file
+
+
+def _hub_blobs(root: Path) -> Path | None:
+    """The hub cache's ``blobs`` folder of a snapshot folder, where its files link to:
+    models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/HASH; None for any other folder."""
+    return root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+
+
 def read_weight_map(index: Path) -> dict[str, str]:
     """The ``weight_map`` of a sharded checkpoint's index: the file of each tensor, as written.
 
@@ -273,8 +303,7 @@ def index_files(index: Path, *, allow_outside_paths: bool = False) -> list[tuple
     does not exist is refused too, naming the index and the file."""
     folder = index.parent
     root = folder.resolve()
-    # the hub cache: models--ORG--NAME/snapshots/REV/FILE -> ../../blobs/HASH
-    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    blobs = _hub_blobs(root)
     files: list[tuple[str, Path]] = []
     for name in sorted(set(read_weight_map(index).values())):
         if "\0" in name:

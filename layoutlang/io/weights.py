@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import struct
@@ -32,7 +33,8 @@ import torch
 from .._text import region
 from ..errors import LayoutError, LayoutValueError, ModelDescriptionError, RuntimeFailure
 from ..model import Box, Layout
-from .safetensors import SAFETENSORS_DTYPE, checkpoint_file, index_files, read_safetensors_header
+from .output import WrittenFile
+from .safetensors import SAFETENSORS_DTYPE, confined_checkpoint_file, index_files, read_safetensors_header
 from .torch_dtypes import dtype_name, torch_dtype
 
 __all__ = [
@@ -227,7 +229,7 @@ class SafetensorsCheckpoint:
     ``allow_outside_paths`` (:mod:`layoutlang.io.safetensors`)."""
 
     def __init__(self, path: str | os.PathLike[str], *, allow_outside_paths: bool = False):
-        start = checkpoint_file(path)
+        start = confined_checkpoint_file(path, allow_outside_paths=allow_outside_paths)
         self.files: dict[str, tuple[Path, dict, int]] = {}
         if start.suffix == ".json":
             # an index's files are confined to its folder (see layoutlang.io.safetensors)
@@ -273,8 +275,10 @@ class SafetensorsCheckpoint:
 
 def write_safetensors(
     path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
-) -> None:
-    """Write tensors to a .safetensors file (header, then the raw bytes in order), atomically.
+) -> WrittenFile:
+    """Write tensors to a .safetensors file (header, then the raw bytes in order), atomically;
+    returns the file's name, size and SHA-256, hashed while writing (what an output folder's
+    manifest records: :mod:`layoutlang.io.output`).
 
     The bytes go to a temporary file in the same folder (``.NAME.XXXX.tmp``), which is
     flushed to disk (``fsync``) and then renamed over ``path``: a reader sees the previous
@@ -308,11 +312,14 @@ def write_safetensors(
     except OSError as exc:
         raise _write_error(target, exc) from None
     try:
+        digest = hashlib.sha256()
         try:
             os.fchmod(fd, _new_file_mode())  # mkstemp's 0600, made what open() would have given
-            _write_all(fd, struct.pack("<Q", len(encoded)) + encoded)
-            for blob in blobs:
-                _write_all(fd, blob.data)
+            chunks: list[bytes | memoryview] = [struct.pack("<Q", len(encoded)) + encoded]
+            chunks += [memoryview(blob.data) for blob in blobs]
+            for chunk in chunks:
+                digest.update(chunk)
+                _write_all(fd, chunk)
             os.fsync(fd)  # the bytes are on disk before the name points at them
         finally:
             os.close(fd)
@@ -324,6 +331,7 @@ def write_safetensors(
             raise _write_error(target, exc, offset + 8 + len(encoded)) from None
         raise
     _sync_folder(target.parent)
+    return WrittenFile(target.name, 8 + len(encoded) + offset, digest.hexdigest())
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .._text import rank_ranges, ranks_phrase
-from ..errors import AgreementError, ExecutionError, LayoutError
+from ..errors import AgreementError, ExecutionError, LayoutError, LayoutValueError
 from ..io.torch_dtypes import torch_dtype
 from ..lang import load
 from ..model import Program
@@ -49,6 +49,11 @@ class Resharder:
     :data:`PER_RANK_PLAN_RANKS` ranks together and every tensor moves by the reshard policy.
     Every rank decides alike from the program; a rank that decided otherwise (another
     program, another option) is refused by the fingerprint agreement.
+
+    Without ``transport``, the process group (``group``, else the default one) must hold a
+    process for every rank of the reshard (program rank r is global process r, or
+    ``rank_map[r]``): a smaller one raises :class:`~layoutlang.errors.LayoutValueError` naming
+    both numbers on every rank at once, before the agreement.
 
     ``problem`` reports what this rank found wrong before the plan is agreed (an engine whose
     parameters do not match the destination layout): the agreement fails on every rank with
@@ -114,6 +119,8 @@ class Resharder:
                 "no process in this job (rank_map)",
                 rank=rank,
             )
+        if transport is None:
+            _check_group_size(plan.name if plan else reshard, participants, rank_map, group, rank)
         self.transport = transport if transport is not None else TorchTransport(rank, rank_map, group)
         # The executor is built before the agreement: what its constructor refuses on this
         # rank alone (a per-rank plan of another rank, a quantized tensor moved by broadcast,
@@ -231,6 +238,37 @@ def _per_rank(program: Program, reshard: str | None, policy: str | None) -> bool
     if policy is not None:
         return policy == "reshard"
     return all(statement.policy_for(name) == "reshard" for name in source.resolved.names)
+
+
+def _check_group_size(
+    reshard: str | None, participants: list[int], rank_map: Mapping[int, int] | None, group: Any, rank: int
+) -> None:
+    """Refuse, before the agreement and before any byte moves, a process group that lacks a
+    process of the reshard: a rank without one would leave its peers waiting for the whole
+    timeout and then blame a peer. Program rank r is global process r (rank_map[r] with a
+    rank_map), as torch's point-to-point calls address peers, and must be in ``group``."""
+    if not dist.is_initialized():
+        return  # TorchTransport says so, in its own words
+    processes = [rank_map[r] for r in participants] if rank_map is not None else participants
+    members = set(dist.get_process_group_ranks(group)) if group is not None else None
+    size = dist.get_world_size(group)
+    if members is None and max(processes) < size:
+        return
+    if members is not None and members.issuperset(processes):
+        return
+    what = f"reshard '{reshard}'" if reshard else "the reshard"
+    mapped = " (through rank_map)" if rank_map is not None else ""
+    if members is None:
+        problem = f"needs a process group of at least {max(processes) + 1:,} processes{mapped}"
+    else:
+        absent = sorted(set(processes) - members)
+        held = rank_ranges(sorted(members))
+        problem = f"needs processes {rank_ranges(absent)}{mapped}, which the process group (global ranks {held}) lacks"
+    raise LayoutValueError(
+        f"{what} {problem} (its meshes hold ranks {rank_ranges(participants)}), but the process group has "
+        f"{size:,}; nothing was started",
+        hint="start one process per rank of the reshard's meshes, or pass the group that holds them (group=)",
+    )
 
 
 def _participants_of(
