@@ -154,6 +154,23 @@ def test_a_model_changed_after_resolution_fails_prepare_and_nothing_is_written(r
         assert torch.equal(model.norm.weight, received()["norm.weight"])
 
 
+def test_parameters_that_the_apply_itself_replaces_are_what_the_next_prepare_expects(reloads, monkeypatch):
+    model = Model()
+    resolved = targets(model)
+
+    def finalize(model: Model, config: Any) -> None:
+        # vLLM's post-processing registers a new parameter (replace_parameter, the CPU prepack)
+        model.mlp.gate_up.weight = torch.nn.Parameter(model.mlp.gate_up.weight.data.clone(), requires_grad=False)
+
+    reload = sys.modules["vllm.model_executor.model_loader.reload"]
+    monkeypatch.setattr(reload, "finalize_layerwise_reload", finalize)
+    resolved.apply(resolved.prepare(received()), model_config=None)
+    resolved.apply(resolved.prepare(received()), model_config=None)  # no "replaced" refusal
+    model.mlp.gate_up.weight = torch.nn.Parameter(torch.zeros(4, 6), requires_grad=False)  # by anyone else
+    with pytest.raises(ExecutionError, match=r"parameter 'mlp\.gate_up\.weight' was replaced"):
+        resolved.prepare(received())
+
+
 def test_a_received_storage_of_another_shape_or_dtype_fails_prepare(reloads):
     resolved = targets(Model())
     wrong = received() | {"norm.weight": torch.zeros(6, dtype=torch.float16)}

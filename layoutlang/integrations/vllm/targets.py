@@ -331,3 +331,9 @@ class EngineTargets:
                     load_weights([(name, whole)])
             finalize_layerwise_reload(self.model, model_config)
             _prepack_cpu_experts(modules)
+        # post-processing may register new parameters (vLLM's replace_parameter, the CPU
+        # experts' prepack): the model as this apply left it is what the next prepare expects
+        live = dict(self.model.named_parameters())
+        for storage in prepared.loaded:
+            if storage in self._resolved and storage in live:
+                self._resolved[storage] = (live[storage], _signature(live[storage]))

@@ -398,8 +398,10 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         """Refit every engine from this rank's current weights (called on every trainer rank).
 
         Returns when the step committed on the session's members, engines lost meanwhile
-        dropped, engines admitted at its boundary caught up, and (on the sender) every engine
-        that received it applied it. Raises :class:`~layoutlang.errors.DataLossError` when a
+        dropped, engines admitted at its boundary caught up, and (on the sender) every member
+        engine applied it, or none did: one engine that could not prepare it is named in the
+        report's ``failed`` and the others in its ``held_back``, and every engine serves its
+        previous weights (nothing is raised). Raises :class:`~layoutlang.errors.DataLossError` when a
         trainer rank with no replica of its shards was lost: this trainer's part of the
         session ends (the engines keep serving the last committed step; restart the trainer
         and call ``trainer_init`` again), and :class:`~layoutlang.errors.AgreementError` when
