@@ -222,12 +222,13 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 self.model, session.destination, self.rank, engine=f"vLLM's {type(self.model).__name__}",
                 checkpoint_format=info.checkpoint_format,
             )
-            # caught up with the last committed step from the other engines (or the trainer):
-            # prepared now, applied when the trainer calls start/finish_weight_update
-            if session.holds_committed:
-                self.prepared, self.staged = self.targets.prepare(session.destinations), session.committed_step
         if info.token and tp_rank == 0:
             write_engine_ranks(store, address, secret, info.token, self._engine_ranks())
+        if joining and session.holds_committed:
+            # caught up with the last committed step from the other engines (or the trainer):
+            # prepared now, applied when the trainer calls start/finish_weight_update
+            assert self.targets is not None
+            self.prepared, self.staged = self.targets.prepare(session.destinations), session.committed_step
 
     def _engine_ranks(self) -> list[int]:
         """The ranks of this worker's engine in the session's destination layout."""
@@ -265,7 +266,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 self.abandoned = True
                 return  # every worker is told: nothing to settle
             self.receive_weights(info)
-        except (LayoutError, RuntimeFailure, ValueError) as err:
+        except Exception as err:  # settled whatever it is: the other workers wait for this one's outcome
             error = err
         if not self._settle(error):
             # the workers that return keep vLLM's update open: the trainer's finish ends it
