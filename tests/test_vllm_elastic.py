@@ -76,7 +76,7 @@ def sender(job: dict[str, Any], incarnation: int = 1) -> dict[str, Any]:
 
 
 def step(job: dict[str, Any], n: int) -> dict[str, Any]:
-    return sender(job, 2 if n == 6 else 1)["steps"][str(n)]
+    return sender(job, 2 if n >= 6 else 1)["steps"][str(n)]
 
 
 def fresh(job: dict[str, Any], n: int) -> list[list[int]]:
@@ -85,7 +85,7 @@ def fresh(job: dict[str, Any], n: int) -> list[list[int]]:
 
 def test_every_refitted_engine_generates_the_tokens_of_a_fresh_engine(job):
     expected = {1: {"A", "B", "C"}, 2: {"A", "C"}, 3: {"A", "B2", "C"}, 4: {"A", "B2", "C", "D"},
-                5: {"A", "B2", "D"}, 6: {"A", "B2", "D"}}
+                5: {"A", "B2", "D"}, 6: {"A", "B2", "D"}, 8: {"A", "B2", "D"}}  # 7 applied nowhere (below)
     for n, engines in expected.items():
         observed = step(job, n)["engines"]
         assert set(observed) == engines, n
@@ -95,13 +95,13 @@ def test_every_refitted_engine_generates_the_tokens_of_a_fresh_engine(job):
 
 def test_every_refit_changes_the_tokens(job):
     previous = job["before"]["A"]["tokens"]  # the engine loaded from the first checkpoint
-    for n in range(1, 7):
+    for n in range(1, 9):
         assert fresh(job, n) != previous, n
         previous = fresh(job, n)
 
 
 def test_logprobs_match_transformers_and_vllms_own_reload(job):
-    for n in range(1, 7):
+    for n in (1, 2, 3, 4, 5, 6, 8):
         reloaded = job["oracle"][str(n)]["fresh_reloaded"]
         for name, generated in step(job, n)["engines"].items():
             for prompt, (got, want) in enumerate(zip(generated["logprobs"], generated["transformers"])):
@@ -169,6 +169,26 @@ def test_a_restarted_trainer_reattaches_to_the_live_engines(job):
     assert sorted(report["refitted"]) == [0, 1, 2] and report["lost"] == []
     for name in ("A", "B2", "D"):
         assert job["pids_after"][name] == job["pids"][name], name
+
+
+def test_an_engine_that_cannot_prepare_a_refit_holds_every_engine_back(job):
+    failed = step(job, 7)
+    report = failed["report"]
+    assert report["refitted"] == [] and report["lost"] == [] and report["joined"] == []
+    assert sorted(report["held_back"]) == [0, 1] and list(report["failed"]) == ["2"]  # A, B2 held back by D
+    reason = report["failed"]["2"]
+    assert f"could not receive or prepare step {report['step']}" in reason  # the session's step
+    assert "'model.norm.weight' changed" in reason and "torch.float64" in reason
+    before = step(job, 6)["report"]["step"]
+    assert failed["versions"] == {"0": before, "1": before, "2": before}
+    assert failed["states"] == {"0": "serving", "1": "serving", "2": "serving"}
+    assert fresh(job, 7) != fresh(job, 6)  # had any engine applied step 7, its tokens would show it
+    for name, generated in failed["engines"].items():  # every engine serves step 6's weights, bit for bit
+        assert generated["tokens"] == fresh(job, 6), name
+        assert generated["logprobs"] == step(job, 6)["engines"][name]["logprobs"], name
+    repaired = step(job, 8)["report"]  # the parameter put back: the next refit applies everywhere
+    assert sorted(repaired["refitted"]) == [0, 1, 2] and repaired["failed"] == {} and repaired["held_back"] == []
+    assert set(step(job, 8)["versions"].values()) == {repaired["step"]}
 
 
 def test_an_attacker_without_the_secret_gets_nothing_and_is_logged(job):

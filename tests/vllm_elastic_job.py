@@ -21,7 +21,11 @@ trainer's weights saved as a checkpoint:
    join, while step 4 adds a fourth engine D (the engine axis grows past its first size);
 6. step 5 removes C on purpose (it shrinks);
 7. the trainer is SIGKILLed; the engines are asked for tokens meanwhile; a new trainer (same
-   secret, same store) loads the checkpoint of step 5, re-attaches to A, B, D and refits step 6.
+   secret, same store) loads the checkpoint of step 5, re-attaches to A, B, D and refits step 6;
+8. step 7: one worker of D holds ``model.norm.weight`` cast to float64 (its model no longer
+   matches what a refit writes): D cannot prepare the step, so no engine applies it; the
+   parameter is put back and the engines generate (step 6's tokens expected); step 8 applies
+   everywhere.
 
 Then a fresh engine per checkpoint (the oracle) generates the tokens every refitted engine must
 have generated, and reloads the same checkpoint through vLLM's own ``load_weights`` path.
@@ -373,7 +377,8 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
             generated["transformers"] = transformers_logprobs(reference, generated["tokens"])
             engines[name] = generated
         record["steps"][str(step)] = {"report": report.to_json(), "seconds": seconds, "engines": engines,
-                                      "states": {str(e.index): e.state for e in refit.engines}}
+                                      "states": {str(e.index): e.state for e in refit.engines},
+                                      "versions": {str(e.index): e.version for e in refit.engines}}
         log(f"step {step}: {seconds:.2f} s, report {report.to_json()}")
 
     if incarnation == 1:
@@ -473,6 +478,26 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
     begin = time.perf_counter()
     report = refit.send_weights()
     observe(6, report, engines, time.perf_counter() - begin)
+
+    # 8. one worker of D (tensor-parallel rank 0: not the one that answers for the engine) no
+    # longer holds what the refit writes: D cannot prepare step 7, and no engine applies it
+    train(7)
+    if rank == 0:
+        engines["D"].call("cast_parameter", "model.norm.weight", 0, "float64")
+    begin = time.perf_counter()
+    # [prepare-fails]
+    report = refit.send_weights()
+    # report.refitted == (), report.failed == {2: "... 'model.norm.weight' changed ..."},
+    # report.held_back == (0, 1): every engine serves step 6's weights
+    # [/prepare-fails]
+    seconds = time.perf_counter() - begin
+    if rank == 0:
+        engines["D"].call("restore_parameter")  # generating needs the model whole again
+    observe(7, report, engines, seconds)
+    train(8)
+    begin = time.perf_counter()
+    report = refit.send_weights()
+    observe(8, report, engines, time.perf_counter() - begin)
     refit.shutdown()
     (work / f"trainer2-rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()

@@ -7,8 +7,9 @@ CPU engine with layoutlang's weight transfer, then listens on 127.0.0.1 (any fre
 the authentication key in ``LAYOUTLANG_TEST_HOST_KEY`` and writes ``{"port": ..., "pid": ...}``
 into READY_FILE. :class:`HostClient` calls it: the four weight-sync methods of vLLM's client
 protocol (so the trainer drives it like any engine), ``generate``, ``worker_pids``, ``reload``
-(a checkpoint through vLLM's own ``load_weights``, as its NCCL engine loads whole tensors) and
-``stop``. Calls run one at a time on the engine, each connection in a thread of its own.
+(a checkpoint through vLLM's own ``load_weights``, as its NCCL engine loads whole tensors),
+``cast_parameter`` / ``restore_parameter`` (one worker's model changed under the weight
+transfer, and put back) and ``stop``. Calls run one at a time on the engine, each connection in a thread of its own.
 """
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def _worker_pid(worker: Any) -> int:
     return os.getpid()
 
 
+def cast_parameter(worker: Any, name: str, tp_rank: int, dtype: str) -> None:
+    """On the worker of tensor-parallel rank ``tp_rank`` only: cast the model's parameter
+    ``name`` to ``dtype`` in place (the same parameter, other data: what code of the engine
+    that changes a model under the weight transfer does), keeping its data to put back."""
+    import torch
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    if get_tensor_model_parallel_rank() != tp_rank:
+        return
+    param = dict(worker.model_runner.model.named_parameters())[name]
+    worker.layoutlang_test_kept = (name, param.data)
+    param.data = param.data.to(getattr(torch, dtype))
+
+
+def restore_parameter(worker: Any) -> None:
+    """Put back the data ``cast_parameter`` replaced (the model as it was)."""
+    kept = getattr(worker, "layoutlang_test_kept", None)
+    if kept is None:
+        return
+    name, data = kept
+    dict(worker.model_runner.model.named_parameters())[name].data = data
+    del worker.layoutlang_test_kept
+
+
 def reload_whole_tensors(worker: Any, checkpoint: str) -> None:
     """vLLM's own path for whole tensors, run on each worker: every checkpoint tensor into
     ``load_weights`` under the layerwise-reload lifecycle (what vLLM's NCCL engine does)."""
@@ -117,6 +142,8 @@ def serve(checkpoint: str, ready: Path, dummy: bool) -> None:
         "generate": generate,
         "worker_pids": lambda: engine.llm_engine.collective_rpc(_worker_pid),
         "reload": lambda path: engine.llm_engine.collective_rpc(reload_whole_tensors, args=(path,)) and None,
+        "cast_parameter": lambda *args: engine.llm_engine.collective_rpc(cast_parameter, args=args) and None,
+        "restore_parameter": lambda: engine.llm_engine.collective_rpc(restore_parameter) and None,
         "init_weight_transfer_engine": lambda info: engine.init_weight_transfer_engine({"init_info": info}),
         "shutdown_weight_transfer_engine": engine.shutdown_weight_transfer_engine,
         "start_weight_update": engine.start_weight_update,

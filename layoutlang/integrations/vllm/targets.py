@@ -19,21 +19,31 @@ linear weights after loading, and ``named_parameters()`` then shows ``[0]``). Tw
 
 The choice is fail-closed: a module not known to keep its weights as loaded goes through
 ``load_weights``.
+
+A received refit reaches the model in two phases, so that every engine of a fleet applies it
+or none does: :meth:`EngineTargets.prepare` does every check that can fail without writing
+the model (the received storages against what the model holds *now*: a parameter replaced,
+reshaped or cast since the targets were resolved is refused, naming it; the boxes of each
+``load_weights`` tensor against the storage they are read from) and returns a
+:class:`PreparedRefit`; :meth:`EngineTargets.apply` then only writes: a copy into each direct
+parameter, and vLLM's own loader for the others (whose post-processing only vLLM can run, so
+it runs at apply; its inputs were checked by the prepare).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 
-from ...errors import did_you_mean
+from ...errors import ExecutionError, did_you_mean
 from ...io.torch_dtypes import torch_dtype
 from ...model import Box, Layout
 
-__all__ = ["EngineTargets"]
+__all__ = ["EngineTargets", "PreparedRefit"]
 
 
 def _recorded(module: torch.nn.Module, leaf: str) -> torch.Tensor | None:
@@ -96,13 +106,38 @@ def _keeps_weights_as_loaded(module: torch.nn.Module) -> bool:
     return own is QuantizeMethodBase.process_weights_after_loading
 
 
+@dataclass(frozen=True)
+class PreparedRefit:
+    """A received refit, checked against the live model and ready to be written into it.
+
+    ``copies``: (live parameter, received storage) pairs of identical shape and dtype, each
+    written by one copy; ``loaded``: the storages handed to the model's ``load_weights``,
+    whose boxes were checked against the received storages; ``received``: every received
+    storage, by name (kept until applied: the refit's own buffers, not copies).
+    """
+
+    copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    loaded: tuple[str, ...]
+    received: dict[str, torch.Tensor]
+
+
+def _signature(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device, bool]:
+    """What a write into a parameter relies on: its shape, dtype, device and contiguity."""
+    return tuple(tensor.shape), tensor.dtype, tensor.device, tensor.is_contiguous()
+
+
+def _describe(signature: tuple[tuple[int, ...], torch.dtype, torch.device, bool]) -> str:
+    shape, dtype, device, contiguous = signature
+    return f"{list(shape)} {dtype} on {device}" + ("" if contiguous else " (not contiguous)")
+
+
 class EngineTargets:
     """This worker's destination storages, resolved against the live model.
 
     :attr:`problems` lists every mismatch (a storage the engine lacks, a shape or dtype that
     differs, a parameter the layout does not deliver); nothing is applied while it is not
-    empty. :meth:`staging` gives the buffers a refit receives into, :meth:`apply` puts them
-    into the model once every byte has arrived.
+    empty. :meth:`staging` gives the buffers a refit receives into; :meth:`prepare` checks a
+    received refit against the model as it is then, and :meth:`apply` writes a prepared one.
     """
 
     def __init__(
@@ -120,6 +155,8 @@ class EngineTargets:
         self.problems: list[str] = []
         self.direct: dict[str, torch.Tensor] = {}  # storage -> live parameter
         self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
+        # storage -> the parameter as resolved: a prepare refuses a model changed since
+        self._resolved: dict[str, tuple[torch.Tensor, tuple[tuple[int, ...], torch.dtype, torch.device, bool]]] = {}
         self.shapes = layout.storages_on(rank)
         if checkpoint_format:
             self._checkpoint_names(engine)
@@ -153,6 +190,7 @@ class EngineTargets:
                 self.direct[storage] = param
             else:
                 self.loaded[storage] = module
+            self._resolved[storage] = (param, _signature(param))
         missing = sorted(set(parameters) - set(self.shapes))
         for name in missing:
             owner, _, leaf = name.rpartition(".")
@@ -209,20 +247,93 @@ class EngineTargets:
                 whole[box.slices()] = region.transpose(-1, -2) if box.transposed else region
             yield tensor, whole
 
-    def apply(self, received: dict[str, torch.Tensor], model_config: Any) -> None:
-        """Put a completed refit into the model: direct copies, then ``load_weights``."""
+    def prepare(self, received: dict[str, torch.Tensor]) -> PreparedRefit:
+        """Check a received refit against the model as it is now, writing nothing; raises
+        :class:`~layoutlang.errors.ExecutionError` listing every problem.
+
+        A model can change after its targets were resolved (a parameter replaced, reshaped or
+        cast by other code in the engine): a direct copy would then write into a tensor the
+        model no longer reads, or cast silently, so every storage's parameter must still be
+        the one resolved, with its shape, dtype, device and contiguity."""
+        problems: list[str] = []
+        for storage, shape in self.shapes.items():
+            dtype = torch_dtype(self.layout.tensors[self.layout.storage(storage, self.rank).parts[0]].dtype)
+            tensor = received.get(storage)
+            if tensor is None:
+                problems.append(f"storage '{storage}' was not received")
+            elif tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                problems.append(
+                    f"storage '{storage}' was received as {list(tensor.shape)} {tensor.dtype}, "
+                    f"layout '{self.layout.name}' gives {list(shape)} {dtype}"
+                )
+        live = dict(self.model.named_parameters()) if self._resolved else {}
+        for storage, (param, signature) in self._resolved.items():
+            now = live.get(storage)
+            if now is None:
+                problems.append(f"the model no longer has parameter '{storage}'")
+            elif now is not param:
+                problems.append(f"parameter '{storage}' was replaced by another tensor since the weight transfer began")
+            elif _signature(now) != signature:
+                problems.append(
+                    f"parameter '{storage}' changed since the weight transfer began: it was "
+                    f"{_describe(signature)}, it is {_describe(_signature(now))}"
+                )
+        if not problems:
+            for storage in self.loaded:
+                problems.extend(self._box_problems(storage, received[storage]))
+        if problems:
+            raise ExecutionError(
+                f"rank {self.rank} cannot apply the refit ({len(problems)} problems): " + "; ".join(problems[:5])
+                + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
+                rank=self.rank,
+            )
+        copies = tuple((param, received[storage]) for storage, param in self.direct.items())
+        return PreparedRefit(copies=copies, loaded=tuple(self.loaded), received=dict(received))
+
+    def _box_problems(self, storage: str, received: torch.Tensor) -> list[str]:
+        """Whether every box of ``storage`` reads from the received storage a region of the
+        shape it fills in its logical tensor (checked on meta tensors: nothing is allocated)."""
+        shape = self.layout.parts_shape(storage, self.rank)
+        if shape is None or received.numel() != torch.Size(shape).numel():
+            return [f"storage '{storage}' holds {received.numel()} elements, its parts make {shape}"]
+        parts = torch.empty(shape, dtype=received.dtype, device="meta")
+        out = []
+        for tensor, boxes in self._boxes[storage].items():
+            whole = torch.empty(tuple(self.layout.tensors[tensor].shape), dtype=received.dtype, device="meta")
+            for box in boxes:
+                region = parts[box.storage_index()]
+                if box.transposed:
+                    region = region.transpose(-1, -2)
+                target = whole[box.slices()]
+                if region.shape != target.shape:
+                    out.append(
+                        f"a box of '{tensor}' in storage '{storage}' reads {list(region.shape)}, "
+                        f"fills {list(target.shape)}"
+                    )
+        return out
+
+    def apply(self, prepared: PreparedRefit, model_config: Any) -> None:
+        """Write a prepared refit into the model: direct copies (the same shapes and dtypes,
+        checked by :meth:`prepare`), then vLLM's ``load_weights`` for the others."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         with torch.no_grad():
-            for storage, param in self.direct.items():
-                param.data.copy_(received[storage])
-            if not self.loaded:
+            for param, value in prepared.copies:
+                param.data.copy_(value)
+            if not prepared.loaded:
                 return
-            for module in {id(m): m for m in self.loaded.values()}.values():
+            modules = [self.loaded[storage] for storage in prepared.loaded]
+            for module in {id(m): m for m in modules}.values():
                 initialize_layerwise_reload(module)
             load_weights = cast(Callable[[Iterable[tuple[str, torch.Tensor]]], object], self.model.load_weights)
-            for storage in self.loaded:
-                for name, whole in self._whole_tensors(storage, received[storage]):
+            for storage in prepared.loaded:
+                for name, whole in self._whole_tensors(storage, prepared.received[storage]):
                     load_weights([(name, whole)])
             finalize_layerwise_reload(self.model, model_config)
-            _prepack_cpu_experts(self.loaded.values())
+            _prepack_cpu_experts(modules)
+        # post-processing may register new parameters (vLLM's replace_parameter, the CPU
+        # experts' prepack): the model as this apply left it is what the next prepare expects
+        live = dict(self.model.named_parameters())
+        for storage in prepared.loaded:
+            if storage in self._resolved and storage in live:
+                self._resolved[storage] = (live[storage], _signature(live[storage]))

@@ -25,8 +25,14 @@ anyone calling ``trainer_init`` again:
   weights and stay in the session, and a restarted trainer (same job secret, same store) calls
   ``trainer_init`` again to re-attach to them.
 
-An engine applies a refit only once its workers received all of it and the step committed:
-``finish_weight_update`` is called on the engines that did, never on the others.
+All or nothing: every worker of every engine receives the step and *prepares* it (checked
+against its model, nothing written; ``update_weights`` fails unless all of the engine's
+workers did), and only when every engine that is still a member of the step prepared it does
+the sender call ``finish_weight_update`` on them all, which applies it. If one cannot, none
+applies: the others are told to discard it (``update_weights`` with ``discard``), every engine
+keeps serving its previous weights, and the report names the engine and why
+(:attr:`RefitReport.failed`, :attr:`RefitReport.held_back`). An engine lost during the step
+is no member: the others still apply it.
 """
 
 from __future__ import annotations
@@ -189,8 +195,11 @@ class RefitReport:
 
     ``refitted``: the engines that applied ``step``; ``joined``: engines admitted at this
     step's boundary (caught up with ``step`` and applied); ``lost`` / ``left``: engines that
-    went during it; ``failed``: engines whose control plane failed (index -> error), which
-    did not apply ``step``. ``recoveries``: the session's membership changes during the call;
+    went during it; ``failed``: engines that could not prepare or apply ``step``, or whose
+    control plane failed (index -> why), which did not apply it; ``held_back``: engines that
+    prepared ``step`` but did not apply it because an engine of ``failed`` that is still a
+    member could not prepare it (all or nothing: every engine serves its previous weights).
+    ``recoveries``: the session's membership changes during the call;
     ``recovered_from``: their recovery plans' bytes by where they were read (``destination``:
     other engines, ``source``: the trainer).
     """
@@ -204,6 +213,7 @@ class RefitReport:
     left: tuple[int, ...] = ()
     failed: dict[int, str] = attrs.Factory(dict)
     recoveries: tuple[Recovery, ...] = ()
+    held_back: tuple[int, ...] = ()
 
     @property
     def recovered_from(self) -> dict[str, int]:
@@ -218,6 +228,7 @@ class RefitReport:
             "step": self.step, "seconds": self.seconds, "generation": self.generation,
             "refitted": list(self.refitted), "joined": list(self.joined), "lost": list(self.lost),
             "left": list(self.left), "failed": {str(k): v for k, v in self.failed.items()},
+            "held_back": list(self.held_back),
             "recoveries": [r.to_json() for r in self.recoveries], "recovered_from": self.recovered_from,
         }
 
@@ -387,8 +398,10 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         """Refit every engine from this rank's current weights (called on every trainer rank).
 
         Returns when the step committed on the session's members, engines lost meanwhile
-        dropped, engines admitted at its boundary caught up, and (on the sender) every engine
-        that received it applied it. Raises :class:`~layoutlang.errors.DataLossError` when a
+        dropped, engines admitted at its boundary caught up, and (on the sender) every member
+        engine applied it, or none did: one engine that could not prepare it is named in the
+        report's ``failed`` and the others in its ``held_back``, and every engine serves its
+        previous weights (nothing is raised). Raises :class:`~layoutlang.errors.DataLossError` when a
         trainer rank with no replica of its shards was lost: this trainer's part of the
         session ends (the engines keep serving the last committed step; restart the trainer
         and call ``trainer_init`` again), and :class:`~layoutlang.errors.AgreementError` when
@@ -461,10 +474,12 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 engine.state = "left" if gone_on_purpose else "lost"
                 (left if gone_on_purpose else lost).append(engine)
         serving = [e for e in members if e.state == "serving"]
+        unprepared: list[Engine] = []  # members whose update failed: vLLM's update is still open on some workers
         for engine in serving:
             error = _outcome(updates[engine.index], self.info.timeout) if engine.index in updates else None
             if error is not None:
-                failed[engine.index] = f"could not receive the weights: {error}"
+                failed[engine.index] = f"could not receive or prepare step {step}: {error}"
+                unprepared.append(engine)
         joined = [e for e in self.engines if e.state == "joining" and e.ranks in present]
         for engine in joined:
             assert engine.admission is not None
@@ -475,32 +490,61 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             started = _outcome(_call(engine.client.start_weight_update), self.info.timeout)
             if started is not None:
                 failed[engine.index] = f"could not apply the weights it caught up with: {started}"
-        applying = [e for e in [*serving, *joined] if e.state in ("serving", "joining") and e.index not in failed]
-        finishes = {e.index: _call(e.client.finish_weight_update, str(step)) for e in applying}
-        refitted = []
-        for engine in applying:
-            error = _outcome(finishes[engine.index], self.info.timeout)
-            if error is not None:
-                failed[engine.index] = f"could not apply the refit: {error}"
-                continue
-            engine.state, engine.version = "serving", step
-            refitted.append(engine.index)
+        applying = [e for e in [*serving, *joined] if e.index not in failed]
+        # every member engine prepared the step, or none applies it
+        blocked = [e.index for e in [*serving, *joined] if e.index in failed]
+        refitted: list[int] = []
+        held_back: list[int] = []
+        if blocked:
+            held_back = [e.index for e in applying]
+            self._abandon(step, applying, unprepared, failed)
+        else:
+            finishes = {e.index: _call(e.client.finish_weight_update, str(step)) for e in applying}
+            for engine in applying:
+                error = _outcome(finishes[engine.index], self.info.timeout)
+                if error is not None:
+                    # past its prepare only vLLM's loaders can fail: what it serves is not known
+                    failed[engine.index] = f"could not apply step {step} (it may serve a mix of versions): {error}"
+                    engine.version = None
+                    continue
+                engine.state, engine.version = "serving", step
+                refitted.append(engine.index)
         for index, error in failed.items():
             # an engine whose workers are still members is called at every step (the session
             # waits for them); it only keeps what it served before, and says why
             self.engines[index].error = error
-            if self.engines[index].state == "joining":
-                self.engines[index].state = "serving"  # admitted: a member, with its caught-up weights unapplied
+        for engine in joined:
+            if engine.state == "joining":
+                engine.state = "serving"  # admitted: a member, with its caught-up weights unapplied unless refitted
         if lost and self.on_engines_lost is not None:
             self.on_engines_lost(lost)
-        now_serving = [e for e in joined if e.state == "serving"]
+        now_serving = [e for e in joined if e.index in refitted]
         if now_serving and self.on_engines_joined is not None:
             self.on_engines_joined(now_serving)
         return RefitReport(
             step, time.perf_counter() - begin, committed.generation, tuple(refitted),
             tuple(e.index for e in now_serving), tuple(e.index for e in lost), tuple(e.index for e in left),
-            failed, tuple(recoveries),
+            failed, tuple(recoveries), held_back=tuple(held_back),
         )
+
+    def _abandon(self, step: int, prepared: list[Engine], unprepared: list[Engine], failed: dict[int, str]) -> None:
+        """No engine applies ``step``: the engines that prepared it discard it, and vLLM's
+        update is ended on every engine (a later ``start_weight_update`` needs it ended)."""
+        timeout = self.info.timeout
+
+        def discard(engine: Engine) -> None:
+            engine.client.update_weights({"step": step, "discard": True})
+            engine.client.finish_weight_update(None)
+
+        discards = {e.index: _call(discard, e) for e in prepared}
+        # the worker whose update raised has ended its own; vLLM refuses it this finish, and
+        # the others end theirs: the error it answers is expected
+        ends = [_call(e.client.finish_weight_update, None) for e in unprepared]
+        for engine in prepared:
+            error = _outcome(discards[engine.index], timeout)
+            if error is not None:
+                failed[engine.index] = f"prepared step {step} but could not discard it: {error}"
+        concurrent.futures.wait(ends, timeout=timeout)
 
     def _await_joiners(self) -> None:
         """Wait (at most ``timeout``) until every engine added since the last step has asked to

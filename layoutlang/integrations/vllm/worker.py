@@ -17,19 +17,28 @@ refit session (:mod:`layoutlang.integrations.refit_session`), of which every wor
     others' version. ``attach``: the worker is a member already and a restarted trainer comes
     back: the members admit it.
 ``start_weight_update``
-    forgets any incomplete refit.
+    forgets any refit not applied.
 ``update_weights``
     takes part in the session's refit of the step it names, receiving this worker's boxes into
     staging buffers; the session recovers from failures meanwhile (an engine that loses a
-    worker is dropped, and the others' refit still commits).
+    worker is dropped, and the others' refit still commits). Then it *prepares* the received
+    refit (:meth:`~.targets.EngineTargets.prepare`: every check that can fail, against the
+    model as it is now, writing nothing), and the engine's workers settle the outcome: the
+    call fails, naming each worker and its reason, unless every worker prepared.
+    ``{"step": s, "discard": true}`` drops a prepared refit instead (another engine of the
+    fleet could not prepare it: none applies).
 ``finish_weight_update``
-    applies them: direct copies into parameters vLLM keeps as loaded, vLLM's own
-    ``load_weights`` (layerwise reload, post-processing included) for the others.
+    applies the prepared refit (:meth:`~.targets.EngineTargets.apply`): direct copies into
+    parameters vLLM keeps as loaded, vLLM's own ``load_weights`` (layerwise reload,
+    post-processing included) for the others. After a failed or discarded update it only
+    ends vLLM's update: the model keeps its previous weights.
 ``shutdown``
     leaves the session on purpose: the engine axis shrinks at the members' next step.
 
-Nothing is applied before ``finish_weight_update``, which the trainer calls only on engines
-whose workers received a committed refit: an engine never serves a half-applied refit.
+The trainer calls ``finish_weight_update`` to apply only when every engine that is a member of
+the step prepared it (two phases across engines and across each engine's workers): an engine
+never serves a half-applied refit, and a fleet never serves two versions because one engine
+could not take the step.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from elastic import ElasticSession, JobSecret
 from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
 from .common import RefitProgram, WorkerInitFields, first_of
-from .targets import EngineTargets
+from .targets import EngineTargets, PreparedRefit
 
 __all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
 
@@ -65,9 +74,11 @@ class LayoutlangInitInfo(WorkerInitFields, WeightTransferInitInfo):
 
 @dataclass
 class LayoutlangUpdateInfo(WeightTransferUpdateInfo):
-    """Per-refit info: the session's step this refit commits."""
+    """Per-refit info: the session's step this refit commits; ``discard``: drop the prepared
+    refit of that step instead (the fleet does not apply it)."""
 
     step: int = 0
+    discard: bool = False
 
 
 class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdateInfo]):
@@ -83,8 +94,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         self.session: ElasticSession | None = None
         self.address: SessionAddress | None = None
         self.targets: EngineTargets | None = None
-        self.complete = False  # the staging holds a committed step (``staged``) not yet applied
+        #: the committed step ``staged``, received and checked against the model, not yet applied
+        self.prepared: PreparedRefit | None = None
         self.staged: int | None = None
+        #: the engine's last update failed or was discarded (every worker knows, settled): its
+        #: finish only ends vLLM's update
+        self.abandoned = False
         #: the session's step whose weights this worker's model serves (None: none applied yet)
         self.version: int | None = None
         self.rank = -1
@@ -122,7 +137,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         self.targets = EngineTargets(self.model, layout, position, engine=engine, checkpoint_format=checkpoint_format)
         return self.targets.problems
 
-    def _settle(self, error: BaseException | None) -> None:
+    def _settle(self, error: BaseException | None) -> bool:
         """Make one RPC's outcome the engine's: every worker learns every worker's error.
 
         vLLM's ``collective_rpc`` reads its workers' answers in order and stops at the first
@@ -139,10 +154,9 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         dist.all_gather_object(outcomes, mine, group=group.cpu_group)
         failed = [o for o in outcomes if o is not None]
         if not failed:
-            return
-        self.complete = False
+            return True
         if group.rank_in_group != group.world_size - 1:
-            return
+            return False
         if error is not None and len(failed) == 1:
             raise error
         ranks = ", ".join(str(rank) for rank, _ in failed)
@@ -208,11 +222,13 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 self.model, session.destination, self.rank, engine=f"vLLM's {type(self.model).__name__}",
                 checkpoint_format=info.checkpoint_format,
             )
-            # caught up with the last committed step from the other engines (or the trainer):
-            # applied when the trainer calls start/finish_weight_update
-            self.complete, self.staged = session.holds_committed, session.committed_step
         if info.token and tp_rank == 0:
             write_engine_ranks(store, address, secret, info.token, self._engine_ranks())
+        if joining and session.holds_committed:
+            # caught up with the last committed step from the other engines (or the trainer):
+            # prepared now, applied when the trainer calls start/finish_weight_update
+            assert self.targets is not None
+            self.prepared, self.staged = self.targets.prepare(session.destinations), session.committed_step
 
     def _engine_ranks(self) -> list[int]:
         """The ranks of this worker's engine in the session's destination layout."""
@@ -236,20 +252,28 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             write_engine_ranks(session.store, info.address, secret, info.token, self._engine_ranks())
 
     def start_weight_update(self) -> None:
-        if self.complete and self.staged is not None and self.staged != self.version:
+        if self.prepared is not None and self.staged is not None and self.staged != self.version:
             return  # a joiner's catch-up, applied by the finish that follows
-        self.complete = False
+        self.prepared, self.abandoned = None, False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # received bytes are on the CPU (gloo) and applied at finish: nothing to synchronize
         error: BaseException | None = None
+        self.prepared = None
         try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except (LayoutError, RuntimeFailure, ValueError) as err:
+            info = self.parse_update_info(update_info)
+            if info.discard:
+                self.abandoned = True
+                return  # every worker is told: nothing to settle
+            self.receive_weights(info)
+        except Exception as err:  # settled whatever it is: the other workers wait for this one's outcome
             error = err
-        self._settle(error)
+        if not self._settle(error):
+            # the workers that return keep vLLM's update open: the trainer's finish ends it
+            self.prepared, self.abandoned = None, True
 
     def receive_weights(self, update_info: LayoutlangUpdateInfo) -> None:
+        """Receive the step's refit, then prepare it (raises when this worker cannot)."""
         session = self.session
         if session is None:
             raise ExecutionError(
@@ -257,7 +281,6 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 "(init_weight_transfer_engine failed or was not called)",
                 rank=self.rank,
             )
-        self.complete = False
         if update_info.step != session.next_step:
             raise ExecutionError(
                 f"rank {self.rank}: the trainer refits step {update_info.step}, but this engine's session is at "
@@ -265,22 +288,32 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 rank=self.rank,
             )
         session.refit(update_info.step, lambda step, s: {})
-        self.complete, self.staged = True, update_info.step
+        assert self.targets is not None
+        self.prepared, self.staged = self.targets.prepare(session.destinations), update_info.step
 
     def finish_weight_update(self) -> None:
-        # every worker of the engine applies, or none: a worker without a complete refit
-        # stops them all (the settled outcome of update_weights already says so)
+        if self.abandoned:
+            # not settled: the worker whose update raised is refused this call by vLLM (its
+            # update is over already), so the others end theirs alone
+            self.prepared, self.abandoned = None, False
+            return
+        prepared, self.prepared = self.prepared, None
         error = None
-        if not self.complete:
+        if prepared is None:
             error = ExecutionError(
-                f"rank {self.rank}: no complete refit to apply; the engine keeps its previous weights", rank=self.rank
+                f"rank {self.rank}: no prepared refit to apply; the engine keeps its previous weights", rank=self.rank
             )
-        self._settle(error)
-        if error is None and self.complete:
-            assert self.targets is not None and self.session is not None
-            self.targets.apply(self.session.destinations, self.model_config)
+        # every worker of the engine applies, or none
+        if not self._settle(error) or prepared is None:
+            return
+        assert self.targets is not None
+        applied: BaseException | None = None
+        try:
+            self.targets.apply(prepared, self.model_config)
             self.version = self.staged
-        self.complete = False
+        except Exception as err:  # vLLM's loaders run here: the model may now hold a mix
+            applied, self.version = err, None
+        self._settle(applied)
 
     def _leave(self) -> None:
         """Leave the session on purpose (the others shrink the engine axis at their next step)."""
@@ -289,7 +322,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             with contextlib.suppress(RuntimeError, RuntimeFailure):  # its store may be gone
                 session.leave()
             session.close()
-        self.complete = False
+        self.prepared, self.abandoned = None, False
 
     def shutdown(self) -> None:
         self._leave()
