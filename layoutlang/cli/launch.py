@@ -145,7 +145,14 @@ def _worker_main(
 
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
-        _init_default_group(store, prefix, rank, size, timeout, secret)
+        try:
+            _init_default_group(store, prefix, rank, size, timeout, secret)
+        except RuntimeError:
+            if launcher is not None:  # the store went with the launcher: its watch ends this worker
+                end = time.monotonic() + 4 * WATCH_PERIOD
+                while time.monotonic() < end:
+                    time.sleep(WATCH_PERIOD / 4)
+            raise
     worker_context.update(rank=rank, size=size, port=port, store=store)
     while True:
         task = tasks.get()
