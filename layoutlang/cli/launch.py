@@ -177,7 +177,8 @@ def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: 
     without it is never one of the pool's ranks."""
     import torch.distributed as dist
 
-    from elastic.groups import SignedRendezvous, keep_store, prove_group  # imports torch: in the worker only
+    # elastic.groups imports torch: only the worker (not the launcher's command) needs it
+    from elastic.groups import SignedRendezvous, keep_store, prove_group
 
     records = RecordSigner(secret, prefix)
     rendezvous: Any = dist.PrefixStore(prefix, store)
