@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 import layoutlang
+from layoutlang.io.output import MANIFEST, read_manifest
 from layoutlang.plan import compile_plan
 
 pytestmark = pytest.mark.timeout(600)
@@ -229,7 +230,9 @@ def test_checkpoint_round_trip(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert steady(there(result.stdout)) == steady(expected)
     written = sorted(p.name for p in (tmp_path / "refit" / "vllm").iterdir())
-    assert written == [f"rank{r:05d}.safetensors" for r in range(2, 6)]
+    # the rank files, and the manifest of what this run wrote (what --overwrite may remove)
+    assert written == [MANIFEST] + [f"rank{r:05d}.safetensors" for r in range(2, 6)]
+    assert sorted(read_manifest(tmp_path / "refit" / "vllm")) == written[1:]
 
     argv, expected = example("refit-inspect.out")
     result = run(here(argv), SNIPPETS)
