@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300.0  # every agreement's and exchange's: a rank left waiting would wait this long
-HANG_BOUND = 120.0  # what a test allows: well below TIMEOUT (nobody waited it out), above a loaded machine's slowest start
+HANG_BOUND = 120.0  # well below TIMEOUT (nobody waited it out), above a loaded first compile
 
 # Ranks 0..1 are pipeline stages: "a" lives on stage 0 (rank 0) only, "b" on stage 1 (rank 1).
 STAGES = """\
