@@ -216,7 +216,7 @@ def test_a_gpu_option_without_a_gpu_is_refused_at_once_in_the_doctors_words(opti
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("the refusal is of a machine without a GPU, and this one has one")
     result = cli("apply", REFIT, *option)
     assert result.returncode == ExitCode.BAD_INPUT
     assert f"error: {' '.join(option)}: this machine has " in result.stderr
