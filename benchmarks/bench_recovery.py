@@ -79,7 +79,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import re
 import shutil
 import signal
@@ -131,10 +130,10 @@ def run_shrink(pool, layout: Path, *, world: int, steps: int, victim: int, kill_
                         memory_budget=memory_budget)
             end = time.monotonic() + timeout
             while not set(expect) <= set(results) and time.monotonic() < end and not errors:
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.2)
-                except queue.Empty:
+                result = pool.next_result(0.2)
+                if result is None:
                     continue
+                rank, ok, value = result
                 if not ok:
                     errors.append(f"rank {rank}: {value[0]}: {value[1]}")
                 elif rank in expect:
@@ -233,10 +232,10 @@ def run_stall(pool, layout: Path, *, steps: int, stalled: int, stall_step: int, 
                     time.sleep(max(0.0, stopped_at + STALL_SECONDS - time.time()))
                     os.kill(pool.processes[stalled].pid, signal.SIGCONT)
                     continued = True
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.05)
-                except queue.Empty:
+                result = pool.next_result(0.05)
+                if result is None:
                     continue
+                rank, ok, value = result
                 if ok:
                     results[rank] = value
                 else:

@@ -254,7 +254,7 @@ reshard refit: fsdp -> serve
 """
 
 
-@pytest.mark.workers(4)
+@pytest.mark.workers(4, scope="module")  # its workers are respawned without a default group
 @pytest.mark.timeout(240)
 def test_a_live_elastic_job_recovers_past_a_rogue_at_the_next_generations_rendezvous(pool):
     """``apply --elastic``'s job on 4 workers; rank 3 is SIGKILLed in the middle of step 2,
@@ -263,7 +263,6 @@ def test_a_live_elastic_job_recovers_past_a_rogue_at_the_next_generations_rendez
     1's address goes, and keeps forging rank 3's heartbeat. The job ends as it would without
     the attacker: every survivor commits every step in generation 1, every destination byte
     verified; the attacker received nothing."""
-    import queue
 
     from elastic import ExitWatcher
     from layoutlang.cli.elastic_job import refit_job
@@ -280,10 +279,10 @@ def test_a_live_elastic_job_recovers_past_a_rogue_at_the_next_generations_rendez
             results: dict[int, dict] = {}
             end = time.monotonic() + 200
             while len(results) < 3 and time.monotonic() < end:
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.2)
-                except queue.Empty:
+                result = pool.next_result(0.2)
+                if result is None:
                     continue
+                rank, ok, value = result
                 assert ok, f"rank {rank} failed: {value[1]}"
                 results[rank] = value
         assert sorted(results) == [0, 1, 2], results

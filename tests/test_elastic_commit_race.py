@@ -18,7 +18,6 @@ agreed.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import time
 from itertools import count
@@ -117,10 +116,10 @@ def test_a_member_that_reads_the_outcome_after_the_grow_reports_the_step_where_i
             pool.submit(race_job, PROGRAM, STEPS, namespace=namespace)
             end = time.monotonic() + 100
             while not set(expect) <= set(results) and time.monotonic() < end:
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.1)
-                except queue.Empty:
+                result = pool.next_result(0.1)
+                if result is None:
                     continue
+                rank, ok, value = result
                 assert ok, f"rank {rank} failed: {value[1]}"
                 results[rank] = value
     finally:

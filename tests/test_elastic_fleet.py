@@ -16,9 +16,7 @@ Program ranks: training 0..1, engines 2..3, 4..5, 6..7; ranks 8..9 are a joining
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 import time
 from itertools import count
 from typing import Any
@@ -64,10 +62,10 @@ def _collect(pool, expect: set[int], timeout: float = 120.0, results: dict | Non
     results = {} if results is None else results
     end = time.monotonic() + timeout
     while not expect <= set(results) and time.monotonic() < end:
-        try:
-            rank, ok, value = pool._results.get(timeout=0.2)
-        except queue.Empty:
+        result = pool.next_result(0.2)
+        if result is None:
             continue
+        rank, ok, value = result
         assert ok, f"rank {rank} failed: {value[1]}"
         results[rank] = value
     assert expect <= set(results), f"ranks {sorted(expect - set(results))} did not finish"
@@ -78,8 +76,7 @@ def _finish(pool) -> None:
     pool.respawn()
     end = time.monotonic() + 1.0
     while time.monotonic() < end:  # results of idle ranks
-        with contextlib.suppress(queue.Empty):
-            pool._results.get(timeout=0.1)
+        pool.next_result(0.1)
 
 
 def _restart(pool, namespace: str, rank: int, text: str = PROGRAM, **job: Any) -> None:

@@ -13,9 +13,7 @@ is a spare or a joiner, or idle.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
 import re
 import signal
 import time
@@ -64,8 +62,7 @@ def drain(pool, wait: float = 1.0) -> None:
     """Take the results of ranks outside ``expect`` (idle ones) off the queue."""
     end = time.monotonic() + wait
     while time.monotonic() < end:
-        with contextlib.suppress(queue.Empty):
-            pool._results.get(timeout=0.1)
+        pool.next_result(0.1)
 
 
 def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **options):
@@ -81,10 +78,10 @@ def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **opt
             results: dict[int, dict] = {}
             end = time.monotonic() + timeout
             while not set(expect) <= set(results) and time.monotonic() < end:
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.2)
-                except queue.Empty:
+                result = pool.next_result(0.2)
+                if result is None:
                     continue
+                rank, ok, value = result
                 assert ok, f"rank {rank} failed: {value[1]}"
                 if rank in expect:
                     results[rank] = value

@@ -14,7 +14,6 @@ saw the stall.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import time
 from itertools import count
@@ -48,10 +47,10 @@ def run_with_stall(pool, stalled: int, stall_step: int) -> dict[int, dict]:
                 time.sleep(max(0.0, stopped_at + STALL - time.time()))
                 os.kill(pool.processes[stalled].pid, signal.SIGCONT)
                 continued = True
-            try:
-                rank, ok, value = pool._results.get(timeout=0.05)
-            except queue.Empty:
+            result = pool.next_result(0.05)
+            if result is None:
                 continue
+            rank, ok, value = result
             assert ok, f"rank {rank} failed: {value[1]}"
             results[rank] = value
         if not continued:  # never leave a stopped worker behind

@@ -50,6 +50,7 @@ import pytest
 from vllm_rules import deepseek_loaded, deepseek_parameters, expert_map, fused_moe, vocab_parallel
 
 import layoutlang
+from layoutlang.io.output import MANIFEST, read_manifest
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -388,7 +389,9 @@ def test_apply_refits_a_transformers_checkpoint_into_vllms_parameters(
     mesh = layoutlang.load(program).layout(name).mesh
     tp = mesh.shape[-1]
     written = sorted(p.name for p in out.iterdir())
-    assert written == [f"rank{rank:05d}.safetensors" for rank in mesh.ranks]
+    # the rank files, and the manifest naming them (what a later --overwrite may remove)
+    assert written == [MANIFEST] + [f"rank{rank:05d}.safetensors" for rank in mesh.ranks]
+    assert sorted(read_manifest(out)) == written[1:]
     for index, rank in enumerate(mesh.ranks):
         dp_rank, tp_rank = divmod(index, tp)
         ep_rank = (dp_rank * tp + tp_rank, len(mesh.ranks)) if ep else None

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import sys
 import threading
@@ -279,12 +278,12 @@ def run_local(options: ElasticOptions, namespace: str = "apply") -> dict:
             end = time.monotonic() + options.timeout * (options.steps + 2)
             expected = set(participants + joiners) - failing
             while not expected <= set(results) and time.monotonic() < end:
-                try:
-                    rank, ok, value = pool._results.get(timeout=0.2)
-                except queue.Empty:
+                result = pool.next_result(0.2)
+                if result is None:
                     if all(not p.is_alive() for r, p in enumerate(pool.processes) if r in expected - set(results)):
                         break
                     continue
+                rank, ok, value = result
                 results[rank] = value if ok else {"rank": rank, "error": value[1], "kind": value[2]}
             failed = _failed_times(pool.store, namespace, sorted(failing))
         for rank, process in enumerate(pool.processes):  # a stopped rank is not waited for

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
-import queue
+import pickle
 import socket
 import sys
 import threading
@@ -160,12 +161,18 @@ def _worker_main(
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            report: tuple[int, bool, Any] = (rank, True, fn(*args, **kwargs))
         except (LayoutError, RuntimeFailure) as err:
-            results.put((rank, False, (type(err).__name__, str(err), err.kind, int(err.exit_code))))
+            report = (rank, False, (type(err).__name__, str(err), err.kind, int(err.exit_code)))
         except BaseException as err:  # report everything: the parent decides what it means
             failure = (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal", int(ExitCode.INTERNAL))
-            results.put((rank, False, failure))
+            report = (rank, False, failure)
+        try:
+            results.send(report)
+        except (TypeError, AttributeError, pickle.PicklingError) as err:  # a result the parent cannot receive
+            failure = (type(err).__name__, f"the task's result cannot be sent to the launcher: {err}", "internal",
+                       int(ExitCode.INTERNAL))
+            results.send((rank, False, failure))
     if default_group:
         dist.destroy_process_group()
 
@@ -190,6 +197,16 @@ def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: 
         group = dist.distributed_c10d._get_default_group()
         prove_group(group, store, records, f"{prefix}/proof", range(size), rank, timeout=timeout,
                     what="the workers' default group")
+
+
+def _receive(reader: Any) -> tuple[int, bool, Any] | None:
+    """A worker's next result from its pipe; None (and the pipe closed) when the worker died,
+    maybe in the middle of writing one."""
+    try:
+        return reader.recv()
+    except (EOFError, OSError):
+        reader.close()
+        return None
 
 
 def _exit_text(code: int | None) -> str:
@@ -238,21 +255,37 @@ class LocalWorkers:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers, read at their start
         self._ctx = mp.get_context("spawn")
         self._starts = 0  # how many times the whole pool was started: its group's store prefix
+        self._results: list[Any] = [None] * size  # each worker's pipe of results (the reading end)
+        self._writers: dict[int, Any] = {}  # writing ends not yet handed to a started worker
         self._stale = False  # workers were killed mid-task: start afresh before the next task
         self._start_all()
 
     def _start_all(self) -> None:
-        """Start ``size`` workers that build one process group together, on fresh queues."""
-        self._results = self._ctx.Queue()
+        """Start ``size`` workers that build one process group together, on fresh queues and pipes."""
         self._tasks = [self._ctx.SimpleQueue() for _ in range(self.size)]
         prefix = "layoutlang" if self._starts == 0 else f"layoutlang/start{self._starts}"
         self._starts += 1
         self.processes = [self._spawn(rank, prefix) for rank in range(self.size)]
-        for p in self.processes:
-            p.start()
+        for rank in range(self.size):
+            self._start(rank)
+
+    def _start(self, rank: int) -> None:
+        """Start the process of worker ``rank``; only the worker keeps the writing end of its pipe,
+        so that its death ends the pipe (the reader sees the end rather than waiting on it)."""
+        self.processes[rank].start()
+        self._writers.pop(rank).close()
 
     def _spawn(self, rank: int, prefix: str | None) -> Any:
-        """The process of worker ``rank`` (not started); ``prefix`` None: no default group."""
+        """The process of worker ``rank`` (not started), with a fresh pipe for its results;
+        ``prefix`` None: no default group.
+
+        Each worker reports on a pipe of its own, never on one queue they all share: a worker
+        killed while it held a shared queue's lock would silence every other worker."""
+        reader, writer = self._ctx.Pipe(duplex=False)
+        if self._results[rank] is not None:
+            self._results[rank].close()
+        self._results[rank] = reader
+        self._writers[rank] = writer
         return self._ctx.Process(
             target=_worker_main,
             args=(
@@ -261,7 +294,7 @@ class LocalWorkers:
                 self.store.port,
                 self.timeout,
                 self._tasks[rank],
-                self._results,
+                writer,
                 prefix is not None,
                 os.getpid(),
                 self.secret.text(),
@@ -274,14 +307,12 @@ class LocalWorkers:
     def _restart(self) -> None:
         """Replace every worker by a fresh one, in a fresh process group: after workers were
         killed in the middle of a task, the survivors' group misses them (and a killed worker
-        may have left the results queue unusable)."""
+        may have left its pipe with half a result in it)."""
         for p in self.processes:
             if p.is_alive():
                 p.kill()  # idle, or finished with a failure: nothing of theirs is lost
         for p in self.processes:
             p.join(timeout=10)
-        with contextlib.suppress(OSError, ValueError):
-            self._results.close()
         self._start_all()
         self._stale = False
 
@@ -299,7 +330,7 @@ class LocalWorkers:
                 old.join(timeout=10)
             self._tasks[rank] = self._ctx.SimpleQueue()
             self.processes[rank] = self._spawn(rank, None)
-            self.processes[rank].start()
+            self._start(rank)
         return ranks
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -325,7 +356,7 @@ class LocalWorkers:
         results: dict[int, tuple[bool, Any]] = {}
         grace_until: float | None = None
         while len(results) < self.size:
-            result = self._next_result()
+            result = self.next_result()
             if result is not None:
                 rank, ok, value = result
                 results[rank] = (ok, value)
@@ -376,7 +407,7 @@ class LocalWorkers:
         deadline = time.monotonic() + (timeout or self.timeout + 60)
         results: dict[int, tuple[bool, Any]] = {}
         while len(results) < self.size and time.monotonic() < deadline:
-            result = self._next_result()
+            result = self.next_result()
             if result is not None:
                 rank, ok, value = result
                 results[rank] = (ok, value)
@@ -384,12 +415,20 @@ class LocalWorkers:
                 break
         return results
 
-    def _next_result(self) -> tuple[int, bool, Any] | None:
-        """The next (rank, ok, value) a worker reported, or None after 0.2 s without one."""
-        try:
-            return self._results.get(timeout=0.2)
-        except queue.Empty:
-            return None
+    def next_result(self, timeout: float = 0.2) -> tuple[int, bool, Any] | None:
+        """The next (rank, ok, value) a worker reported, or None after ``timeout`` seconds
+        without one. For jobs whose workers end apart (elastic ones, where some are killed):
+        :meth:`collect` waits for every worker."""
+        end = time.monotonic() + timeout
+        while True:
+            readers = [r for r in self._results if r is not None and not r.closed]
+            ready = mp_connection.wait(readers, max(0.0, end - time.monotonic()))
+            for reader in ready:
+                result = _receive(reader)
+                if result is not None:
+                    return result
+            if time.monotonic() >= end:
+                return None
 
     def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         """Start ``fn`` on every worker without waiting (collect with results_by_rank); after a
@@ -409,6 +448,9 @@ class LocalWorkers:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        for reader in self._results:
+            if reader is not None:
+                reader.close()
 
     def __enter__(self) -> LocalWorkers:
         return self
