@@ -14,6 +14,7 @@ from layoutlang.runtime.wire_encoding import (
     Encoding,
     apply_patch,
     capacity,
+    changed_units,
     checksum,
     encode,
     read_header,
@@ -133,3 +134,19 @@ def test_odd_sizes_and_units():
         assert torch.equal(base, new) and header.checksum == checksum(new)
     with pytest.raises(ValueError, match="whole number of 4-byte units"):
         encode(torch.zeros(6, dtype=torch.uint8), None, 4, 1, torch.empty(64, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("offset", [0, 8])
+def test_changes_found_by_words_are_the_changes_found_unit_by_unit(unit, offset):
+    generator = torch.Generator().manual_seed(unit)
+    storage = torch.randint(0, 255, (offset + 8 * 1001 + unit * 3,), dtype=torch.uint8, generator=generator)
+    kept_storage = storage.clone()
+    flips = torch.randint(0, storage.numel(), (500,), generator=generator)
+    storage[flips] ^= 0x40
+    start = offset + (unit if offset else 0)  # an unaligned start (by whole units) when offset is 8
+    new, kept = storage[start:], kept_storage[start:]
+    length = new.numel() // unit * unit
+    new, kept = new[:length], kept[:length]
+    by_units = (new.view(torch.uint8).view(-1, unit) != kept.view(-1, unit)).any(1).nonzero().squeeze(1)
+    assert torch.equal(changed_units(new, kept, unit), by_units)

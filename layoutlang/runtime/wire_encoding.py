@@ -35,6 +35,7 @@ __all__ = [
     "Header",
     "apply_patch",
     "capacity",
+    "changed_units",
     "checksum",
     "encode",
     "read_header",
@@ -124,8 +125,7 @@ def encode(
     encoding, changed, payload = Encoding.DENSE, units, nbytes
     where: torch.Tensor | None = None
     if kept is not None and delta:
-        mask = _units(new, unit) != _units(kept, unit)
-        where = mask.nonzero().squeeze(1)
+        where = changed_units(new, kept, unit)
         changed = where.numel()
         encoding, payload = _choose(units, changed, unit)
     if encoding == Encoding.DENSE:
@@ -138,6 +138,8 @@ def encode(
         if encoding == Encoding.BITMASK:
             head = _aligned(math.ceil(units / 8))
             body[:head].zero_()
+            mask = torch.zeros(units, dtype=torch.bool)
+            mask[where] = True
             _pack_bits(mask, body[: math.ceil(units / 8)])
         else:
             index_dtype = torch.int32 if units < 2**31 else torch.int64
@@ -149,6 +151,30 @@ def encode(
     header = Header(encoding, changed, version, total)
     out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([int(encoding), changed, version, total]))
     return Encoded(header, HEADER_BYTES + payload)
+
+
+def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Tensor:
+    """The indices (int64, ascending) of the ``unit``-byte units whose bits differ between
+    the byte buffers ``new`` and ``kept``. Compared 8 bytes at a time where both are 8-byte
+    aligned (several times faster than unit by unit), then unit by unit within the words that
+    changed only."""
+    nbytes = new.numel()
+    aligned = new.data_ptr() % 8 == 0 and kept.data_ptr() % 8 == 0
+    whole = nbytes // 8 * 8 if aligned else 0
+    found = []
+    if whole:
+        new_words, kept_words = new[:whole].view(torch.int64), kept[:whole].view(torch.int64)
+        words = (new_words != kept_words).nonzero().squeeze(1)
+        if unit == 8:
+            found.append(words)
+        elif words.numel():
+            per = 8 // unit
+            differ = _units(new_words[words], unit).view(-1, per) != _units(kept_words[words], unit).view(-1, per)
+            found.append((words.unsqueeze(1) * per + torch.arange(per)).masked_select(differ))
+    if whole < nbytes:
+        tail = (_units(new[whole:], unit) != _units(kept[whole:], unit)).nonzero().squeeze(1)
+        found.append(tail + whole // unit)
+    return torch.cat(found) if len(found) > 1 else found[0] if found else torch.zeros(0, dtype=torch.int64)
 
 
 def read_header(message: torch.Tensor) -> Header:
