@@ -490,6 +490,7 @@ class GlooTransport(Transport):
     def __init__(self, pg: Any, rank: int, rank_map: Mapping[int, int], *, watch: Callable[[], None] | None = None):
         self.rank = rank
         self.device = torch.device("cpu")
+        self.variable_length = True  # gloo delivers a message into a longer receive
         self.watch = watch
         self.completed = 0
         self.first_completed_at: float | None = None

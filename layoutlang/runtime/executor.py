@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
 import math
 import time
@@ -23,6 +24,7 @@ from ..plan.quantized import broadcast_into_quantized
 from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
+from .delta import DeltaRefits, DeltaReport
 from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Piece, Step, schedule
 
 #: called with a destination storage's name and tensor once all its bytes have arrived
@@ -40,9 +42,14 @@ class RunReport:
     messages_sent: int
     steps: int
     peak_staging_bytes: int
+    #: a delta run's encodings and wire bytes (None: a dense run)
+    delta: DeltaReport | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(self)
+        out = attrs.asdict(self)
+        if self.delta is None:
+            del out["delta"]
+        return out
 
 
 # ----------------------------------------------------------------------- executor
@@ -136,6 +143,7 @@ class Executor:
         # n % 2, so that the next step is packed while this one is in flight. A new buffer
         # at every step cost more than the copies themselves (its pages faulted in anew).
         self._arenas = (_Arena(), _Arena())
+        self._deltas: DeltaRefits | None = None  # kept copies and bases of delta runs
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
@@ -266,6 +274,7 @@ class Executor:
         on_complete: OnComplete | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
+        delta: bool = False,
     ) -> RunReport:
         """Move every byte this rank sends or receives; destinations are written in place.
 
@@ -274,8 +283,17 @@ class Executor:
         one mapping of source storages per source layout (``plan.sources``, in order).
         ``cast`` accepts destinations, ``cast_sources`` sources, in another dtype than the
         layout's; values are converted as ``tensor.to(dtype)`` converts them.
+
+        ``delta``: send each message as its changes since the version its receiver holds
+        (:mod:`.delta`; every rank must ask for it alike). The first delta run, and every
+        message whose receiver holds no version, moves dense.
         """
-        per_source = self._check_and_agree(sources, destinations, cast, not_ready, cast_sources)
+        if delta and not self.transport.variable_length and not_ready is None:
+            not_ready = (
+                f"delta refits need a transport that delivers a message into a longer receive (gloo); "
+                f"{type(self.transport).__name__} on {self.transport.device} does not"
+            )
+        per_source = self._check_and_agree(sources, destinations, cast, not_ready, cast_sources, delta)
         device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
         spaces = _Spaces(
             [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
@@ -293,15 +311,23 @@ class Executor:
         in_place = not _overlapping(per_source, destinations)
         spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
         staging = self._staging(spaces, in_place=in_place, device=device)
+        deltas = self._start_deltas(spaces, destinations) if delta else None
         packed_next: list[tuple[int, torch.Tensor]] | None = None
         for n, step in enumerate(self.steps):
             sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
             recvs = self._receive_buffers(n, spaces, staging)
+            landing = recvs
+            if deltas is not None:
+                sends = deltas.encode_sends(n, sends)
+                recvs = deltas.receive_buffers(n, landing)
             pending = self._post(step, sends, recvs)
             self._copy_locally(step, spaces, tally)
             packed_next = self._pack_ahead(n, spaces, staging)
             pending.wait(self.timeout)
-            self._unpack(n, recvs, spaces, tally, staging)
+            if deltas is not None:
+                staged = {k for k in range(len(landing)) if (n, "recv", k) not in staging.direct}
+                deltas.decode(n, recvs, landing, staged)
+            self._unpack(n, landing, spaces, tally, staging)
             self._copy_out_of_scratch(n, spaces)
             self._assemblies.flush(n, spaces)
             tally.sent_messages(step, self._kind)
@@ -312,7 +338,16 @@ class Executor:
                 progress(n + 1, len(self.steps))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        return tally.report(self.rank, time.perf_counter() - start, len(self.steps))
+        report = tally.report(self.rank, time.perf_counter() - start, len(self.steps))
+        return attrs.evolve(report, delta=deltas.report()) if deltas is not None else report
+
+    def _start_deltas(self, spaces: _Spaces, destinations: Mapping[str, torch.Tensor]) -> DeltaRefits:
+        """This run's deltas: what each receiver holds, exchanged before the first step."""
+        if self._deltas is None:
+            self._deltas = DeltaRefits(self.steps, self.rank)
+        dtypes = {name: tensor.dtype for name, tensor in destinations.items()}
+        self._deltas.start(self.transport, self.timeout, spaces.region, dtypes)
+        return self._deltas
 
     def _staging(self, spaces: _Spaces, *, in_place: bool, device: torch.device) -> _Staging:
         """Which messages of this run travel in place (a message of one region that is
@@ -366,6 +401,7 @@ class Executor:
         cast: bool,
         not_ready: str | None,
         cast_sources: bool = False,
+        delta: bool = False,
     ) -> list[Mapping[str, torch.Tensor]]:
         """This rank's source storages per source layout, once every rank has said it is ready.
 
@@ -383,8 +419,11 @@ class Executor:
                 self._check(per_source, destinations, cast, cast_sources)
             except ExecutionError as err:
                 problem = err.message
+        fingerprint = self.plan.fingerprint
+        if delta and fingerprint:  # a rank asking for deltas and one not are told apart here
+            fingerprint = hashlib.sha256(f"{fingerprint}/delta".encode()).hexdigest()[: len(fingerprint)]
         agree(
-            self.transport, self.rank, self.participants, self.plan.fingerprint, problem, self.timeout,
+            self.transport, self.rank, self.participants, fingerprint, problem, self.timeout,
             failure="is not ready",
         )
         return per_source

@@ -196,6 +196,7 @@ class Resharder:
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
+        delta: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Move this rank's part of the plan; returns the destination storages.
 
@@ -207,6 +208,12 @@ class Resharder:
         ``weight.to(torch.bfloat16)``). ``not_ready`` reports a
         problem this rank found before running (e.g. reading its weights): every rank stops
         with it and nothing moves.
+
+        ``delta=True`` sends only what changed since the previous run (every rank asks alike;
+        :mod:`layoutlang.runtime.delta`): each sender keeps a copy of what it sent, each
+        receiver patches the destination storages in place. Hand the same destination tensors
+        at every run: a storage handed anew, or written by someone else since, is received
+        dense (named in ``last_report.delta.stale``). Needs a gloo group.
         """
         if destinations is None:
             device = device_of(list(sources.values())) if sources else torch.device("cpu")
@@ -219,6 +226,7 @@ class Resharder:
             on_complete=on_complete,
             progress=progress,
             not_ready=not_ready,
+            delta=delta,
         )
         return dict(destinations)
 

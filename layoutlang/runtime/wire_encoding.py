@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -85,13 +86,20 @@ def _units(buffer: torch.Tensor, unit: int) -> torch.Tensor:
     return buffer.view(_UNIT_DTYPES[unit])
 
 
-def checksum(buffer: torch.Tensor) -> int:
-    """A 64-bit checksum of a byte buffer: the wrapping sums of its 8-byte words and of its
-    words weighted by their parity (so a corruption that keeps the sum is still caught unless
-    it also keeps the weighted one); the tail past the last whole word is summed as bytes."""
-    whole = buffer.numel() // 8 * 8
-    words = buffer[:whole].view(torch.int64)
-    total = int(words.sum()) + 3 * int(words[::2].sum()) + int(buffer[whole:].to(torch.int64).sum())
+def checksum(buffer: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    """A 64-bit checksum of a byte buffer (or of several, in order): the wrapping sums of its
+    8-byte words and of every other word (so a corruption that keeps one sum is caught by the
+    other), the tail past the last whole word summed as bytes; parts weighted by position."""
+    if isinstance(buffer, torch.Tensor):
+        buffer = [buffer]
+    total = 0
+    for i, part in enumerate(buffer):
+        if part.data_ptr() % 8:
+            part = part.clone()  # a typed view needs an aligned start
+        whole = part.numel() // 8 * 8
+        words = part[:whole].view(torch.int64)
+        one = int(words.sum()) + 3 * int(words[::2].sum()) + int(part[whole:].to(torch.int64).sum())
+        total += (2 * i + 1) * one
     return (total + 2**63) % 2**64 - 2**63
 
 
@@ -108,20 +116,29 @@ def _choose(units: int, changed: int, unit: int) -> tuple[Encoding, int]:
 
 
 def encode(
-    new: torch.Tensor, kept: torch.Tensor | None, unit: int, version: int, out: torch.Tensor, *, delta: bool = True
+    new: torch.Tensor,
+    kept: torch.Tensor | None,
+    unit: int,
+    version: int,
+    out: torch.Tensor,
+    *,
+    delta: bool = True,
+    spans: Sequence[tuple[int, int]] | None = None,
 ) -> Encoded:
     """Encode the message ``new`` (uint8) into ``out`` (uint8, at least :func:`capacity` bytes)
     against ``kept`` (the bytes last sent), and make ``kept`` equal ``new``. Dense when there
     is no kept copy or ``delta`` is False (the receiver holds no base to patch).
 
     ``unit``: the bytes of one element (1, 2, 4 or 8); ``new`` is a whole number of them.
+    ``spans``: the (offset, length) byte ranges the header's checksum covers (default: all):
+    a message's regions, without the padding between them, which its receiver does not hold.
     """
     nbytes = new.numel()
     if unit not in _UNIT_DTYPES or nbytes % unit:
         raise ValueError(f"a message of {nbytes} bytes is not a whole number of {unit}-byte units")
     units = nbytes // unit
     body = out[HEADER_BYTES:]
-    total = checksum(new)
+    total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
     encoding, changed, payload = Encoding.DENSE, units, nbytes
     where: torch.Tensor | None = None
     if kept is not None and delta:

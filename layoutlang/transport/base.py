@@ -69,6 +69,9 @@ class Transport(abc.ABC):
     rank: int
     device: torch.device
     _error: RuntimeFailure | None = None
+    #: whether a receive may be posted longer than the message it gets (gloo delivers the
+    #: shorter message; NCCL needs equal counts): what delta refits need (runtime/delta.py)
+    variable_length: bool = False
 
     @abc.abstractmethod
     def configure(self, group: Any, rank_map: Mapping[int, int] | None = None) -> None:

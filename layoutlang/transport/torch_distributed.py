@@ -68,6 +68,7 @@ class TorchTransport(Transport):
             nccl = "nccl" in str(dist.get_backend(group))
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
+        self.variable_length = "gloo" in str(dist.get_backend(group))
         self._reset()
 
     def _peer(self, rank: int) -> int:

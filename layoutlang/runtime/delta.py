@@ -1,0 +1,263 @@
+"""Delta refits: an executor's messages as the changes since the version their receiver holds.
+
+A refit after a training step moves the same boxes as the one before; most of their bytes
+did not change. With ``delta=True`` (:meth:`Executor.run <layoutlang.runtime.executor.Executor.run>`):
+
+- every sender keeps, per message, the bytes it last sent (*kept copies*, host memory of
+  the sender's device; :attr:`DeltaRefits.kept_bytes` in the run's report);
+- before the first step, every receiver tells each of its senders which version it holds of
+  each message it gets from it (the *offers*: 0 for none). A receiver holds a version when it
+  received it whole into the destination storages it is handed again now, and the checksum
+  of those bytes is still the one that version had: a storage written by someone else since,
+  or handed as another tensor, holds none (and :attr:`DeltaReport.stale` names it);
+- a sender encodes a message as a delta (:mod:`.wire_encoding`) when its receiver holds the
+  version it kept, and dense otherwise; the receiver patches the bytes it holds in place.
+
+Only messages whose every region lands in a destination storage in the wire's dtype can be
+patched (not regions gathered into scratch, quantized on arrival or cast): the others, and
+messages under :data:`~.wire_encoding.MIN_DELTA_BYTES`, travel dense as without deltas.
+Receives are posted :data:`~.wire_encoding.HEADER_BYTES` longer than the dense message and
+learn from the header what arrived, so the transport must deliver a message into a longer
+buffer (gloo does; :attr:`Transport.variable_length <layoutlang.transport.Transport.variable_length>`).
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .agreement import AGREEMENT_TAG
+from .schedule import _DESTINATION, Message, Piece, Step
+from .wire_encoding import MIN_DELTA_BYTES, Encoding, apply_patch, capacity, checksum, encode, read_header
+
+__all__ = ["DeltaRefits", "DeltaReport"]
+
+Key = tuple[int, int]  # (step, index of the transfer among the step's sends or receives)
+
+
+@attrs.frozen
+class DeltaReport:
+    """What deltas did in one run on one rank.
+
+    ``dense_bytes``: what this rank's messages would have sent without deltas (those that
+    could travel as deltas); ``wire_bytes``: what they sent (headers included);
+    ``messages``: how many were sent by each encoding; ``kept_bytes``: the copies this rank
+    keeps of what it sent (host memory, the base of its next deltas); ``stale``: destination
+    storages whose bytes were not the version this rank received last (written since, or
+    handed as other tensors), received dense in this run.
+    """
+
+    dense_bytes: int
+    wire_bytes: int
+    messages: dict[str, int]
+    kept_bytes: int
+    stale: list[str]
+
+    @property
+    def ratio(self) -> float:
+        """Wire bytes against dense (1.0 when nothing was sent)."""
+        return self.wire_bytes / self.dense_bytes if self.dense_bytes else 1.0
+
+
+@attrs.define
+class _Base:
+    """The version of one received message this rank holds, and where."""
+
+    version: int
+    checksum: int
+    places: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]  # each region's address, strides, dtype
+
+
+class DeltaRefits:
+    """One executor's delta state across its runs (module doc). ``region`` gives the view of a
+    destination piece in the run's storages."""
+
+    def __init__(self, steps: Sequence[Step], rank: int):
+        self.steps = steps
+        self.rank = rank
+        self._kept: dict[Key, torch.Tensor] = {}
+        self._kept_versions: dict[Key, int] = {}
+        self._bases: dict[Key, _Base] = {}
+        # transfers by peer, in the order both ends post them: what an offer lists
+        self._sends_to: dict[int, list[Key]] = defaultdict(list)
+        self._recvs_from: dict[int, list[Key]] = defaultdict(list)
+        for n, step in enumerate(steps):
+            for k, transfer in enumerate(step.send_transfers):
+                self._sends_to[transfer.peer].append((n, k))
+            for k, transfer in enumerate(step.recv_transfers):
+                self._recvs_from[transfer.peer].append((n, k))
+        self._version = 0
+        self._delta_sends: set[Key] = set()
+        self._arena = torch.empty(0, dtype=torch.uint8)
+
+    # ------------------------------------------------------------------ before the steps
+
+    def start(
+        self,
+        transport: Any,
+        timeout: float,
+        region: Callable[[Piece], torch.Tensor],
+        destination_dtypes: dict[str, torch.dtype],
+    ) -> None:
+        """Exchange the offers with every peer and decide which sends travel as deltas."""
+        self._version = secrets.randbits(62) or 1  # this run's version of what it sends
+        self._region = region
+        self._stale: set[str] = set()
+        self._counts = dict.fromkeys((e.name.lower() for e in Encoding), 0)
+        self._dense = self._wire = 0
+        self._patchable = {
+            (n, k)
+            for n, step in enumerate(self.steps)
+            for k, transfer in enumerate(step.recv_transfers)
+            if _patchable(transfer, destination_dtypes)
+        }
+        offers = [
+            (peer, torch.tensor([self._offer(key) for key in keys], dtype=torch.int64).view(torch.uint8))
+            for peer, keys in self._recvs_from.items()
+        ]
+        asked = {peer: torch.zeros(len(keys), dtype=torch.int64) for peer, keys in self._sends_to.items()}
+        transport.exchange(offers, [(p, t.view(torch.uint8)) for p, t in asked.items()], tag=AGREEMENT_TAG).wait(
+            timeout
+        )
+        self._delta_sends = {
+            key
+            for peer, keys in self._sends_to.items()
+            for key, offer in zip(keys, asked[peer].tolist())
+            if offer and offer == self._kept_versions.get(key)
+        }
+        largest = max((self._step_bytes(step) for step in self.steps), default=0)
+        if self._arena.numel() < largest:
+            self._arena = torch.empty(largest, dtype=torch.uint8)
+
+    def _offer(self, key: Key) -> int:
+        """The version of message ``key`` this rank holds whole where it lands now, or 0."""
+        base = self._bases.pop(key, None)
+        if base is None or key not in self._patchable:
+            return 0
+        transfer = self.steps[key[0]].recv_transfers[key[1]]
+        regions = [self._region(p) for p in transfer.pieces]
+        if base.places != _places(regions) or _regions_checksum(regions) != base.checksum:
+            self._stale.update(p.storage for p in transfer.pieces)
+            return 0
+        self._bases[key] = base
+        return base.version
+
+    def _step_bytes(self, step: Step) -> int:
+        return sum(_size(t) for t in step.send_transfers) + sum(_size(t) for t in step.recv_transfers)
+
+    # ------------------------------------------------------------------ each step
+
+    def encode_sends(self, n: int, sends: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """Step ``n``'s messages (as the executor packed them, dense) encoded for the wire."""
+        out, offset = [], 0
+        for k, ((peer, message), transfer) in enumerate(zip(sends, self.steps[n].send_transfers)):
+            if transfer.wire_bytes < MIN_DELTA_BYTES:
+                out.append((peer, message))
+                continue
+            key = (n, k)
+            buffer = self._arena[offset : offset + capacity(message.numel())]
+            offset += _size(transfer)
+            kept = self._kept.get(key)
+            if kept is None:
+                kept = self._kept[key] = torch.empty_like(message, device="cpu")
+                kept.copy_(message)
+                encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=_spans(transfer))
+            else:
+                encoded = encode(message, kept, _unit(transfer), self._version, buffer,
+                                 delta=key in self._delta_sends, spans=_spans(transfer))
+            self._kept_versions[key] = self._version
+            self._counts[encoded.header.encoding.name.lower()] += 1
+            self._dense += message.numel()
+            self._wire += encoded.nbytes
+            out.append((peer, buffer[: encoded.nbytes]))
+        self._recv_offset = offset
+        return out
+
+    def receive_buffers(self, n: int, landing: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+        """Where step ``n``'s messages arrive (after :meth:`encode_sends` of the same step):
+        room for the header besides the dense bytes; small ones where they land."""
+        out, offset = [], self._recv_offset
+        for (peer, buffer), transfer in zip(landing, self.steps[n].recv_transfers):
+            if transfer.wire_bytes < MIN_DELTA_BYTES:
+                out.append((peer, buffer))
+                continue
+            out.append((peer, self._arena[offset : offset + capacity(transfer.wire_bytes)]))
+            offset += _size(transfer)
+        return out
+
+    def decode(
+        self,
+        n: int,
+        received: Sequence[tuple[int, torch.Tensor]],
+        landing: Sequence[tuple[int, torch.Tensor]],
+        staged: set[int],
+    ) -> None:
+        """Write step ``n``'s messages where the executor expects them (``landing``: the region
+        itself, or the staging its unpack copies from: the messages in ``staged``)."""
+        for k, ((_, message), (_, place), transfer) in enumerate(
+            zip(received, landing, self.steps[n].recv_transfers)
+        ):
+            if transfer.wire_bytes < MIN_DELTA_BYTES:
+                continue
+            header = read_header(message)
+            key = (n, k)
+            if header.encoding != Encoding.DENSE and key not in self._bases:
+                raise RuntimeError(  # the offers say otherwise: a bug, never a wrong byte
+                    f"rank {self.rank}: a delta arrived for message {k} of step {n}, whose base this rank does not hold"
+                )
+            if header.encoding != Encoding.DENSE and k in staged:
+                for piece, offset in zip(transfer.pieces, transfer.offsets):  # the base, where it is patched
+                    place[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(
+                        self._region(piece)
+                    )
+            apply_patch(message, place, _unit(transfer))
+            if key in self._patchable:
+                regions = [self._region(p) for p in transfer.pieces]
+                self._bases[key] = _Base(header.version, header.checksum, _places(regions))
+
+    def report(self) -> DeltaReport:
+        kept = sum(t.numel() for t in self._kept.values())
+        return DeltaReport(self._dense, self._wire, dict(self._counts), kept, sorted(self._stale))
+
+
+def _patchable(transfer: Message, destination_dtypes: dict[str, torch.dtype]) -> bool:
+    """Whether a received message can be patched where it lands: every region in a destination
+    storage, in the wire's dtype, neither quantized nor assembled."""
+    return transfer.wire_bytes >= MIN_DELTA_BYTES and all(
+        p.space == _DESTINATION
+        and p.quantized is None
+        and p.assembly is None
+        and destination_dtypes.get(p.storage) == p.dtype
+        for p in transfer.pieces
+    )
+
+
+def _unit(transfer: Message) -> int:
+    """The element size of a message: the bytes its changes are found in."""
+    return math.gcd(*(1 if p.quantized is not None else p.dtype.itemsize for p in transfer.pieces))
+
+
+def _size(transfer: Message) -> int:
+    """Arena bytes a transfer takes, aligned so every buffer starts on 16 bytes."""
+    return -(-capacity(transfer.wire_bytes) // 16) * 16 if transfer.wire_bytes >= MIN_DELTA_BYTES else 0
+
+
+def _spans(transfer: Message) -> list[tuple[int, int]]:
+    """The bytes of a message that hold its regions (not the padding between them)."""
+    return [(offset, piece.nbytes) for piece, offset in zip(transfer.pieces, transfer.offsets)]
+
+
+def _places(regions: Sequence[torch.Tensor]) -> tuple[tuple[int, tuple[int, ...], torch.dtype], ...]:
+    return tuple((r.data_ptr(), tuple(r.stride()), r.dtype) for r in regions)
+
+
+def _regions_checksum(regions: Sequence[torch.Tensor]) -> int:
+    """The checksum of the regions' bytes, as :func:`~.wire_encoding.checksum` with spans
+    computes it of the message that brought them."""
+    return checksum([r.contiguous().view(-1).view(torch.uint8) for r in regions])

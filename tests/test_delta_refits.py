@@ -1,0 +1,72 @@
+"""Delta refits over multi-process gloo (layoutlang/runtime/delta.py): at every density of
+changed elements, NaN payloads and signed zeros included, each destination is bit-identical
+to a dense refit of the same weights into fresh storages, and the wire never carries more
+than 1.01x the dense bytes; a storage written by someone else since, or handed anew, is
+found and received dense."""
+
+from __future__ import annotations
+
+import delta_jobs
+import pytest
+from test_execute import EXAMPLES, PAIRS, participants_of
+
+from layoutlang.cli.launch import WorkerError
+
+DENSITIES = (0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0)
+
+# the session's pool of test_execute.py (as many workers as its largest example has ranks)
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.workers(max(len(participants_of(EXAMPLES / f"{name}.layout")) for name in PAIRS)),
+]
+
+
+@pytest.mark.parametrize("name", ["refit", "moe_ep"])
+def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, capsys):
+    path = EXAMPLES / f"{name}.layout"
+    participants = participants_of(path)
+    results = [r for r in pool.run(delta_jobs.delta_refits, str(path), participants, DENSITIES) if r]
+    assert len(results) == len(participants)
+    for steps in results:
+        assert all(step["identical"] for step in steps), [(s["rank"], s["density"]) for s in steps]
+    first, *later = zip(*results)  # by step, every rank's figures
+    assert sum(r["wire_bytes"] for r in first) >= sum(r["dense_bytes"] for r in first)  # no base yet: dense
+    with capsys.disabled():
+        print(f"\n{name}: density, wire bytes / dense bytes (all ranks)")
+    for density, step in zip(DENSITIES, later):
+        dense = sum(r["dense_bytes"] for r in step)
+        wire = sum(r["wire_bytes"] for r in step)
+        assert dense > 0 and wire <= 1.01 * dense, (density, wire, dense)
+        with capsys.disabled():
+            print(f"  {density:<7g} {wire:>10,} / {dense:>10,} = {wire / dense:.4f}")
+        if density <= 1e-2:
+            assert wire < dense / 5, (density, wire, dense)
+        assert all(not r["stale"] for r in step)
+    assert all(r["kept_bytes"] > 0 for r in first if r["dense_bytes"])  # what a sender keeps is counted
+
+
+def test_a_storage_written_since_or_handed_anew_is_received_dense_and_right(pool):
+    path = EXAMPLES / "refit.layout"
+    participants = participants_of(path)
+    victim = 5
+    results = {r[0]["rank"]: r for r in pool.run(delta_jobs.delta_after_tampering, str(path), participants, victim)
+               if r}
+    for steps in results.values():
+        assert all(step["identical"] for step in steps)
+    third = {rank: steps[2] for rank, steps in results.items()}
+    assert third[victim]["stale"], "the overwritten storages are found"
+    fresh = next(rank for rank, step in third.items() if step["fresh"])
+    assert third[fresh]["stale"], "storages handed as new tensors hold no version"
+    assert all(not step["stale"] for rank, step in third.items() if rank not in (victim, fresh))
+    # nothing changed for the others: the refit moved headers, far from dense
+    wire = sum(s["wire_bytes"] for s in third.values())
+    dense = sum(s["dense_bytes"] for s in third.values())
+    assert wire < dense
+
+
+def test_ranks_that_disagree_on_deltas_stop_before_a_byte_moves(pool):
+    path = EXAMPLES / "tp_to_dp.layout"
+    participants = participants_of(path)
+    with pytest.raises(WorkerError, match=r"compiled a different plan.*options on different ranks"):
+        pool.run(delta_jobs.delta_on_some_ranks, str(path), participants, [participants[0]])
+
