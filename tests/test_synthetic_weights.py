@@ -70,3 +70,48 @@ def test_fill_synthetic_needs_about_its_storages_only():
     expected_last = float(_formula(0, (8192, 8192), "fp32", (8191, 8191), (1, 1), 0).item())
     assert float(last) == expected_last
     assert int(growth) <= int(storage) // 4, (int(growth) / 2**20, "MiB of peak RSS growth")
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 20])
+def test_training_steps_change_the_same_elements_on_every_rank_and_the_truth_follows(monkeypatch, chunk):
+    """``apply --delta``'s synthetic training steps: each step changes about the fraction asked
+    of every tensor's elements, picked by their place in the logical tensor (so replicas and
+    differently sharded ranks change alike); ``changed_truth`` gives what every box holds after
+    the steps, checked here against the whole tensor changed element by element."""
+    import layoutlang
+
+    monkeypatch.setattr(weights, "SYNTHETIC_CHUNK", chunk)
+    program = layoutlang.loads(
+        "mesh a [tp = 2] on ranks 0..1\nmesh b [tp = 4] on ranks 2..5\n"
+        'tensor "w" [64, 48] fp32\ntensor "e" [100, 8] bf16\n'
+        'layout s on a {\n "w": tp = shard(0)\n "e": tp = shard(1)\n}\n'
+        'layout d on b {\n "w": tp = shard(1)\n "e": tp = shard(0)\n}\nreshard s -> d\n'
+    )
+    whole = program.layout("s")
+    steps, fraction = 3, 0.05
+    truth = weights.changed_truth(whole, None, fraction, steps)
+    for layout in (program.layout("s"), program.layout("d")):
+        for rank in layout.mesh.ranks:
+            storages = {
+                name: torch.zeros(shape, dtype=torch_dtype(layout.tensors[layout.storage(name, rank).parts[0]].dtype))
+                for name, shape in layout.storages_on(rank).items()
+            }
+            weights.fill_synthetic(layout, rank, storages)
+            changed = [weights.change_synthetic(layout, rank, storages, fraction, step) for step in range(1, steps + 1)]
+            held = sum(t.numel() for t in storages.values())
+            assert all(0 < c < 0.15 * held for c in changed), changed
+            assert weights.verify(layout, rank, storages, truth=truth).ok
+            assert not weights.verify(layout, rank, storages).ok  # they did change
+    # element by element: an element takes the values of the last step that picked it
+    for name in ("w", "e"):
+        tensor = whole.tensors[name]
+        index = whole.resolved.index[name]
+        expected = synthetic_box(index, tensor.shape, tensor.dtype, (0, 0), tensor.shape)
+        flat = torch.arange(expected.numel()).view(tensor.shape)
+        for step in range(1, steps + 1):
+            picked = weights._changed(flat, index, fraction, step)
+            later = synthetic_box(index, tensor.shape, tensor.dtype, (0, 0), tensor.shape, version=step)
+            expected[picked] = later[picked]
+        box = whole.boxes(name, 0)[0]
+        got = truth(name, index, box)
+        assert torch.equal(got, expected[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))])

@@ -121,6 +121,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    deltas = parser.add_argument_group(
+        "delta refits",
+        "With --delta, the refit runs --steps times; before each refit after the first, a synthetic "
+        "training step changes --change-fraction of the source elements, and each message carries only "
+        "what changed since the version its receiver holds (docs: guides/delta-refits).",
+    )
+    deltas.add_argument("--delta", action="store_true", help="send only what changed since the previous refit")
+    deltas.add_argument(
+        "--change-fraction", type=arguments.fraction, default=None, metavar="F",
+        help="with --delta: the fraction of source elements each training step changes (default 0.01)",
+    )
     elastic = parser.add_argument_group(
         "elastic refits",
         "With --elastic, the refit runs --steps times in an elastic session: ranks that fail are "
@@ -131,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--elastic", action="store_true", help="repeated refits that survive rank loss and replacement"
     )
     elastic.add_argument(
-        "--steps", type=arguments.positive_count, default=4, metavar="N", help="refits to run (default 4)"
+        "--steps", type=arguments.positive_count, default=None, metavar="N",
+        help="refits to run, with --elastic or --delta (default 4)",
     )
     elastic.add_argument(
         "--kill",
@@ -402,6 +414,30 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
         )
 
 
+def _check_delta_options(args: argparse.Namespace) -> None:
+    """Refuse what ``--delta`` does not combine with, and ``--steps`` / ``--change-fraction``
+    without the mode that reads them; fill in their defaults."""
+    if args.steps is not None and not (args.elastic or args.delta):
+        raise LayoutValueError("--steps counts the refits of --elastic or --delta; give one of them")
+    if args.change_fraction is not None and not args.delta:
+        raise LayoutValueError("--change-fraction is the share of elements a --delta step changes; give --delta")
+    if args.delta:
+        refused = [
+            flag
+            for flag, given in (
+                ("--elastic", args.elastic),  # an elastic job's refits move dense
+                ("--repeat", args.repeat != 1),  # a repeat of the same weights is a delta of nothing
+                ("--transport nccl", args.transport == "nccl"),  # NCCL needs equal counts at both ends
+            )
+            if given
+        ]
+        if refused:
+            raise LayoutValueError(f"--delta does not take {', '.join(refused)}",
+                                   hint="delta refits run on torch.distributed with gloo; --steps N repeats them")
+    args.steps = 4 if args.steps is None else args.steps
+    args.change_fraction = 0.01 if args.change_fraction is None else args.change_fraction
+
+
 def check_device(args: argparse.Namespace) -> None:
     """Refuse ``--device cuda`` / ``--transport nccl`` on a machine without what they need,
     found by the doctor's own detection, before torch.distributed starts and any worker runs;
@@ -430,6 +466,7 @@ def check_device(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_delta_options(args)
     if args.elastic:
         return _apply_elastic(args)
     check_device(args)
@@ -480,6 +517,9 @@ def run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         transport=args.transport,
         plan_mode=args.plan_mode,
+        delta=args.delta,
+        steps=args.steps if args.delta else 1,
+        change_fraction=args.change_fraction,
     )
     if environment_is_torchrun():
         reports = job.run_torchrun(options, args.device)
@@ -704,6 +744,33 @@ def _recovery_lines(rec: dict[str, Any], joined: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _delta_lines(policy: str, steps: list[dict]) -> list[str]:
+    """A delta run's steps: what changed, what travelled against dense, how it was encoded."""
+    rows = []
+    for step in steps:
+        wire, dense = step["wire_bytes"], step["dense_bytes"]
+        encodings = ", ".join(f"{k} {v}" for k, v in step["messages"].items() if v)
+        rows.append([
+            str(step["step"]),
+            "-" if step["step"] == 0 else f"{step['changed_fraction']:.4%}",
+            f"{step['seconds']:.3f} s",
+            human_bytes(wire),
+            human_bytes(dense),
+            f"{dense / wire:.1f}x" if wire else "-",
+            encodings or "-",
+            "ok" if not step["mismatches"] else f"{step['mismatches']} MISMATCHES",
+        ])
+    header = ["step", "changed", "time", "on the wire", "dense", "fewer", "messages", "verified"]
+    kept = max(step["kept_bytes_per_rank"] for step in steps)
+    stale = sorted({name for step in steps for name in step["stale"]})
+    lines = [f"{policy}: delta refits (step 0 is dense: no receiver holds a version yet)"]
+    lines += table(rows, header, right={1, 2, 3, 4, 5})
+    lines.append(f"previous versions kept in host memory on the senders: {human_bytes(kept)} per rank at most")
+    if stale:
+        lines.append(f"received dense (their bytes were not the version received last): {', '.join(stale)}")
+    return lines
+
+
 def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> list[str]:
     statement, source, destination = _reshard_of(args)
     head = (
@@ -746,6 +813,9 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
             f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x its bytes "
             f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x over the network)"
         )
+    for policy, run in runs.items():
+        if "delta_steps" in run:
+            lines += ["", *_delta_lines(policy, run["delta_steps"])]
     for run in runs.values():
         for mismatch in run["mismatches"][:10]:
             lines.append(f"MISMATCH {mismatch}")

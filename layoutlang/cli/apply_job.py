@@ -30,7 +30,15 @@ from ..errors import AgreementError, ExecutionError, LayoutError, LayoutValueErr
 from ..io.quantize import quantize
 from ..io.safetensors import tensors_from_safetensors
 from ..io.torch_dtypes import torch_dtype
-from ..io.weights import SafetensorsCheckpoint, fill_synthetic, synthetic_box, verify, write_safetensors
+from ..io.weights import (
+    SafetensorsCheckpoint,
+    change_synthetic,
+    changed_truth,
+    fill_synthetic,
+    synthetic_box,
+    verify,
+    write_safetensors,
+)
 from ..lang import load
 from ..model import Box, Layout, Program
 from ..plan import KINDS
@@ -66,6 +74,11 @@ class ApplyOptions:
     transport: str = "torch"
     #: ``--plan-mode``: auto (the Resharder's default), fleet or per-rank
     plan_mode: str = "auto"
+    #: ``--delta``: ``steps`` refits, each after a synthetic training step that changes
+    #: ``change_fraction`` of the source elements, sent as deltas (the first one dense)
+    delta: bool = False
+    steps: int = 1
+    change_fraction: float = 0.01
 
 
 #: ``--plan-mode`` as the Resharder's ``per_rank``
@@ -139,7 +152,8 @@ def _run_policy(
     progress: Callable[[int, int], None] | None,
     write: bool,
 ) -> dict[str, Any]:
-    """Fill the sources, run the plan ``options.repeat`` times, verify (and write) the destinations."""
+    """Fill the sources, run the plan ``options.repeat`` times (``options.steps`` delta refits,
+    each after a synthetic training step), verify (and write) the destinations."""
     plan, rank = resharder.plan, resharder.rank
     dtype = getattr(torch, options.cast) if options.cast else None
     sources: dict[str, torch.Tensor] = {}
@@ -162,44 +176,80 @@ def _run_policy(
             _check_output(output, rank, sum(t.numel() * t.element_size() for t in destinations.values()))
     except Exception as err:  # a mistake or a bug: _run_once reports it in the agreement
         problem = err
-    reports = [
-        _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem)
-        for _ in range(max(1, options.repeat))
-    ]
+    reports: list[RunReport] = []
+    steps: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"verified_bytes": 0, "mismatches": []}
+    for step in range(options.steps if options.delta else 1):
+        changed = 0
+        if step and problem is None and rank in plan.source.mesh:  # a synthetic training step
+            changed = change_synthetic(plan.source, rank, sources, options.change_fraction, step)
+        reports.extend(
+            _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem,
+                      delta=options.delta)
+            for _ in range(1 if options.delta else max(1, options.repeat))
+        )
+        # every step's destinations are verified: a delta is right only if all of them are
+        verified, mismatches = _verify(plan, rank, destinations, checkpoint, options.change_fraction, step)
+        result["verified_bytes"] += verified
+        result["mismatches"] += [f"step {step}: {m}" for m in mismatches] if options.delta else mismatches
+        if options.delta:
+            delta = reports[-1].delta
+            assert delta is not None
+            elements = sum(t.numel() for t in sources.values()) if rank in plan.source.mesh else 0
+            steps.append({"step": step, "seconds": reports[-1].seconds, "changed_elements": changed,
+                          "source_elements": elements, "verified_bytes": verified, "mismatches": len(mismatches)}
+                         | attrs.asdict(delta))
     run = reports[-1]
-    result: dict[str, Any] = {
+    timed = reports[1:] if options.delta and len(reports) > 1 else reports  # a delta run's first step is dense
+    result |= {
         "fingerprint": plan.fingerprint,
         "plan_mode": "per-rank" if plan.rank is not None else plan.mode,
         "plan_moves": plan.num_moves,
-        "seconds": min(r.seconds for r in reports),
+        "seconds": min(r.seconds for r in timed),
         "sent": run.sent,
         "received": run.received,
         "messages": run.messages_sent,
-        "peak_staging_bytes": run.peak_staging_bytes,
+        "peak_staging_bytes": max(r.peak_staging_bytes for r in reports),
         "memory_budget": options.memory_budget,
-        "verified_bytes": 0,
-        "mismatches": [],
     }
-    if rank in plan.destination.mesh:
-        truth = _truth(plan.destination, checkpoint)
-        if plan.quantization is not None:
-            truth, scales_checked = _quantized_truth(plan.destination, rank, destinations, truth)
-        check = verify(plan.destination, rank, destinations, truth=truth)
-        result["verified_bytes"] = check.bytes
-        result["mismatches"] = list(check.mismatches)
-        if plan.quantization is not None:
-            result["verified_bytes"] += scales_checked.bytes
-            result["mismatches"] += scales_checked.mismatches
-        if output is not None:
-            # checked before the run; write_safetensors names any failure since (a folder
-            # removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
-            written = write_safetensors(
-                output,
-                destinations,
-                {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
-            )
-            result["written"] = attrs.asdict(written)  # for the folder's manifest (layoutlang.io.output)
+    if options.delta:
+        result["delta_steps"] = steps
+    if output is not None and rank in plan.destination.mesh:
+        # checked before the run; write_safetensors names any failure since (a folder
+        # removed meanwhile: exit 2; a full disk: exit 1) and leaves no partial file
+        written = write_safetensors(
+            output,
+            destinations,
+            {"layout": plan.destination.name, "rank": str(rank), "plan": plan.fingerprint},
+        )
+        result["written"] = attrs.asdict(written)  # for the folder's manifest (layoutlang.io.output)
     return result
+
+
+def _verify(
+    plan: Any,
+    rank: int,
+    destinations: dict[str, torch.Tensor],
+    checkpoint: SafetensorsCheckpoint | None,
+    change_fraction: float,
+    steps: int,
+) -> tuple[int, list[str]]:
+    """Compare every destination byte of ``rank`` with the truth after ``steps`` synthetic
+    training steps (0: the weights as filled); returns the bytes verified and the mismatches."""
+    if rank not in plan.destination.mesh:
+        return 0, []
+    truth = _truth(plan.destination, checkpoint)
+    if steps:
+        truth = changed_truth(plan.destination, truth, change_fraction, steps)
+    scales_checked = None
+    if plan.quantization is not None:
+        truth, scales_checked = _quantized_truth(plan.destination, rank, destinations, truth)
+    check = verify(plan.destination, rank, destinations, truth=truth)
+    verified, mismatches = check.bytes, list(check.mismatches)
+    if scales_checked is not None:
+        verified += scales_checked.bytes
+        mismatches += scales_checked.mismatches
+    return verified, mismatches
 
 
 def _run_once(
@@ -210,6 +260,8 @@ def _run_once(
     cast_sources: bool,
     progress: Callable[[int, int], None] | None,
     problem: Exception | None,
+    *,
+    delta: bool = False,
 ) -> RunReport:
     """One run of the plan; a rank that could not prepare it (its sources, its storages, its
     output) stops every rank in the run's agreement."""
@@ -221,6 +273,7 @@ def _run_once(
             cast_sources=cast_sources,
             progress=progress,
             not_ready=_not_ready_text(problem, resharder.rank) if problem is not None else None,
+            delta=delta,
         )
     except AgreementError as stopped:
         raise_stopped(stopped, problem)
@@ -460,6 +513,27 @@ def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, A
 # ------------------------------------------------------------------ summary
 
 
+def _delta_steps(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A delta run's steps, totalled over ranks: the fraction of source elements changed, the
+    bytes on the wire against dense, the encodings, what the senders keep."""
+    out = []
+    for by_rank in zip(*(run["delta_steps"] for run in runs)):
+        elements = sum(r["source_elements"] for r in by_rank)
+        out.append({
+            "step": by_rank[0]["step"],
+            "seconds": max(r["seconds"] for r in by_rank),
+            "changed_fraction": sum(r["changed_elements"] for r in by_rank) / elements if elements else 0.0,
+            "wire_bytes": sum(r["wire_bytes"] for r in by_rank),
+            "dense_bytes": sum(r["dense_bytes"] for r in by_rank),
+            "messages": {k: sum(r["messages"][k] for r in by_rank) for k in by_rank[0]["messages"]},
+            "kept_bytes_per_rank": max(r["kept_bytes"] for r in by_rank),
+            "stale": sorted({name for r in by_rank for name in r["stale"]}),
+            "verified_bytes": sum(r["verified_bytes"] for r in by_rank),
+            "mismatches": sum(r["mismatches"] for r in by_rank),
+        })
+    return out
+
+
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """Totals over ranks: time (the slowest rank), bytes by kind, messages, bandwidth."""
     active = [r for r in reports if not r.get("idle")]
@@ -485,6 +559,8 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
             "plan_mode": ", ".join(sorted({run["plan_mode"] for run in runs})),
             "plan_moves": max(run["plan_moves"] for run in runs),
         }
+        if "delta_steps" in runs[0]:
+            out["runs"][policy]["delta_steps"] = _delta_steps(runs)
     out["peak_rss_growth_bytes"] = max((r.get("peak_rss_growth_bytes", 0) for r in active), default=0)
     out["ok"] = all(not v["mismatches"] for v in out["runs"].values())
     return out

@@ -82,6 +82,17 @@ def positive_count(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    """A fraction within [0, 1] (``--change-fraction``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction such as 0.01, not {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected a fraction within [0, 1], not {text!r}")
+    return value
+
+
 def count(text: str) -> int:
     """A count of 0 or more (``--limit``)."""
     value = _integer(text, "a whole number of 0 or more")

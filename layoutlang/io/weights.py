@@ -25,6 +25,7 @@ import struct
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -40,6 +41,8 @@ from .torch_dtypes import dtype_name, torch_dtype
 __all__ = [
     "SafetensorsCheckpoint",
     "Verification",
+    "change_synthetic",
+    "changed_truth",
     "fill_synthetic",
     "synthetic_box",
     "verify",
@@ -85,10 +88,15 @@ def _fill_box(
     """Write a box's synthetic values into ``out`` (any view of the box's sizes, any dtype),
     one slab of at most SYNTHETIC_CHUNK elements at a time: the int64 element indices of a
     500 MiB embedding box would take 1 GiB, and the arithmetic on them several times that."""
-    sizes = tuple(sizes)
-    if not sizes:
-        out[...] = _synthetic_values(tensor_index, shape, dtype, (), (), version).to(out.device)
-        return
+    for where, slab_offsets, slab_sizes in _slabs(offsets, sizes):
+        values = _synthetic_values(tensor_index, shape, dtype, slab_offsets, slab_sizes, version)
+        out[where] = values.view(out[where].shape).to(out.device)
+
+
+def _slabs(offsets, sizes) -> Iterable[tuple[tuple[Any, ...], tuple[int, ...], tuple[int, ...]]]:
+    """A box cut into slabs of at most SYNTHETIC_CHUNK elements: per slab, where it lies in
+    the box (an index), and its offsets and sizes in the logical tensor."""
+    sizes, offsets = tuple(sizes), tuple(offsets)
     # the leading dims of the box that a slab spans one index of (the rest it spans whole)
     inner = 1
     split = len(sizes)
@@ -96,32 +104,95 @@ def _fill_box(
         split -= 1
         inner *= sizes[split]
     if split == 0:
-        out[...] = _synthetic_values(tensor_index, shape, dtype, offsets, sizes, version).to(out.device)
+        yield (...,), offsets, sizes
         return
     # dim ``split - 1`` is cut into runs of ``rows`` indices, every dim before it one by one
     rows = max(1, SYNTHETIC_CHUNK // inner)
     for head in np.ndindex(*sizes[: split - 1]):
         for start in range(0, sizes[split - 1], rows):
             n = min(rows, sizes[split - 1] - start)
-            sub_offsets = (
-                *(o + h for o, h in zip(offsets, head)), offsets[split - 1] + start, *offsets[split:]
-            )
+            sub_offsets = (*(o + h for o, h in zip(offsets, head)), offsets[split - 1] + start, *offsets[split:])
             sub_sizes = (*(1,) * len(head), n, *sizes[split:])
-            values = _synthetic_values(tensor_index, shape, dtype, sub_offsets, sub_sizes, version)
-            where = (*head, slice(start, start + n))
-            out[where] = values.view(sub_sizes[split - 1 :]).to(out.device)
+            yield (*head, slice(start, start + n)), sub_offsets, sub_sizes
 
 
-def _synthetic_values(
-    tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int
-) -> torch.Tensor:
-    """A (small) box's synthetic values: the formula, on int64 element indices."""
+def _element_index(shape: tuple[int, ...], offsets, sizes) -> torch.Tensor:
+    """The row-major index in the logical tensor of every element of a (small) box."""
     index = torch.zeros((), dtype=torch.int64)
     stride = 1
     for d in reversed(range(len(shape))):
         axis = torch.arange(offsets[d], offsets[d] + sizes[d], dtype=torch.int64) * stride
         index = index + axis.view([-1] + [1] * (len(shape) - 1 - d))
         stride *= shape[d]
+    return index
+
+
+#: the modulus of the hash that picks a training step's changed elements
+_CHANGE_MODULUS = 1_000_003
+
+
+def _changed(index: torch.Tensor, tensor_index: int, fraction: float, step: int) -> torch.Tensor:
+    """Whether each element (by its logical index) changes at training ``step``: about
+    ``fraction`` of them, the same on every rank, other ones at every step."""
+    seed = (tensor_index + 1) * 7_777_777 + step * 104_729
+    hashed = (index * 2_654_435_761 + seed) % _CHANGE_MODULUS
+    return hashed < round(fraction * _CHANGE_MODULUS)
+
+
+def change_synthetic(
+    layout: Layout, rank: int, storages: Mapping[str, torch.Tensor], fraction: float, step: int
+) -> int:
+    """A synthetic training ``step`` (1, 2, ...): about ``fraction`` of every tensor's elements
+    (picked by their place in the logical tensor, so every replica changes alike) take their
+    synthetic values of version ``step``; returns how many elements of ``rank``'s boxes changed.
+
+    :func:`changed_truth` gives the values every box holds after such steps."""
+    changed = 0
+    for name in layout.resolved.names:
+        tensor = layout.tensors[name]
+        index = layout.resolved.index[name]
+        for box in layout.boxes(name, rank):
+            held = _in_storage(layout, rank, storages, box)
+            for where, offsets, sizes in _slabs(box.offsets, box.sizes):
+                chosen = _changed(_element_index(tensor.shape, offsets, sizes), index, fraction, step)
+                count = int(chosen.sum())
+                if count:
+                    values = _synthetic_values(index, tensor.shape, tensor.dtype, offsets, sizes, step)
+                    slab = held[where]
+                    chosen, values = chosen.view(slab.shape), values.view(slab.shape)
+                    slab[chosen] = values[chosen].to(device=slab.device, dtype=slab.dtype)
+                    changed += count
+    return changed
+
+
+def changed_truth(layout: Layout, truth, fraction: float, steps: int):
+    """The truth after ``steps`` training steps of :func:`change_synthetic`, over ``truth``
+    (the values before them: ``truth(name, index, box)``, None for the synthetic ones)."""
+
+    def after(name: str, index: int, box: Box) -> torch.Tensor:
+        tensor = layout.tensors[name]
+        if truth is None:
+            values = synthetic_box(index, tensor.shape, tensor.dtype, box.offsets, box.sizes)
+        else:
+            values = truth(name, index, box).clone()
+        for where, offsets, sizes in _slabs(box.offsets, box.sizes):
+            element = _element_index(tensor.shape, offsets, sizes)
+            slab = values[where]
+            for step in range(1, steps + 1):
+                chosen = _changed(element, index, fraction, step).view(slab.shape)
+                if bool(chosen.any()):
+                    new = _synthetic_values(index, tensor.shape, tensor.dtype, offsets, sizes, step).view(slab.shape)
+                    slab[chosen] = new[chosen].to(slab.dtype)
+        return values
+
+    return after
+
+
+def _synthetic_values(
+    tensor_index: int, shape: tuple[int, ...], dtype: str, offsets, sizes, version: int
+) -> torch.Tensor:
+    """A (small) box's synthetic values: the formula, on int64 element indices."""
+    index = _element_index(shape, offsets, sizes)
     # every dim added an axis: ``index`` is a fresh tensor of the box's shape, so the
     # arithmetic runs in place on it (one slab of int64, not one per operation)
     m = _modulus(dtype)
