@@ -813,6 +813,8 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
             f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x its bytes "
             f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x over the network)"
         )
+    if any("delta_steps" in run for run in runs.values()):
+        lines.append("(time: the fastest delta refit; moved: the plan's bytes, which a dense refit sends)")
     for policy, run in runs.items():
         if "delta_steps" in run:
             lines += ["", *_delta_lines(policy, run["delta_steps"])]
