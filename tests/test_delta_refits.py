@@ -9,6 +9,7 @@ from __future__ import annotations
 import delta_jobs
 import pytest
 from test_execute import EXAMPLES, PAIRS, participants_of
+from test_fp8_refit import TP as FP8
 
 from layoutlang.cli.launch import WorkerError
 
@@ -21,9 +22,14 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("name", ["refit", "moe_ep"])
-def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, capsys):
+@pytest.mark.parametrize("name", ["refit", "moe_ep", "fp8"])
+def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, capsys, tmp_path):
+    """The refit example (fused storages, domains: relays), the MoE example (stacked experts)
+    and an FP8 destination (block, per-channel and MXFP8 scales: values and scales patched)."""
     path = EXAMPLES / f"{name}.layout"
+    if name == "fp8":
+        path = tmp_path / "fp8.layout"
+        path.write_text(FP8)
     participants = participants_of(path)
     results = [r for r in pool.run(delta_jobs.delta_refits, str(path), participants, DENSITIES) if r]
     assert len(results) == len(participants)
@@ -39,7 +45,11 @@ def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, 
         assert dense > 0 and wire <= 1.01 * dense, (density, wire, dense)
         with capsys.disabled():
             print(f"  {density:<7g} {wire:>10,} / {dense:>10,} = {wire / dense:.4f}")
-        if density <= 1e-2:
+        if density == 0.0:
+            assert wire < dense / 100, (density, wire, dense)  # headers only
+        if density <= 1e-2 and name != "fp8":
+            # (in fp8, a changed element that moves its block's scale changes the whole block:
+            # a third of the changes here are NaNs, which always do)
             assert wire < dense / 5, (density, wire, dense)
         assert all(not r["stale"] for r in step)
     assert all(r["kept_bytes"] > 0 for r in first if r["dense_bytes"])  # what a sender keeps is counted

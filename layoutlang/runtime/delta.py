@@ -13,9 +13,11 @@ did not change. With ``delta=True`` (:meth:`Executor.run <layoutlang.runtime.exe
 - a sender encodes a message as a delta (:mod:`.wire_encoding`) when its receiver holds the
   version it kept, and dense otherwise; the receiver patches the bytes it holds in place.
 
-Only messages whose every region lands in a destination storage in the wire's dtype can be
-patched (not regions gathered into scratch, quantized on arrival or cast): the others, and
-messages under :data:`~.wire_encoding.MIN_DELTA_BYTES`, travel dense as without deltas.
+Only messages whose every region lands in a destination storage as it travels can be
+patched (fp8 values and their scales included, and the bf16 boxes a rank assembles for a
+quantized tensor, which it keeps between delta runs; not regions gathered into scratch or
+cast on arrival): the others, and messages under
+:data:`~.wire_encoding.MIN_DELTA_BYTES`, travel dense as without deltas.
 Receives are posted :data:`~.wire_encoding.HEADER_BYTES` longer than the dense message and
 learn from the header what arrived, so the transport must deliver a message into a longer
 buffer (gloo does; :attr:`Transport.variable_length <layoutlang.transport.Transport.variable_length>`).
@@ -33,7 +35,7 @@ import attrs
 import torch
 
 from .agreement import AGREEMENT_TAG
-from .schedule import _DESTINATION, Message, Piece, Step
+from .schedule import _ASSEMBLY, _DESTINATION, Message, Piece, Step
 from .wire_encoding import MIN_DELTA_BYTES, Encoding, apply_patch, capacity, checksum, encode, read_header
 
 __all__ = ["DeltaRefits", "DeltaReport"]
@@ -48,7 +50,8 @@ class DeltaReport:
     ``dense_bytes``: what this rank's messages would have sent without deltas (those that
     could travel as deltas); ``wire_bytes``: what they sent (headers included);
     ``messages``: how many were sent by each encoding; ``kept_bytes``: the copies this rank
-    keeps of what it sent (host memory, the base of its next deltas); ``stale``: destination
+    keeps of what it sent (host memory, the base of its next deltas) and the bf16 boxes it
+    assembles for quantized tensors (kept between delta runs); ``stale``: destination
     storages whose bytes were not the version this rank received last (written since, or
     handed as other tensors), received dense in this run.
     """
@@ -102,12 +105,14 @@ class DeltaRefits:
         self,
         transport: Any,
         timeout: float,
-        region: Callable[[Piece], torch.Tensor],
+        held: Callable[[Piece], list[torch.Tensor]],
         destination_dtypes: dict[str, torch.dtype],
     ) -> None:
-        """Exchange the offers with every peer and decide which sends travel as deltas."""
+        """Exchange the offers with every peer and decide which sends travel as deltas.
+        ``held(piece)``: the destination tensors a received piece lands in (its region, and
+        its scales for a quantized one)."""
         self._version = secrets.randbits(62) or 1  # this run's version of what it sends
-        self._region = region
+        self._held = held
         self._stale: set[str] = set()
         self._counts = dict.fromkeys((e.name.lower() for e in Encoding), 0)
         self._dense = self._wire = 0
@@ -141,7 +146,7 @@ class DeltaRefits:
         if base is None or key not in self._patchable:
             return 0
         transfer = self.steps[key[0]].recv_transfers[key[1]]
-        regions = [self._region(p) for p in transfer.pieces]
+        regions = [t for p in transfer.pieces for t in self._held(p)]
         if base.places != _places(regions) or _regions_checksum(regions) != base.checksum:
             self._stale.update(p.storage for p in transfer.pieces)
             return 0
@@ -197,9 +202,11 @@ class DeltaRefits:
         received: Sequence[tuple[int, torch.Tensor]],
         landing: Sequence[tuple[int, torch.Tensor]],
         staged: set[int],
+        gather: Callable[[Piece, torch.Tensor], None],
     ) -> None:
         """Write step ``n``'s messages where the executor expects them (``landing``: the region
-        itself, or the staging its unpack copies from: the messages in ``staged``)."""
+        itself, or the staging its unpack copies from: the messages in ``staged``, whose base
+        ``gather(piece, slot)`` writes into the piece's slot of the message first)."""
         for k, ((_, message), (_, place), transfer) in enumerate(
             zip(received, landing, self.steps[n].recv_transfers)
         ):
@@ -213,28 +220,41 @@ class DeltaRefits:
                 )
             if header.encoding != Encoding.DENSE and k in staged:
                 for piece, offset in zip(transfer.pieces, transfer.offsets):  # the base, where it is patched
-                    place[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes).copy_(
-                        self._region(piece)
-                    )
+                    gather(piece, place[offset : offset + piece.nbytes])
             apply_patch(message, place, _unit(transfer))
             if key in self._patchable:
-                regions = [self._region(p) for p in transfer.pieces]
+                regions = [t for p in transfer.pieces for t in self._held(p)]
                 self._bases[key] = _Base(header.version, header.checksum, _places(regions))
 
-    def report(self) -> DeltaReport:
-        kept = sum(t.numel() for t in self._kept.values())
+    def report(self, kept_besides: int = 0) -> DeltaReport:
+        """This run's report; ``kept_besides``: bytes the executor keeps as bases besides the
+        sent copies (the boxes it assembles for quantized tensors)."""
+        kept = sum(t.numel() for t in self._kept.values()) + kept_besides
         return DeltaReport(self._dense, self._wire, dict(self._counts), kept, sorted(self._stale))
 
 
 def _patchable(transfer: Message, destination_dtypes: dict[str, torch.dtype]) -> bool:
     """Whether a received message can be patched where it lands: every region in a destination
-    storage, in the wire's dtype, neither quantized nor assembled."""
+    storage in the wire's dtype (a quantized one: its fp8 values and its scales, as they
+    travel), or in a box the executor assembles for a quantized tensor and keeps between delta
+    runs."""
     return transfer.wire_bytes >= MIN_DELTA_BYTES and all(
-        p.space == _DESTINATION
-        and p.quantized is None
-        and p.assembly is None
-        and destination_dtypes.get(p.storage) == p.dtype
-        for p in transfer.pieces
+        _lands_as_sent(p, destination_dtypes) for p in transfer.pieces
+    )
+
+
+def _lands_as_sent(piece: Piece, destination_dtypes: dict[str, torch.dtype]) -> bool:
+    if piece.space == _ASSEMBLY:  # a box the executor assembles in the wire's dtype and keeps
+        return True
+    if piece.space != _DESTINATION or piece.assembly is not None:
+        return False
+    q = piece.quantized
+    if q is None:
+        return destination_dtypes.get(piece.storage) == piece.dtype
+    return (
+        q.scale_storage is not None
+        and destination_dtypes.get(piece.storage) == q.values
+        and destination_dtypes.get(q.scale_storage) == q.scale_dtype
     )
 
 
@@ -249,8 +269,17 @@ def _size(transfer: Message) -> int:
 
 
 def _spans(transfer: Message) -> list[tuple[int, int]]:
-    """The bytes of a message that hold its regions (not the padding between them)."""
-    return [(offset, piece.nbytes) for piece, offset in zip(transfer.pieces, transfer.offsets)]
+    """The bytes of a message that hold its regions (not the padding between them): a
+    quantized region's values, then its scales."""
+    spans = []
+    for piece, offset in zip(transfer.pieces, transfer.offsets):
+        q = piece.quantized
+        if q is None:
+            spans.append((offset, piece.nbytes))
+            continue
+        values = piece.numel * q.values.itemsize
+        spans += [(offset, values), (offset + -(-values // 16) * 16, math.prod(q.scale_sizes) * q.scale_dtype.itemsize)]
+    return spans
 
 
 def _places(regions: Sequence[torch.Tensor]) -> tuple[tuple[int, tuple[int, ...], torch.dtype], ...]:

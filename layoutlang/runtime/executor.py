@@ -144,6 +144,7 @@ class Executor:
         # at every step cost more than the copies themselves (its pages faulted in anew).
         self._arenas = (_Arena(), _Arena())
         self._deltas: DeltaRefits | None = None  # kept copies and bases of delta runs
+        self._kept_assemblies: dict[str, torch.Tensor] = {}  # delta runs' assembled boxes (bases)
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
         """Step index -> storages of ``space`` that no later step touches (``names`` start
@@ -311,6 +312,8 @@ class Executor:
         in_place = not _overlapping(per_source, destinations)
         spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
         staging = self._staging(spaces, in_place=in_place, device=device)
+        if delta:  # the bf16 boxes assembled for quantized tensors are patched from run to run
+            spaces.assembled, spaces.keep_assemblies = self._kept_assemblies, True
         deltas = self._start_deltas(spaces, destinations) if delta else None
         packed_next: list[tuple[int, torch.Tensor]] | None = None
         for n, step in enumerate(self.steps):
@@ -326,7 +329,7 @@ class Executor:
             pending.wait(self.timeout)
             if deltas is not None:
                 staged = {k for k in range(len(landing)) if (n, "recv", k) not in staging.direct}
-                deltas.decode(n, recvs, landing, staged)
+                deltas.decode(n, recvs, landing, staged, lambda piece, slot: _gather_base(spaces, piece, slot))
             self._unpack(n, landing, spaces, tally, staging)
             self._copy_out_of_scratch(n, spaces)
             self._assemblies.flush(n, spaces)
@@ -339,14 +342,17 @@ class Executor:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         report = tally.report(self.rank, time.perf_counter() - start, len(self.steps))
-        return attrs.evolve(report, delta=deltas.report()) if deltas is not None else report
+        if deltas is None:
+            return report
+        assembled = sum(t.numel() * t.element_size() for t in self._kept_assemblies.values())
+        return attrs.evolve(report, delta=deltas.report(kept_besides=assembled))
 
     def _start_deltas(self, spaces: _Spaces, destinations: Mapping[str, torch.Tensor]) -> DeltaRefits:
         """This run's deltas: what each receiver holds, exchanged before the first step."""
         if self._deltas is None:
             self._deltas = DeltaRefits(self.steps, self.rank)
         dtypes = {name: tensor.dtype for name, tensor in destinations.items()}
-        self._deltas.start(self.transport, self.timeout, spaces.region, dtypes)
+        self._deltas.start(self.transport, self.timeout, lambda piece: _held(spaces, piece), dtypes)
         return self._deltas
 
     def _staging(self, spaces: _Spaces, *, in_place: bool, device: torch.device) -> _Staging:
@@ -558,6 +564,7 @@ class _Spaces:
         }
         self._storages[(_DESTINATION, 0)] = destinations
         self.assembled: dict[str, torch.Tensor] = {}  # assembly key -> its box, in the logical dtype
+        self.keep_assemblies = False  # a delta run's: the assembled boxes are the base of the next
 
     def assembly(self, piece: Piece) -> torch.Tensor:
         """The bf16 buffer of the destination box an assembly piece lands in (made on first use)."""
@@ -662,6 +669,22 @@ def _quantized_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, tor
     return values, scales
 
 
+def _held(spaces: _Spaces, piece: Piece) -> list[torch.Tensor]:
+    """The destination tensors a received piece lands in: its region (and its scales)."""
+    return [spaces.region(piece)] + ([spaces.scales(piece)] if piece.quantized is not None else [])
+
+
+def _gather_base(spaces: _Spaces, piece: Piece, slot: torch.Tensor) -> None:
+    """Write what a received piece's region holds into its slot of a message (the inverse of
+    :meth:`Executor._unpack`): the base a delta patches."""
+    if piece.quantized is not None:
+        values, scales = _quantized_views(slot, piece)
+        _copy_bytes(values, spaces.region(piece))
+        _copy_bytes(scales, spaces.scales(piece))
+    else:
+        slot.view(piece.dtype).view(piece.sizes).copy_(spaces.region(piece))
+
+
 def _copy_bytes(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copies fp8 values or scales as bytes (the same dtype on both sides: nothing converts)."""
     if target.dtype != value.dtype:
@@ -728,8 +751,9 @@ class _Assemblies:
                     ),
                 )
                 quantize_into(box[where], values[into], scales[scale_into], a.format, a.block, a.convention)
-        for key in self.free_after.get(n, ()):
-            spaces.assembled.pop(key, None)
+        if not spaces.keep_assemblies:
+            for key in self.free_after.get(n, ()):
+                spaces.assembled.pop(key, None)
 
 
 def _expanded(piece: Piece) -> _Box:
