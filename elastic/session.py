@@ -58,6 +58,7 @@ from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan
 from layoutlang.plan.data import layout_digest
 from layoutlang.plan.loss import lost_regions
 from layoutlang.runtime.agreement import agree
+from layoutlang.runtime.delta import DeltaReport
 
 from .auth import JobSecret, establish_job
 from .commit import COMMITTED, step_record
@@ -86,11 +87,17 @@ class StepReport:
     source: str
     destination: str
     recoveries: tuple[Recovery, ...]
+    #: a delta session's report of the try that committed (None: dense refits)
+    delta: DeltaReport | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self, recurse=False)
         out["members"] = list(self.members)
         out["recoveries"] = [r.to_json() for r in self.recoveries]
+        if self.delta is None:
+            del out["delta"]
+        else:
+            out["delta"] = attrs.asdict(self.delta)
         return out
 
 
@@ -143,6 +150,11 @@ class ElasticSession:
     a process without it can neither forge a decision nor join (the failure-recovery
     guide's security model).
 
+    ``delta=True``: every refit sends only what changed since the version each receiver holds
+    (:ref:`delta-refits`); the first refit of each generation moves dense (a new generation's
+    group and plans start without versions), and so do the positions of joiners. Every member
+    must ask alike (it is part of the program a joiner must share).
+
     Use it as a context manager (or call :meth:`close`) to stop its heartbeat.
     """
 
@@ -177,6 +189,7 @@ class ElasticSession:
         unit_axis: str | None = None,
         grow: bool = False,
         problem: str | None = None,
+        delta: bool = False,
     ):
         statement = program.reshard(reshard)
         self.program = program
@@ -190,6 +203,7 @@ class ElasticSession:
             unit_axis=unit_axis, grow=grow,
         )
         self.rank = int(rank)
+        self.delta = delta
         self.store = store
         self.host, self.port = host, port
         self.deadline = deadline
@@ -215,8 +229,9 @@ class ElasticSession:
             spare_wait=timeout if spare_wait is None else spare_wait, spares=spares, join_timeout=join_timeout,
         )
         self.last_report: StepReport | None = None
+        self._last_delta: DeltaReport | None = None
         self._closed = False
-        self.digest = _program_digest(spec)
+        self.digest = _program_digest(spec, delta)
         try:
             if join:
                 self._check_program()
@@ -409,7 +424,7 @@ class ElasticSession:
         )
         report = StepReport(
             step, generation, attempts, time.perf_counter() - begin, received, members,
-            source, destination, tuple(recoverer.recoveries[first_recovery:]),
+            source, destination, tuple(recoverer.recoveries[first_recovery:]), self._last_delta,
         )
         self.last_report = report
         if joiners:
@@ -438,14 +453,16 @@ class ElasticSession:
     def _run_step(self, step: int, step_fn: StepFn, progress: Progress | None, not_ready: str | None) -> int:
         """This rank's part of one try of ``step``; the bytes it received from other ranks."""
         executor = self._recoverer.executor
+        self._last_delta = None
         if executor is None:
             return 0
         sources = step_fn(step, self) if self.rank in self.source.mesh and not_ready is None else {}
         report = executor.run(
-            sources, self.destinations, not_ready=not_ready,
+            sources, self.destinations, not_ready=not_ready, delta=self.delta,
             progress=None if progress is None else lambda n, total: progress(step, n, total),
         )
         self._recoverer.note_first_byte()
+        self._last_delta = report.delta
         return sum(report.received.values()) - report.received["local"]
 
     def _changed(self, change: Change) -> None:
@@ -493,13 +510,13 @@ class ElasticSession:
         self.close()
 
 
-def _program_digest(spec: RefitSpec) -> str:
+def _program_digest(spec: RefitSpec, delta: bool) -> str:
     """What a rank must share with the session's members to join it: the first generation's
     layouts, the reshard, and how generations are derived and planned."""
     h = hashlib.sha256()
     h.update(layout_digest(spec.source).encode())
     h.update(layout_digest(spec.destination).encode())
     options = (spec.name, spec.source_policy, spec.destination_policy, spec.domain_size, spec.bucket_bytes,
-               spec.unit_axis, spec.grow)
+               spec.unit_axis, spec.grow, delta)
     h.update(repr(options).encode())
     return h.hexdigest()

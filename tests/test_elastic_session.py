@@ -168,6 +168,31 @@ def test_sigkill_of_a_training_rank_whose_shards_have_a_replica(pool):
     assert all(recovered(r) == [1] for r in results.values())
 
 
+def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool):
+    """The same kill in a delta session whose training steps change 2% of the elements:
+    every committed step verified byte for byte against the trained weights; the first refit
+    of each generation moves dense (nothing is kept yet), the later ones a fraction of it."""
+    results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), idle=(8,), delta=True,
+                  change_fraction=0.02)
+    check_refits(
+        results, destination_ranks=range(4, 8), members=[0, 2, 3, 4, 5, 6, 7], destination="serve",
+        source=r"fsdp_gen\d+",
+    )
+    compared = 0
+    for rank, result in results.items():
+        # (no report of a step's transfers: the rank takes no part in its generation's plan,
+        # like rank 0 once its training replica is dropped, or the step stood unrun)
+        reports = [r for r in result["reports"] if r.get("delta")]
+        first = reports[0]["delta"]
+        assert first["messages"]["indices"] == first["messages"]["bitmask"] == 0, (rank, first)
+        for before, after in zip(reports, reports[1:]):
+            delta = after["delta"]
+            if after["generation"] == before["generation"] and delta["dense_bytes"] > 0:
+                assert delta["wire_bytes"] * 5 < delta["dense_bytes"], (rank, after["step"], delta)
+                compared += 1
+    assert compared, "some refits were deltas"
+
+
 def test_sigstop_a_hung_rank_is_excluded_after_the_deadline(pool):
     results = run(pool, expect=[0, 1, 2, 3, 4, 5, 7], kills=((6, 1, "stop"),), stopped=[6], idle=(8,))
     check_refits(

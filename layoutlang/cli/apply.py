@@ -425,7 +425,6 @@ def _check_delta_options(args: argparse.Namespace) -> None:
         refused = [
             flag
             for flag, given in (
-                ("--elastic", args.elastic),  # an elastic job's refits move dense
                 ("--repeat", args.repeat != 1),  # a repeat of the same weights is a delta of nothing
                 ("--transport nccl", args.transport == "nccl"),  # NCCL needs equal counts at both ends
             )
@@ -618,6 +617,8 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         destination_policy=args.destination_policy,
         source_axis=args.source_axis,
         destination_axis=args.destination_axis,
+        delta=args.delta,
+        change_fraction=args.change_fraction if args.delta else None,
     )
     if environment_is_torchrun():
         summary = job.run_torchrun(options, namespace=f"apply-{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}")
@@ -686,17 +687,21 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
     rows = []
     for step in summary["steps"]:
         verified = "ok" if not step["mismatches"] else f"{len(step['mismatches'])} MISMATCHES"
+        wire = [human_bytes(step.get("wire_bytes", 0)), human_bytes(step.get("dense_bytes", 0))] if args.delta else []
         rows.append(
             [
                 step["step"],
                 step["generation"],
                 step["destination"],
                 step["ranks"],
+                *wire,
                 f"{verified} ({human_bytes(step['verified_bytes'])})",
             ]
         )
     if rows:
-        lines += table(rows, ["step", "generation", "destination layout", "ranks", "verified"], right={0, 1, 3})
+        header = ["step", "generation", "destination layout", "ranks",
+                  *(["on the wire", "dense"] if args.delta else []), "verified"]
+        lines += table(rows, header, right={0, 1, 3, 4, 5} if args.delta else {0, 1, 3})
     for recovery in summary["recoveries"]:
         lines += ["", *_recovery_lines(recovery, summary["joined"])]
     for rank, error in sorted(summary["errors"].items()):

@@ -47,7 +47,7 @@ from elastic.membership import ExitWatcher
 from .. import lang
 from ..errors import DataLossError, LayoutError, RuntimeFailure
 from ..io.torch_dtypes import torch_dtype
-from ..io.weights import fill_synthetic, verify
+from ..io.weights import change_synthetic, changed_truth, fill_synthetic, verify
 from .apply_job import participants_of
 from .launch import LAUNCHER_GONE, LocalWorkers, worker_context
 
@@ -72,6 +72,10 @@ class ElasticOptions:
     destination_policy: str = "drop-replica"
     source_axis: str | None = None
     destination_axis: str | None = None
+    #: delta refits; the weights of step s are those of step 0 after s synthetic training
+    #: steps that each change ``change_fraction`` of the elements (None: all change every step)
+    delta: bool = False
+    change_fraction: float | None = None
 
 
 def _die(how: str) -> None:
@@ -88,6 +92,20 @@ def synthetic_sources(step: int, session: ElasticSession) -> dict[str, torch.Ten
     }
     fill_synthetic(layout, rank, storages, version=step)
     return storages
+
+
+def trained_sources(change_fraction: float):
+    """A ``step_fn`` whose step ``s`` holds the synthetic weights of step 0 after ``s``
+    synthetic training steps, each changing ``change_fraction`` of the elements
+    (:func:`~layoutlang.io.weights.change_synthetic`): the same for a step asked again."""
+
+    def sources(step: int, session: ElasticSession) -> dict[str, torch.Tensor]:
+        storages = synthetic_sources(0, session)
+        for training_step in range(1, step + 1):
+            change_synthetic(session.source, session.rank, storages, change_fraction, training_step)
+        return storages
+
+    return sources
 
 
 class _Faults:
@@ -140,13 +158,21 @@ class _Seen:
     shrinks: list[int] = attrs.Factory(list)
     grows: list[int] = attrs.Factory(list)
     checked: list[dict] = attrs.Factory(list)
+    change_fraction: float | None = None  # the weights of trained_sources, else synthetic_sources
+
+    def verify(self, session: ElasticSession, step: int) -> Any:
+        """Every destination byte this rank holds against the weights of ``step``."""
+        if self.change_fraction is None:
+            return verify(session.destination, self.rank, session.destinations, version=step)
+        truth = changed_truth(session.destination, None, self.change_fraction, step)
+        return verify(session.destination, self.rank, session.destinations, truth=truth)
 
     def on_step(self, step: int, session: ElasticSession) -> None:
         committed = session.last_report  # the generation the step committed in (a grow may follow)
         assert committed is not None  # on_step runs after the step's refit committed
         result = {"step": step, "generation": committed.generation, "destination": committed.destination}
         if self.rank in session.destination.mesh:
-            v = verify(session.destination, self.rank, session.destinations, version=step)
+            v = self.verify(session, step)
             result.update(ok=v.ok, bytes=v.bytes, mismatches=list(v.mismatches))
         self.checked.append(result)
 
@@ -168,12 +194,16 @@ def refit_job(
     deadline: float = 1.0,
     memory_budget: int = 8192,
     timeout: float = 40.0,
+    change_fraction: float | None = None,
     **options: Any,
 ) -> dict:
     """Run ``steps`` refits on this rank; returns what it saw (JSON-ready).
 
     ``text_or_path`` is a .layout file or program text. In a local worker, ``rank``,
-    ``store`` and ``port`` default to the worker's.
+    ``store`` and ``port`` default to the worker's. ``change_fraction``: the weights of step
+    s are step 0's after s synthetic training steps (:func:`trained_sources`), else the
+    synthetic weights of version s. ``options`` go to the :class:`~elastic.ElasticSession`
+    (``delta=True`` among them).
     """
     rank = worker_context["rank"] if rank is None else rank
     store = worker_context["store"] if store is None else store
@@ -183,7 +213,8 @@ def refit_job(
     program = lang.load(text_or_path) if os.path.exists(text_or_path) else lang.loads(text_or_path)
     injected = _Faults(rank, faults, trigger, dist.PrefixStore(f"{namespace}-ctl", store))
     injected.watch_for_signal(namespace, host, port)
-    seen = _Seen(rank)
+    seen = _Seen(rank, change_fraction=change_fraction)
+    step_fn = synthetic_sources if change_fraction is None else trained_sources(change_fraction)
 
     def on_shrink(change: Change) -> None:
         seen.shrinks.append(change.generation)
@@ -199,9 +230,9 @@ def refit_job(
     except (LayoutError, RuntimeFailure) as err:  # a bad option, or no first generation
         return base | {"error": str(err), "kind": err.kind}
     with session:
-        joined = _joined(session) if rank in joiners else {}
+        joined = _joined(session, seen) if rank in joiners else {}
         try:
-            reports = session.run(synthetic_sources, steps, on_step=seen.on_step, progress=injected.progress)
+            reports = session.run(step_fn, steps, on_step=seen.on_step, progress=injected.progress)
         except (LayoutError, RuntimeFailure) as err:  # not recovered from: data loss, exclusion...
             lost = err.regions if isinstance(err, DataLossError) else []
             regions = [[t, list(o), list(s)] for t, o, s in lost]
@@ -219,14 +250,14 @@ def refit_job(
         }
 
 
-def _joined(session: ElasticSession) -> dict:
+def _joined(session: ElasticSession, seen: _Seen) -> dict:
     """What the recovery plan gave a joiner: the weights of the last committed step, verified
     (none when it was admitted during the recovery from a step aborted halfway: that step's
     retry fills it)."""
     rank, step = session.rank, session.committed_step
     if rank not in session.destination.mesh or step is None or not session.holds_committed:
         return {}
-    v = verify(session.destination, rank, session.destinations, version=step)
+    v = seen.verify(session, step)
     return {"step": step, "ok": v.ok, "bytes": v.bytes, "mismatches": list(v.mismatches)}
 
 
@@ -249,6 +280,7 @@ def _job_arguments(options: ElasticOptions, namespace: str, joiners: Sequence[in
         "timeout": options.timeout, "source_policy": options.source_policy,
         "destination_policy": options.destination_policy, "source_axis": options.source_axis,
         "destination_axis": options.destination_axis,
+        "delta": options.delta, "change_fraction": options.change_fraction,
         # no replacement is started without --replace: a recovery that needs spares fails at once
         "spare_wait": None if options.replace else 0.0,
     }
@@ -408,6 +440,13 @@ def _steps(results: dict[int, dict]) -> dict[int, dict]:
                 entry["verified_bytes"] += c["bytes"]
                 entry["mismatches"] += c["mismatches"]
                 entry["ranks"] += 1
+    for value in results.values():  # a delta session's bytes on the wire against dense
+        for report in value.get("reports", []):
+            delta = report.get("delta")
+            if delta is not None and report["step"] in steps:
+                entry = steps[report["step"]]
+                entry["wire_bytes"] = entry.get("wire_bytes", 0) + delta["wire_bytes"]
+                entry["dense_bytes"] = entry.get("dense_bytes", 0) + delta["dense_bytes"]
     return steps
 
 

@@ -125,12 +125,14 @@ def fleet_session(
     problem: str | None = None,
     join_timeout: float | None = None,
     backend: Any = None,
+    delta: bool = False,
 ) -> ElasticSession:
     """This process's membership of the refit session (see the module doc): a trainer rank or
     an engine worker; ``join`` for a joining engine or a returning trainer rank (it waits up to
     ``join_timeout`` seconds, default ``timeout``, for a step boundary). Over NCCL (shrunk and
     grown communicators) where ``device`` is a CUDA device, gloo otherwise; ``backend``
-    overrides that choice (a generation backend, e.g. NCCL over a mock fabric)."""
+    overrides that choice (a generation backend, e.g. NCCL over a mock fabric). ``delta``: the
+    refits send only what changed (:ref:`delta-refits`; gloo only)."""
     device = torch.device(device)
     if backend is None:
         backend = (
@@ -143,7 +145,7 @@ def fleet_session(
         namespace=address.namespace, join=join, secret=secret, timeout=timeout, deadline=deadline,
         source_policy="await-rejoin", destination_policy="drop-replica", destination_axis=engine_axis,
         unit_axis=engine_axis, grow=True, spares=False, backend=backend, device=device, problem=problem,
-        join_timeout=join_timeout,
+        join_timeout=join_timeout, delta=delta,
         **extra,
     )
 

@@ -167,6 +167,9 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     cast_sources: bool = False
     #: the destination layout names checkpoint tensors (see WorkerInitFields)
     checkpoint_format: bool = False
+    #: delta refits: each refit sends only what changed since the version each engine worker
+    #: holds (its staged storages); an engine that joined or missed a step gets dense, then deltas
+    delta: bool = False
 
 
 @dataclass
@@ -336,6 +339,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 join=returning, engine_axis=init_info.engine_axis, timeout=init_info.timeout,
                 deadline=init_info.deadline, memory_budget=init_info.memory_budget,
                 device=_device_of(weights.state_dict()), problem=None if returning else first_of(problems),
+                delta=init_info.delta,
             )
         except RuntimeFailure:
             # an engine's own error names its parameters and ranks, whole: it comes first
@@ -686,6 +690,7 @@ def _worker_fields(
         program_path=info.program_path, reshard=refit.reshard.name, rank_offset=offset, namespace=info.namespace,
         mode=mode, secret=secret.text(), token=token, timeout=info.timeout, deadline=info.deadline,
         memory_budget=info.memory_budget, engine_axis=info.engine_axis, checkpoint_format=info.checkpoint_format,
+        delta=info.delta,
     )
 
 

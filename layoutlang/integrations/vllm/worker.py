@@ -198,7 +198,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 refit.program, refit.reshard.name, rank=self.rank, store=store, address=address, secret=secret,
                 join=joining, engine_axis=info.engine_axis, timeout=info.timeout, deadline=info.deadline,
                 memory_budget=info.memory_budget, device=self.device, problem=None if joining else first_of(problems),
-                join_timeout=info.join_timeout,
+                join_timeout=info.join_timeout, delta=info.delta,
             )
         except AgreementError:
             if problems:  # this worker's own list, whole
