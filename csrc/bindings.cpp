@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "delta.hpp"
 #include "layout_core.hpp"
 #include "planner.hpp"
 #include "quantize.hpp"
@@ -571,6 +572,76 @@ NB_MODULE(_core, m) {
       "Quantizes the strided view at address `source` (bf16, fp16 or fp32; strides in elements) block by block "
       "into fp8 bytes at `values` and scales at `scales` (fp32, or e8m0 bytes for mxfp8; shape ceil(shape / "
       "block)), by the rule of csrc/quantize.hpp. The caller keeps the memory alive.");
+
+  // ---------------------------------------------------------------- delta refits
+  // Raw addresses of contiguous CPU bytes the caller keeps alive; the kernels allocate nothing.
+  m.def(
+      "delta_checksum",
+      [](uintptr_t data, int64_t nbytes) {
+        nb::gil_scoped_release release;
+        return delta_checksum(reinterpret_cast<const uint8_t*>(data), nbytes);
+      },
+      "data"_a, "nbytes"_a,
+      "The checksum of `nbytes` bytes at address `data` (any alignment): the wrapping int64 sum of its 8-byte "
+      "words, plus 3 times the sum of the words at even word index, plus the sum of the bytes past the last "
+      "whole word, by the rule of csrc/delta.hpp.");
+
+  m.def(
+      "delta_encode_indices",
+      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t indices, int index_bytes,
+         uintptr_t values, int64_t capacity) {
+        nb::gil_scoped_release release;
+        return delta_encode_indices(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(kept),
+                                    nbytes, unit, reinterpret_cast<void*>(indices), index_bytes,
+                                    reinterpret_cast<uint8_t*>(values), capacity);
+      },
+      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "indices"_a, "index_bytes"_a, "values"_a, "capacity"_a,
+      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units (1, 2, 4, 8; bit by bit) "
+      "and writes the changed units' indices (ascending, `index_bytes` 4 or 8 each) to `indices` and their new "
+      "values to `values`. Returns how many changed, or -1 as soon as more than `capacity` did. `kept` is only "
+      "read.");
+
+  m.def(
+      "delta_encode_bitmask",
+      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t mask, uintptr_t values,
+         int64_t capacity) {
+        nb::gil_scoped_release release;
+        return delta_encode_bitmask(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(kept),
+                                    nbytes, unit, reinterpret_cast<uint8_t*>(mask),
+                                    reinterpret_cast<uint8_t*>(values), capacity);
+      },
+      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "mask"_a, "values"_a, "capacity"_a,
+      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units and writes one bit per "
+      "unit to `mask` (ceil(units / 8) bytes, least significant bit first, 1: changed) and the changed units' "
+      "new values, in order, to `values`. Returns how many changed, or -1 as soon as more than `capacity` did. "
+      "`kept` is only read.");
+
+  m.def(
+      "delta_apply_indices",
+      [](uintptr_t base, int64_t nbytes, int unit, uintptr_t indices, int index_bytes, uintptr_t values,
+         int64_t count) {
+        nb::gil_scoped_release release;
+        delta_apply_indices(reinterpret_cast<uint8_t*>(base), nbytes, unit, reinterpret_cast<const void*>(indices),
+                            index_bytes, reinterpret_cast<const uint8_t*>(values), count);
+      },
+      "base"_a, "nbytes"_a, "unit"_a, "indices"_a, "index_bytes"_a, "values"_a, "count"_a,
+      "Writes `count` `unit`-byte values from `values` to the units of the `nbytes` bytes at `base` whose "
+      "indices (`index_bytes` 4 or 8 each) are at `indices`. Raises CoreError, writing nothing, when an index "
+      "is not a unit of the base.");
+
+  m.def(
+      "delta_apply_bitmask",
+      [](uintptr_t base, int64_t nbytes, int unit, uintptr_t mask, uintptr_t values, int64_t count) {
+        nb::gil_scoped_release release;
+        return delta_apply_bitmask(reinterpret_cast<uint8_t*>(base), nbytes, unit,
+                                   reinterpret_cast<const uint8_t*>(mask), reinterpret_cast<const uint8_t*>(values),
+                                   count);
+      },
+      "base"_a, "nbytes"_a, "unit"_a, "mask"_a, "values"_a, "count"_a,
+      "Writes the `unit`-byte values at `values` to the units of the `nbytes` bytes at `base` whose bits are set "
+      "in `mask` (ceil(units / 8) bytes, least significant bit first); returns how many (`count`). Raises "
+      "CoreError, writing nothing, when a bit past the last unit is set or the mask does not mark `count` "
+      "units (the values the message holds).");
 
   m.def(
       "set_quant_block",

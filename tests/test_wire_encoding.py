@@ -1,14 +1,22 @@
 """Wire encodings of delta refits (layoutlang/runtime/wire_encoding.py): every encoding
 restores the sender's bytes exactly, bit for bit (NaN payloads and signed zeros included),
-the cheapest one is chosen, and no message is encoded past its dense bytes plus the header."""
+the cheapest one is chosen, and no message is encoded past its dense bytes plus the header.
+
+Host tensors go through the C++ kernels (csrc/delta.hpp), others through torch: the tests
+run on both paths (``path``: the torch one forced on host tensors), and the two write the
+same bytes and checksums for every unit, odd lengths and unaligned starts. A corrupt
+message is refused before the base is touched."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from layoutlang.core import _core
+from layoutlang.runtime import wire_encoding
 from layoutlang.runtime.wire_encoding import (
     HEADER_BYTES,
     Encoding,
@@ -23,6 +31,13 @@ from layoutlang.runtime.wire_encoding import (
 pytestmark = pytest.mark.timeout(60)
 
 DENSITIES = (0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0)
+
+
+@pytest.fixture(params=["kernels", "torch"])
+def path(request, monkeypatch):
+    """Host tensors through the C++ kernels, or through torch as CUDA tensors go."""
+    monkeypatch.setattr(wire_encoding, "_KERNELS", request.param == "kernels")
+    return request.param
 
 
 def changed_copy(old: torch.Tensor, density: float, seed: int) -> torch.Tensor:
@@ -43,7 +58,7 @@ def changed_copy(old: torch.Tensor, density: float, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("density", DENSITIES)
-def test_every_density_is_restored_bit_for_bit_at_no_more_than_dense_bytes(dtype, density):
+def test_every_density_is_restored_bit_for_bit_at_no_more_than_dense_bytes(dtype, density, path):
     generator = torch.Generator().manual_seed(7)
     old = torch.randn(40_000, generator=generator).to(dtype)
     old[:100] = float("nan")
@@ -79,7 +94,7 @@ def test_every_density_is_restored_bit_for_bit_at_no_more_than_dense_bytes(dtype
         assert header.encoding == Encoding.DENSE
 
 
-def test_a_sign_flip_of_zero_and_a_nan_payload_are_changes():
+def test_a_sign_flip_of_zero_and_a_nan_payload_are_changes(path):
     old = torch.tensor([0.0, float("nan"), 1.0, 2.0] * 1000, dtype=torch.float32)
     new = old.clone()
     new[0] = -0.0
@@ -94,7 +109,7 @@ def test_a_sign_flip_of_zero_and_a_nan_payload_are_changes():
     assert torch.equal(base, new.view(torch.uint8))
 
 
-def test_without_a_base_or_a_kept_copy_the_message_is_dense_and_the_copy_is_refreshed():
+def test_without_a_base_or_a_kept_copy_the_message_is_dense_and_the_copy_is_refreshed(path):
     old = torch.arange(4096, dtype=torch.int16)
     new = old.flip(0).contiguous()
     kept = old.view(torch.uint8).clone()
@@ -109,7 +124,7 @@ def test_without_a_base_or_a_kept_copy_the_message_is_dense_and_the_copy_is_refr
     assert torch.equal(fresh, new.view(torch.uint8))
 
 
-def test_a_wrong_base_is_found_by_the_checksum():
+def test_a_wrong_base_is_found_by_the_checksum(path):
     old = torch.randn(10_000)
     new = changed_copy(old, 1e-3, seed=3)
     kept = old.view(torch.uint8).clone()
@@ -121,7 +136,7 @@ def test_a_wrong_base_is_found_by_the_checksum():
     assert checksum(base) != header.checksum
 
 
-def test_odd_sizes_and_units():
+def test_odd_sizes_and_units(path):
     for n in (1, 7, 8, 9, 63, 65, 1001):
         old = torch.randint(0, 255, (n,), dtype=torch.uint8)
         new = old.clone()
@@ -150,3 +165,158 @@ def test_changes_found_by_words_are_the_changes_found_unit_by_unit(unit, offset)
     new, kept = new[:length], kept[:length]
     by_units = (new.view(torch.uint8).view(-1, unit) != kept.view(-1, unit)).any(1).nonzero().squeeze(1)
     assert torch.equal(changed_units(new, kept, unit), by_units)
+    # the C++ kernels find the same units (int32 or int64 indices, or a bitmask) and their
+    # new values, stop past their capacity, and only read the kept copy
+    count, units = by_units.numel(), length // unit
+    snapshot = kept.clone()
+    for index_dtype in (torch.int32, torch.int64):
+        indices = torch.empty(count, dtype=index_dtype)
+        values = torch.empty(count * unit, dtype=torch.uint8)
+        args = (new.data_ptr(), kept.data_ptr(), length, unit, indices.data_ptr(), index_dtype.itemsize)
+        assert _core.delta_encode_indices(*args, values.data_ptr(), count) == count
+        assert torch.equal(indices.to(torch.int64), by_units)
+        assert torch.equal(values.view(-1, unit), new.view(-1, unit)[by_units])
+        assert _core.delta_encode_indices(*args, values.data_ptr(), count - 1) == -1
+    mask = torch.empty(math.ceil(units / 8), dtype=torch.uint8)
+    values = torch.empty(count * unit, dtype=torch.uint8)
+    args = (new.data_ptr(), kept.data_ptr(), length, unit, mask.data_ptr(), values.data_ptr())
+    assert _core.delta_encode_bitmask(*args, count) == count
+    expected = np.zeros(units, dtype=bool)
+    expected[by_units.numpy()] = True
+    assert mask.numpy().tobytes() == np.packbits(expected, bitorder="little").tobytes()
+    assert torch.equal(values.view(-1, unit), new.view(-1, unit)[by_units])
+    assert _core.delta_encode_bitmask(*args, count - 1) == -1
+    assert torch.equal(kept, snapshot)
+
+
+def random_pair(unit: int, units: int, start: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(new, kept)``: ``units`` random units from ``start`` bytes into their storages, a
+    ``density`` fraction of them changed (in one byte each, any bit of it)."""
+    generator = torch.Generator().manual_seed(seed)
+    kept = torch.randint(0, 256, (start + units * unit,), dtype=torch.uint8, generator=generator)
+    new = kept.clone()
+    count = round(density * units)
+    where = torch.randperm(units, generator=generator)[:count]
+    byte = start + where * unit + torch.randint(0, unit, (count,), generator=generator)
+    new[byte] ^= torch.randint(1, 256, (count,), dtype=torch.uint8, generator=generator)
+    return new[start:], kept[start:]
+
+
+def unaligned_clone(tensor: torch.Tensor, start: int) -> torch.Tensor:
+    """A copy of a byte tensor that starts ``start`` bytes into a fresh storage."""
+    storage = torch.empty(start + tensor.numel(), dtype=torch.uint8)
+    storage[start:].copy_(tensor)
+    return storage[start:]
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("units", [1, 7, 63, 64, 65, 1000, 4099, 40_001])
+def test_the_kernels_and_torch_write_the_same_messages(unit, units, monkeypatch):
+    seed = 0
+    for start in sorted({0, 1, unit, 3 * unit + 8}):  # starts off 8 and 16 bytes, and one off the unit
+        for density in (0.0, 1e-3, 0.02, 0.1, 0.5, 1.0):
+            seed += 1
+            new, kept = random_pair(unit, units, start, density, seed)
+            messages = {}
+            for path in ("kernels", "torch"):
+                monkeypatch.setattr(wire_encoding, "_KERNELS", path == "kernels")
+                # torch views a buffer as units only from a start on a whole unit
+                at = start if path == "kernels" or start % unit == 0 else 0
+                fresh, copy = unaligned_clone(new, at), unaligned_clone(kept, at)
+                out = torch.full((capacity(new.numel()),), 0xA5 if path == "torch" else 0x5A, dtype=torch.uint8)
+                encoded = encode(fresh, copy, unit, 9, out, spans=[(0, unit), (unit, new.numel() - unit)])
+                assert torch.equal(copy, new)  # the kept copy is the new version now
+                assert torch.equal(fresh, new)  # and the message was only read
+                base = unaligned_clone(kept, at)
+                assert apply_patch(out[: encoded.nbytes], base, unit) == encoded.header
+                assert torch.equal(base, new)
+                messages[path] = (encoded, out[: encoded.nbytes].clone())
+            assert messages["kernels"][0] == messages["torch"][0], (start, density)
+            assert torch.equal(messages["kernels"][1], messages["torch"][1]), (start, density)
+
+
+def reference_checksum(data: bytes) -> int:
+    """The checksum of one part by its definition, in Python integers."""
+    words = [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, len(data) // 8 * 8, 8)]
+    total = sum(words) + 3 * sum(words[::2]) + sum(data[len(data) // 8 * 8 :])
+    return (total + 2**63) % 2**64 - 2**63
+
+
+@pytest.mark.parametrize("length", [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 127, 1000, 4097, 100_003])
+def test_the_kernels_and_torch_checksum_alike(length, monkeypatch):
+    generator = torch.Generator().manual_seed(length)
+    storage = torch.randint(0, 256, (length + 8,), dtype=torch.uint8, generator=generator)
+    if length == 1000:
+        storage.fill_(0xFF)  # every sum wraps; tail bytes count as unsigned
+    for start in range(8):
+        part = storage[start : start + length]
+        sums = {}
+        for path in ("kernels", "torch"):
+            monkeypatch.setattr(wire_encoding, "_KERNELS", path == "kernels")
+            sums[path] = (checksum(part), checksum([storage[:start], part, storage[start + length :]]))
+        assert sums["kernels"] == sums["torch"], start
+        if length <= 4097:
+            assert sums["kernels"][0] == reference_checksum(part.numpy().tobytes())
+
+
+def corrupt(message: torch.Tensor, units: int, how: str) -> None:
+    """Spoil an encoded message (float32 units) in place, as ``how`` says."""
+    header = read_header(message)
+    body = message[HEADER_BYTES:]
+    if how == "index past the base":
+        body[:8].view(torch.int32)[1] = units
+    elif how == "negative index":
+        body[:4].view(torch.int32)[0] = -1
+    elif how == "bit past the last unit":
+        body[math.ceil(units / 8) - 1] |= 0x80
+    elif how == "a bit more than its count":
+        bits = body[: math.ceil(units / 8)]
+        free = int((bits[:-1] != 0xFF).nonzero()[0])
+        bits[free] |= ~bits[free]  # every unit of that byte marked
+    elif how == "more changes than units":
+        message[8:16].view(torch.int64)[0] = units + 1
+    elif how == "sections past the message":
+        message[8:16].view(torch.int64)[0] = header.changed + 100
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    ("density", "how"),
+    [
+        (1e-3, "index past the base"),
+        (1e-3, "negative index"),
+        (1e-3, "more changes than units"),
+        (1e-3, "sections past the message"),
+        (0.1, "bit past the last unit"),
+        (0.1, "a bit more than its count"),
+        (0.1, "sections past the message"),
+    ],
+)
+def test_a_corrupt_message_is_refused_and_the_base_untouched(density, how, path):
+    old = torch.randn(4099)  # the last byte of a bitmask holds 3 units
+    new = changed_copy(old, density, seed=5)
+    kept = old.view(torch.uint8).clone()
+    out = torch.empty(capacity(kept.numel()), dtype=torch.uint8)
+    encoded = encode(new.view(torch.uint8), kept, 4, 1, out)
+    assert encoded.header.encoding == (Encoding.INDICES if density < 0.01 else Encoding.BITMASK)
+    corrupt(out, 4099, how)
+    base = old.view(torch.uint8).clone()
+    with pytest.raises(ValueError, match="corrupt delta message"):
+        apply_patch(out[: encoded.nbytes], base, 4)
+    assert torch.equal(base, old.view(torch.uint8))
+
+
+def test_the_kernels_refuse_bad_arguments():
+    buffer = torch.zeros(64, dtype=torch.uint8)
+    at = buffer.data_ptr()
+    with pytest.raises(_core.CoreError, match="1, 2, 4 or 8 bytes"):
+        _core.delta_encode_bitmask(at, at, 12, 3, at, at, 4)
+    with pytest.raises(_core.CoreError, match="whole number of 4-byte units"):
+        _core.delta_apply_bitmask(at, 6, 4, at, at, 0)
+    with pytest.raises(_core.CoreError, match="an index is 4 or 8 bytes"):
+        _core.delta_apply_indices(at, 64, 4, at, 2, at, 0)
+    with pytest.raises(_core.CoreError, match="index 16, not a unit of a base of 16 units"):
+        indices = torch.tensor([3, 16], dtype=torch.int64)
+        _core.delta_apply_indices(at, 64, 4, indices.data_ptr(), 8, at, 2)
+    assert not buffer.any()

@@ -17,16 +17,27 @@ posts a buffer of :func:`capacity` bytes and learns from the header what arrived
 delivers a shorter message into a longer buffer. A message is never encoded larger than
 its dense bytes plus the header, and messages under :data:`MIN_DELTA_BYTES` travel dense
 without a header, so a delta refit's wire bytes stay within 1.01x of a dense refit's.
+
+Each section after the header starts on 16 bytes (``_ALIGN``), the padding before it zero.
+Messages in host memory are compared, encoded, applied and checksummed by the C++ kernels
+of ``csrc/delta.hpp`` (one pass each, near memory bandwidth); others (CUDA tensors) by
+torch. Both write the same bytes: a message, its header and its checksum do not depend on
+which encoded it. A receiver checks a message against its base before writing anything: a
+section past the message, an index past the base or a bitmask that does not match its count
+raises ValueError ("corrupt delta message") and leaves the base untouched.
 """
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import math
 from collections.abc import Sequence
 
 import attrs
 import torch
+
+from ..core import _core
 
 __all__ = [
     "HEADER_BYTES",
@@ -49,6 +60,8 @@ MIN_DELTA_BYTES = 100 * HEADER_BYTES
 _ALIGN = 16  # every part of an encoded message starts aligned, so typed views are legal
 _UNIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+#: whether host tensors go through the C++ kernels (tests turn it off to check the torch path)
+_KERNELS = True
 
 
 class Encoding(enum.IntEnum):
@@ -92,20 +105,33 @@ def checksum(buffer: torch.Tensor | Sequence[torch.Tensor]) -> int:
     other), the tail past the last whole word summed as bytes; parts weighted by position."""
     if isinstance(buffer, torch.Tensor):
         buffer = [buffer]
-    total = 0
-    for i, part in enumerate(buffer):
-        if part.data_ptr() % 8:
-            part = part.clone()  # a typed view needs an aligned start
-        whole = part.numel() // 8 * 8
-        words = part[:whole].view(torch.int64)
-        one = int(words.sum()) + 3 * int(words[::2].sum()) + int(part[whole:].to(torch.int64).sum())
-        total += (2 * i + 1) * one
+    total = sum((2 * i + 1) * _part_checksum(part) for i, part in enumerate(buffer))
     return (total + 2**63) % 2**64 - 2**63
+
+
+def _part_checksum(part: torch.Tensor) -> int:
+    """One part's checksum: sum of words + 3 * sum of words at even index + sum of tail bytes."""
+    if _kernels(part):
+        return _core.delta_checksum(part.data_ptr(), part.numel())
+    if part.data_ptr() % 8 or part.storage_offset() % 8 or not part.is_contiguous():
+        part = part.clone(memory_format=torch.contiguous_format)  # a typed view needs an aligned start
+    whole = part.numel() // 8 * 8
+    words = part[:whole].view(torch.int64)
+    return int(words.sum()) + 3 * int(words[::2].sum()) + int(part[whole:].to(torch.int64).sum())
+
+
+def _kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the C++ kernels handle these byte buffers: contiguous, in host memory."""
+    return _KERNELS and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def _index_bytes(units: int) -> int:
+    return 4 if units < 2**31 else 8
 
 
 def _choose(units: int, changed: int, unit: int) -> tuple[Encoding, int]:
     """The cheapest encoding of ``changed`` of ``units`` units, and its bytes after the header."""
-    index_bytes = 4 if units < 2**31 else 8
+    index_bytes = _index_bytes(units)
     costs = {
         Encoding.DENSE: units * unit,
         Encoding.BITMASK: _aligned(math.ceil(units / 8)) + changed * unit,
@@ -139,35 +165,93 @@ def encode(
     units = nbytes // unit
     body = out[HEADER_BYTES:]
     total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
-    encoding, changed, payload = Encoding.DENSE, units, nbytes
-    where: torch.Tensor | None = None
+    encoding, changed = Encoding.DENSE, units
     if kept is not None and delta:
-        where = changed_units(new, kept, unit)
-        changed = where.numel()
-        encoding, payload = _choose(units, changed, unit)
+        if _kernels(new, kept, out):
+            encoding, changed = _encode_kernels(new, kept, unit, body)
+        else:
+            encoding, changed = _encode_torch(new, kept, unit, body)
     if encoding == Encoding.DENSE:
+        changed, payload = units, nbytes
         body[:nbytes].copy_(new)
         if kept is not None:
             kept.copy_(new)
     else:
-        assert where is not None
-        values = _units(new, unit)[where]
-        if encoding == Encoding.BITMASK:
-            head = _aligned(math.ceil(units / 8))
-            body[:head].zero_()
-            mask = torch.zeros(units, dtype=torch.bool)
-            mask[where] = True
-            _pack_bits(mask, body[: math.ceil(units / 8)])
-        else:
-            index_dtype = torch.int32 if units < 2**31 else torch.int64
-            head = _aligned(changed * index_dtype.itemsize)
-            body[: changed * index_dtype.itemsize].view(index_dtype).copy_(where)
-        body[head : head + changed * unit].view(values.dtype).copy_(values)
-        assert kept is not None
-        _units(kept, unit)[where] = values
+        chosen, payload = _choose(units, changed, unit)
+        assert chosen == encoding, (chosen, encoding)
     header = Header(encoding, changed, version, total)
     out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([int(encoding), changed, version, total]))
     return Encoded(header, HEADER_BYTES + payload)
+
+
+def _encode_torch(new: torch.Tensor, kept: torch.Tensor, unit: int, body: torch.Tensor) -> tuple[Encoding, int]:
+    """:func:`encode`'s delta with torch: the encoding chosen and the changed units. Writes
+    the body and updates ``kept`` unless the encoding is DENSE (the caller copies then)."""
+    units = new.numel() // unit
+    where = changed_units(new, kept, unit)
+    changed = where.numel()
+    encoding, _ = _choose(units, changed, unit)
+    if encoding == Encoding.DENSE:
+        return encoding, changed
+    values = _units(new, unit)[where]
+    if encoding == Encoding.BITMASK:
+        head = _aligned(math.ceil(units / 8))
+        body[:head].zero_()
+        mask = torch.zeros(units, dtype=torch.bool, device=new.device)
+        mask[where] = True
+        _pack_bits(mask, body[: math.ceil(units / 8)])
+    else:
+        index_dtype = torch.int32 if _index_bytes(units) == 4 else torch.int64
+        head = _aligned(changed * index_dtype.itemsize)
+        body[: changed * index_dtype.itemsize].view(index_dtype).copy_(where)
+        body[changed * index_dtype.itemsize : head].zero_()
+    body[head : head + changed * unit].view(values.dtype).copy_(values)
+    _units(kept, unit)[where] = values
+    return encoding, changed
+
+
+def _indices_capacity(nbytes: int, unit: int) -> int:
+    """The most changed units for which INDICES is the cheapest encoding (:func:`_choose`):
+    cheaper than BITMASK (ties go to BITMASK) and than DENSE (ties go to DENSE)."""
+    units = nbytes // unit
+    index_bytes = _index_bytes(units)
+    by_mask = (_aligned(math.ceil(units / 8)) - _ALIGN) // index_bytes
+    by_dense = (nbytes - 1) // (index_bytes + unit)
+    while by_dense > 0 and _aligned(by_dense * index_bytes) + by_dense * unit >= nbytes:
+        by_dense -= 1
+    return max(0, min(by_mask, by_dense))
+
+
+def _encode_kernels(new: torch.Tensor, kept: torch.Tensor, unit: int, body: torch.Tensor) -> tuple[Encoding, int]:
+    """:func:`_encode_torch` with the C++ kernels, the same bytes: INDICES tried with room for
+    as many changes as it is the cheapest for, then BITMASK with room for as many as it beats
+    DENSE for, then DENSE; ``kept`` patched as its receiver patches its base."""
+    nbytes = new.numel()
+    units = nbytes // unit
+    if units == 0:
+        return Encoding.DENSE, 0
+    fresh, old, at = new.data_ptr(), kept.data_ptr(), body.data_ptr()
+    index_bytes = _index_bytes(units)
+    room = _indices_capacity(nbytes, unit)  # written indices first, values after room for them all
+    spare = _aligned(room * index_bytes)
+    changed = _core.delta_encode_indices(fresh, old, nbytes, unit, at, index_bytes, at + spare, room)
+    if changed >= 0:
+        head = _aligned(changed * index_bytes)
+        if changed and head != spare:
+            ctypes.memmove(at + head, at + spare, changed * unit)
+        body[changed * index_bytes : head].zero_()
+        _core.delta_apply_indices(old, nbytes, unit, at, index_bytes, at + head, changed)
+        return Encoding.INDICES, changed
+    mask_bytes = math.ceil(units / 8)
+    head = _aligned(mask_bytes)
+    room = (nbytes - head - 1) // unit  # BITMASK is cheaper than DENSE up to this many
+    if room >= 0:
+        changed = _core.delta_encode_bitmask(fresh, old, nbytes, unit, at, at + head, room)
+        if changed >= 0:
+            body[mask_bytes:head].zero_()
+            _core.delta_apply_bitmask(old, nbytes, unit, at, at + head, changed)
+            return Encoding.BITMASK, changed
+    return Encoding.DENSE, units
 
 
 def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Tensor:
@@ -187,11 +271,17 @@ def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Ten
         elif words.numel():
             per = 8 // unit
             differ = _units(new_words[words], unit).view(-1, per) != _units(kept_words[words], unit).view(-1, per)
-            found.append((words.unsqueeze(1) * per + torch.arange(per)).masked_select(differ))
+            found.append((words.unsqueeze(1) * per + torch.arange(per, device=new.device)).masked_select(differ))
     if whole < nbytes:
         tail = (_units(new[whole:], unit) != _units(kept[whole:], unit)).nonzero().squeeze(1)
         found.append(tail + whole // unit)
-    return torch.cat(found) if len(found) > 1 else found[0] if found else torch.zeros(0, dtype=torch.int64)
+    return (
+        torch.cat(found)
+        if len(found) > 1
+        else found[0]
+        if found
+        else torch.zeros(0, dtype=torch.int64, device=new.device)
+    )
 
 
 def read_header(message: torch.Tensor) -> Header:
@@ -203,39 +293,95 @@ def read_header(message: torch.Tensor) -> Header:
 def apply_patch(message: torch.Tensor, base: torch.Tensor, unit: int) -> Header:
     """Write the encoded ``message`` into ``base`` (uint8: the bytes the receiver holds, the
     sender's previous version for a delta) in place; returns its header. The caller checks
-    ``checksum(base) == header.checksum`` where a wrong base must be found."""
+    ``checksum(base) == header.checksum`` where a wrong base must be found. A message that
+    does not fit the base (a section past its end, an index past the base, a bitmask whose
+    bits are not its count of changes) raises ValueError and leaves ``base`` untouched."""
     header = read_header(message)
     nbytes = base.numel()
     units = nbytes // unit
     body = message[HEADER_BYTES:]
     changed = header.changed
+    _check_sections(header, nbytes, unit, body.numel())
     if header.encoding == Encoding.DENSE:
         base.copy_(body[:nbytes])
         return header
-    base_u = _units(base, unit)
     if header.encoding == Encoding.BITMASK:
         head = _aligned(math.ceil(units / 8))
-        mask = _unpack_bits(body[: math.ceil(units / 8)], units)
-        values = body[head : head + changed * unit].view(base_u.dtype)
+    else:
+        index_bytes = _index_bytes(units)
+        head = _aligned(changed * index_bytes)
+    if _kernels(message, base):
+        try:
+            if header.encoding == Encoding.BITMASK:
+                _core.delta_apply_bitmask(
+                    base.data_ptr(), nbytes, unit, body.data_ptr(), body.data_ptr() + head, changed
+                )
+            else:
+                _core.delta_apply_indices(
+                    base.data_ptr(), nbytes, unit, body.data_ptr(), index_bytes, body.data_ptr() + head, changed
+                )
+        except _core.CoreError as err:
+            raise ValueError(f"corrupt delta message: {err.detail}") from None
+        return header
+    base_u = _units(base, unit)
+    values = body[head : head + changed * unit].view(base_u.dtype)
+    if header.encoding == Encoding.BITMASK:
+        bits = body[: math.ceil(units / 8)]
+        if units % 8 and int(bits[-1]) >> (units % 8):
+            raise ValueError(
+                f"corrupt delta message: its bitmask marks a change past the last of a base's {units} units"
+            )
+        mask = _unpack_bits(bits, units)
+        marked = int(mask.sum())
+        if marked != changed:
+            raise ValueError(f"corrupt delta message: its bitmask marks {marked} changes, its message holds {changed}")
         base_u.masked_scatter_(mask, values)
     else:
-        index_dtype = torch.int32 if units < 2**31 else torch.int64
-        head = _aligned(changed * index_dtype.itemsize)
-        where = body[: changed * index_dtype.itemsize].view(index_dtype).to(torch.int64)
-        base_u[where] = body[head : head + changed * unit].view(base_u.dtype)
+        index_dtype = torch.int32 if index_bytes == 4 else torch.int64
+        where = body[: changed * index_bytes].view(index_dtype).to(torch.int64)
+        if changed and not (int(where.min()) >= 0 and int(where.max()) < units):
+            bad = int(((where < 0) | (where >= units)).nonzero()[0])
+            raise ValueError(
+                f"corrupt delta message: change {bad} of a delta is at index {int(where[bad])}, "
+                f"not a unit of a base of {units} units"
+            )
+        base_u[where] = values
     return header
+
+
+def _check_sections(header: Header, nbytes: int, unit: int, room: int) -> None:
+    """Refuse a message whose sections do not fit the ``room`` bytes after its header, or
+    whose count of changes is not a count of the base's units."""
+    units = nbytes // unit
+    if nbytes % unit:
+        raise ValueError(f"a base of {nbytes} bytes is not a whole number of {unit}-byte units")
+    changed = header.changed
+    if header.encoding == Encoding.DENSE:
+        need = nbytes
+    elif not 0 <= changed <= units:
+        raise ValueError(f"corrupt delta message: {changed} changes of a base of {units} units")
+    elif header.encoding == Encoding.BITMASK:
+        need = _aligned(math.ceil(units / 8)) + changed * unit
+    else:
+        need = _aligned(changed * _index_bytes(units)) + changed * unit
+    if need > room:
+        raise ValueError(
+            f"corrupt delta message: a {header.encoding.name} message of {changed} changes needs "
+            f"{need} bytes after its header, it has {room}"
+        )
 
 
 def _pack_bits(mask: torch.Tensor, out: torch.Tensor) -> None:
     """``mask`` (bool) as bits, least significant first, into ``out`` (uint8)."""
     whole = mask.numel() // 8 * 8
     if whole:
-        out[: whole // 8].copy_((mask[:whole].view(-1, 8).to(torch.uint8) * _BIT_WEIGHTS).sum(1, dtype=torch.uint8))
+        weights = _BIT_WEIGHTS.to(mask.device)
+        out[: whole // 8].copy_((mask[:whole].view(-1, 8).to(torch.uint8) * weights).sum(1, dtype=torch.uint8))
     if whole < mask.numel():
-        tail = mask[whole:].to(torch.uint8) * _BIT_WEIGHTS[: mask.numel() - whole]
+        tail = mask[whole:].to(torch.uint8) * _BIT_WEIGHTS[: mask.numel() - whole].to(mask.device)
         out[whole // 8] = int(tail.sum())
 
 
 def _unpack_bits(bits: torch.Tensor, count: int) -> torch.Tensor:
     """The first ``count`` bits of ``bits`` (uint8, least significant first) as bools."""
-    return (bits.unsqueeze(1) & _BIT_WEIGHTS).ne(0).view(-1)[:count]
+    return (bits.unsqueeze(1) & _BIT_WEIGHTS.to(bits.device)).ne(0).view(-1)[:count]

@@ -1,0 +1,342 @@
+#include "delta.hpp"
+
+#include <cstring>
+#include <string>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "shard_math.hpp"
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the delta kernels read units out of 8-byte words as a little-endian machine lays them out"
+#endif
+
+namespace layoutlang {
+
+namespace {
+
+inline uint64_t load64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store64(uint8_t* p, uint64_t v) { std::memcpy(p, &v, sizeof v); }
+
+template <typename I>
+inline I load_index(const uint8_t* indices, int64_t i) {
+  I v;
+  std::memcpy(&v, indices + i * static_cast<int64_t>(sizeof(I)), sizeof v);
+  return v;
+}
+
+template <typename I>
+inline void store_index(uint8_t* indices, int64_t i, int64_t v) {
+  const I w = static_cast<I>(v);
+  std::memcpy(indices + i * static_cast<int64_t>(sizeof(I)), &w, sizeof w);
+}
+
+// Bit j set when unit j of the word `x` (the xor of two words) is not zero; no branches.
+template <int U>
+inline uint64_t unit_bits(uint64_t x) {
+  if constexpr (U == 8) {
+    return x != 0;
+  } else if constexpr (U == 4) {
+    return static_cast<uint64_t>((x & 0xffffffffu) != 0) | static_cast<uint64_t>((x >> 32) != 0) << 1;
+  } else if constexpr (U == 2) {
+    // bit 0 of each 16-bit lane: the or of the lane's bits; then the lanes' bits gathered
+    // into bits 48..51 by one multiplication (every product lands on a bit of its own)
+    uint64_t t = x | (x >> 8);
+    t |= t >> 4;
+    t |= t >> 2;
+    t |= t >> 1;
+    return ((t & 0x0001000100010001u) * 0x0001000200040008u) >> 48;
+  } else {
+    uint64_t t = x | (x >> 4);  // bit 0 of each byte: the or of the byte's bits
+    t |= t >> 2;
+    t |= t >> 1;
+    return ((t & 0x0101010101010101u) * 0x0102040810204080u) >> 56;
+  }
+}
+
+// The 64 units from `a` and `b` (64 * U bytes each), compared: a group of units is one word
+// of a bitmask, and the step of both encoders.
+template <int U>
+struct Group {
+  static constexpr int kPer = 8 / U;     // units per word
+  static constexpr int kWords = 8 * U;   // words per group
+
+  // Whether any of the group's bytes differ: what an unchanged group costs.
+  static bool differs(const uint8_t* a, const uint8_t* b) {
+    uint64_t any = 0;
+    for (int k = 0; k < kWords; ++k) any |= load64(a + 8 * k) ^ load64(b + 8 * k);
+    return any != 0;
+  }
+
+  // Bit j set when unit j differs.
+  static uint64_t bits(const uint8_t* a, const uint8_t* b) {
+#if defined(__SSE2__)
+    // 16 bytes at a time: the lanes' equality as a mask (what x86-64 always has)
+    uint64_t equal = 0;
+    for (int v = 0; v < 4 * U; ++v) {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * v));
+      const __m128i y = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * v));
+      uint64_t lanes;
+      if constexpr (U == 1) {
+        lanes = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, y)));
+      } else if constexpr (U == 2) {
+        const __m128i e = _mm_cmpeq_epi16(x, y);
+        lanes = static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(e, e))) & 0xffu;
+      } else if constexpr (U == 4) {
+        lanes = static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(x, y))));
+      } else {
+        __m128i e = _mm_cmpeq_epi32(x, y);
+        e = _mm_and_si128(e, _mm_shuffle_epi32(e, _MM_SHUFFLE(2, 3, 0, 1)));  // both halves equal
+        lanes = static_cast<uint32_t>(_mm_movemask_pd(_mm_castsi128_pd(e)));
+      }
+      equal |= lanes << (v * (16 / U));
+    }
+    return ~equal;
+#else
+    uint64_t bits = 0;
+    for (int k = 0; k < kWords; ++k) bits |= unit_bits<U>(load64(a + 8 * k) ^ load64(b + 8 * k)) << (k * kPer);
+    return bits;
+#endif
+  }
+};
+
+void check_message(int64_t nbytes, int unit) {
+  if (unit != 1 && unit != 2 && unit != 4 && unit != 8) {
+    throw CoreValueError("argument", "a unit is 1, 2, 4 or 8 bytes, not " + std::to_string(unit));
+  }
+  if (nbytes < 0 || nbytes % unit != 0) {
+    throw CoreValueError("argument", "a message of " + std::to_string(nbytes) + " bytes is not a whole number of " +
+                                         std::to_string(unit) + "-byte units");
+  }
+}
+
+void check_index_bytes(int index_bytes) {
+  if (index_bytes != 4 && index_bytes != 8) {
+    throw CoreValueError("argument", "an index is 4 or 8 bytes, not " + std::to_string(index_bytes));
+  }
+}
+
+void check_count(const char* what, int64_t n) {
+  if (n < 0) throw CoreValueError("argument", std::string(what) + " is negative: " + std::to_string(n));
+}
+
+template <int U, typename I>
+int64_t encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* indices, uint8_t* values,
+                       int64_t capacity) {
+  const int64_t units = nbytes / U;
+  const int64_t groups = units / 64;
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* a = fresh + g * 64 * U;
+    const uint8_t* b = kept + g * 64 * U;
+    if (!Group<U>::differs(a, b)) continue;
+    for (uint64_t rest = Group<U>::bits(a, b); rest != 0; rest &= rest - 1) {
+      if (count == capacity) return -1;
+      const int j = __builtin_ctzll(rest);
+      store_index<I>(indices, count, g * 64 + j);
+      std::memcpy(values + count * U, a + U * j, U);
+      ++count;
+    }
+  }
+  for (int64_t u = groups * 64; u < units; ++u) {  // the last units, fewer than 64
+    if (std::memcmp(fresh + u * U, kept + u * U, U) == 0) continue;
+    if (count == capacity) return -1;
+    store_index<I>(indices, count, u);
+    std::memcpy(values + count * U, fresh + u * U, U);
+    ++count;
+  }
+  return count;
+}
+
+template <int U>
+int64_t encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* mask, uint8_t* values,
+                       int64_t capacity) {
+  const int64_t units = nbytes / U;
+  const int64_t groups = units / 64;
+  int64_t count = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* a = fresh + g * 64 * U;
+    const uint8_t* b = kept + g * 64 * U;
+    const uint64_t bits = Group<U>::differs(a, b) ? Group<U>::bits(a, b) : 0;
+    for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
+      if (count == capacity) return -1;
+      std::memcpy(values + count * U, a + U * __builtin_ctzll(rest), U);
+      ++count;
+    }
+    store64(mask + 8 * g, bits);
+  }
+  const int64_t first = groups * 64;  // the last units, fewer than 64
+  uint8_t* tail = mask + 8 * groups;
+  std::memset(tail, 0, static_cast<std::size_t>((units - first + 7) / 8));
+  for (int64_t u = first; u < units; ++u) {
+    if (std::memcmp(fresh + u * U, kept + u * U, U) == 0) continue;
+    if (count == capacity) return -1;
+    tail[(u - first) / 8] |= static_cast<uint8_t>(1u << ((u - first) % 8));
+    std::memcpy(values + count * U, fresh + u * U, U);
+    ++count;
+  }
+  return count;
+}
+
+template <int U, typename I>
+void apply_indices(uint8_t* base, int64_t nbytes, const uint8_t* indices, const uint8_t* values, int64_t count) {
+  const int64_t units = nbytes / U;
+  bool bad = false;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t v = load_index<I>(indices, i);
+    bad |= v < 0 || v >= units;
+  }
+  if (bad) {
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t v = load_index<I>(indices, i);
+      if (v < 0 || v >= units) {
+        throw CoreValueError("argument", "change " + std::to_string(i) + " of a delta is at index " +
+                                             std::to_string(v) + ", not a unit of a base of " +
+                                             std::to_string(units) + " units");
+      }
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    std::memcpy(base + load_index<I>(indices, i) * U, values + i * U, U);
+  }
+}
+
+template <int U>
+int64_t apply_bitmask(uint8_t* base, int64_t nbytes, const uint8_t* mask, const uint8_t* values, int64_t count) {
+  const int64_t units = nbytes / U;
+  const int64_t mask_bytes = (units + 7) / 8;
+  const int64_t words = mask_bytes / 8;
+  if (units % 8 != 0 && (mask[mask_bytes - 1] >> (units % 8)) != 0) {
+    throw CoreValueError("argument", "a delta's bitmask marks a change past the last of a base's " +
+                                         std::to_string(units) + " units");
+  }
+  int64_t marked = 0;
+  for (int64_t w = 0; w < words; ++w) marked += __builtin_popcountll(load64(mask + 8 * w));
+  for (int64_t i = words * 8; i < mask_bytes; ++i) marked += __builtin_popcount(mask[i]);
+  if (marked != count) {
+    throw CoreValueError("argument", "a delta's bitmask marks " + std::to_string(marked) +
+                                         " changes, its message holds " + std::to_string(count));
+  }
+  int64_t k = 0;
+  for (int64_t w = 0; w < words; ++w) {
+    for (uint64_t rest = load64(mask + 8 * w); rest != 0; rest &= rest - 1) {
+      std::memcpy(base + (w * 64 + __builtin_ctzll(rest)) * U, values + k * U, U);
+      ++k;
+    }
+  }
+  for (int64_t i = words * 8; i < mask_bytes; ++i) {
+    for (unsigned rest = mask[i]; rest != 0; rest &= rest - 1) {
+      std::memcpy(base + (i * 8 + __builtin_ctz(rest)) * U, values + k * U, U);
+      ++k;
+    }
+  }
+  return count;
+}
+
+template <typename I>
+int64_t encode_indices_as(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* indices,
+                          uint8_t* values, int64_t capacity) {
+  switch (unit) {
+    case 1: return encode_indices<1, I>(fresh, kept, nbytes, indices, values, capacity);
+    case 2: return encode_indices<2, I>(fresh, kept, nbytes, indices, values, capacity);
+    case 4: return encode_indices<4, I>(fresh, kept, nbytes, indices, values, capacity);
+    default: return encode_indices<8, I>(fresh, kept, nbytes, indices, values, capacity);
+  }
+}
+
+template <typename I>
+void apply_indices_as(uint8_t* base, int64_t nbytes, int unit, const uint8_t* indices, const uint8_t* values,
+                      int64_t count) {
+  switch (unit) {
+    case 1: return apply_indices<1, I>(base, nbytes, indices, values, count);
+    case 2: return apply_indices<2, I>(base, nbytes, indices, values, count);
+    case 4: return apply_indices<4, I>(base, nbytes, indices, values, count);
+    default: return apply_indices<8, I>(base, nbytes, indices, values, count);
+  }
+}
+
+}  // namespace
+
+int64_t delta_checksum(const uint8_t* data, int64_t nbytes) {
+  check_count("a checksum's length", nbytes);
+  const int64_t words = nbytes / 8;
+  // one part's checksum is 4 * (sum of even words) + (sum of odd words) + (sum of tail bytes)
+  uint64_t even[4] = {0, 0, 0, 0};
+  uint64_t odd[4] = {0, 0, 0, 0};
+  int64_t w = 0;
+  for (; w + 8 <= words; w += 8) {
+    const uint8_t* p = data + 8 * w;
+    for (int k = 0; k < 4; ++k) {
+      even[k] += load64(p + 16 * k);
+      odd[k] += load64(p + 16 * k + 8);
+    }
+  }
+  uint64_t sum_even = even[0] + even[1] + even[2] + even[3];
+  uint64_t sum_odd = odd[0] + odd[1] + odd[2] + odd[3];
+  for (; w < words; ++w) (w % 2 == 0 ? sum_even : sum_odd) += load64(data + 8 * w);
+  uint64_t tail = 0;
+  for (int64_t i = words * 8; i < nbytes; ++i) tail += data[i];
+  const uint64_t total = 4 * sum_even + sum_odd + tail;  // wrapping, as int64 sums wrap
+  int64_t result;
+  std::memcpy(&result, &total, sizeof result);
+  return result;
+}
+
+int64_t delta_encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, void* indices,
+                             int index_bytes, uint8_t* values, int64_t capacity) {
+  check_message(nbytes, unit);
+  check_index_bytes(index_bytes);
+  check_count("a capacity", capacity);
+  if (index_bytes == 4 && nbytes / unit > (int64_t{1} << 31)) {
+    throw CoreValueError("argument", "int32 indices cannot number " + std::to_string(nbytes / unit) + " units");
+  }
+  uint8_t* out = static_cast<uint8_t*>(indices);
+  return index_bytes == 4 ? encode_indices_as<int32_t>(fresh, kept, nbytes, unit, out, values, capacity)
+                          : encode_indices_as<int64_t>(fresh, kept, nbytes, unit, out, values, capacity);
+}
+
+int64_t delta_encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* mask,
+                             uint8_t* values, int64_t capacity) {
+  check_message(nbytes, unit);
+  check_count("a capacity", capacity);
+  switch (unit) {
+    case 1: return encode_bitmask<1>(fresh, kept, nbytes, mask, values, capacity);
+    case 2: return encode_bitmask<2>(fresh, kept, nbytes, mask, values, capacity);
+    case 4: return encode_bitmask<4>(fresh, kept, nbytes, mask, values, capacity);
+    default: return encode_bitmask<8>(fresh, kept, nbytes, mask, values, capacity);
+  }
+}
+
+void delta_apply_indices(uint8_t* base, int64_t nbytes, int unit, const void* indices, int index_bytes,
+                         const uint8_t* values, int64_t count) {
+  check_message(nbytes, unit);
+  check_index_bytes(index_bytes);
+  check_count("a delta's count of changes", count);
+  const uint8_t* in = static_cast<const uint8_t*>(indices);
+  if (index_bytes == 4) {
+    apply_indices_as<int32_t>(base, nbytes, unit, in, values, count);
+  } else {
+    apply_indices_as<int64_t>(base, nbytes, unit, in, values, count);
+  }
+}
+
+int64_t delta_apply_bitmask(uint8_t* base, int64_t nbytes, int unit, const uint8_t* mask, const uint8_t* values,
+                            int64_t count) {
+  check_message(nbytes, unit);
+  check_count("a delta's count of changes", count);
+  switch (unit) {
+    case 1: return apply_bitmask<1>(base, nbytes, mask, values, count);
+    case 2: return apply_bitmask<2>(base, nbytes, mask, values, count);
+    case 4: return apply_bitmask<4>(base, nbytes, mask, values, count);
+    default: return apply_bitmask<8>(base, nbytes, mask, values, count);
+  }
+}
+
+}  // namespace layoutlang

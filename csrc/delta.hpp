@@ -1,0 +1,53 @@
+// Kernels of delta refits (layoutlang/runtime/wire_encoding.py): a message compared with the
+// copy of it its sender kept, the changes written as indices or as a bitmask and applied to
+// a receiver's base, and the checksum a receiver verifies the patched bytes with.
+//
+//   units      a message is compared in units of its element size (1, 2, 4 or 8 bytes),
+//              bit by bit: NaN payloads and the signs of zeros are changes;
+//   indices    the changed units' indices, ascending (int32, or int64 past 2^31 units),
+//              and their new values, in the same order;
+//   bitmask    bit i (least significant first within each byte) set when unit i changed,
+//              then the changed units' new values, in order;
+//   checksum   of one part: the wrapping int64 sum of its 8-byte words, plus 3 times the
+//              sum of the words at even word index, plus the sum of the bytes past the last
+//              whole word (as unsigned bytes). Words are read from the part's start (memcpy
+//              loads: any address), little-endian.
+//
+// Every kernel is one pass over its inputs, single-threaded, allocates nothing and writes
+// only the buffers it is handed; the caller sizes them. Receivers validate what they read
+// before writing anything: a bad message throws CoreValueError (kind "argument") and
+// leaves the base untouched. Plain C++: no Python, no torch.
+#pragma once
+
+#include <cstdint>
+
+namespace layoutlang {
+
+// The checksum of `nbytes` bytes at `data` (header comment).
+int64_t delta_checksum(const uint8_t* data, int64_t nbytes);
+
+// Writes the indices (`index_bytes` 4 or 8 each) and new values of the `unit`-byte units
+// that differ between `fresh` and `kept` (`nbytes` each, a whole number of units) to
+// `indices` and `values`; returns how many, or -1 as soon as more than `capacity` differ
+// (what was written then is meaningless). `kept` is only read.
+int64_t delta_encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, void* indices,
+                             int index_bytes, uint8_t* values, int64_t capacity);
+
+// Writes the bitmask of the units that differ (ceil(units / 8) bytes, bits past the last
+// unit zero) to `mask` and their new values to `values`; returns how many, or -1 as soon as
+// more than `capacity` differ. `kept` is only read.
+int64_t delta_encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* mask,
+                             uint8_t* values, int64_t capacity);
+
+// Writes `count` values to the units of `base` (`nbytes`) at `indices` (`index_bytes` 4 or
+// 8 each). Throws, writing nothing, when an index is not a unit of the base.
+void delta_apply_indices(uint8_t* base, int64_t nbytes, int unit, const void* indices, int index_bytes,
+                         const uint8_t* values, int64_t count);
+
+// Writes `values` to the units of `base` whose bits are set in `mask` (ceil(units / 8)
+// bytes); returns how many (`count`). Throws, writing nothing, when a bit past the last unit
+// is set or the mask's bits are not `count` (the values the message holds).
+int64_t delta_apply_bitmask(uint8_t* base, int64_t nbytes, int unit, const uint8_t* mask, const uint8_t* values,
+                            int64_t count);
+
+}  // namespace layoutlang
