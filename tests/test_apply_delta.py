@@ -41,6 +41,26 @@ def test_delta_steps_move_a_fraction_of_the_dense_bytes_and_verify_every_byte():
     assert steps[-1]["kept_bytes_per_rank"] > 0
 
 
+@pytest.mark.timeout(300)
+def test_elastic_delta_refits_are_dense_after_a_recovery_then_deltas_again():
+    """``--elastic --delta``: an inference rank killed in step 1; every committed step verified
+    against the trained weights; the first step of each generation moves dense."""
+    result = cli("apply", REFIT, "--elastic", "--delta", "--steps", "4", "--kill", "6@1", "--change-fraction", "0.001",
+                 "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["ok"] and [s["step"] for s in summary["steps"]] == [0, 1, 2, 3]
+    by_generation: dict[int, list[dict]] = {}
+    for step in summary["steps"]:
+        assert not step["mismatches"] and step["verified_bytes"] > 0
+        by_generation.setdefault(step["generation"], []).append(step)
+    assert len(by_generation) >= 2  # the kill made a new generation
+    for steps in by_generation.values():
+        first, *later = steps
+        assert first["wire_bytes"] >= first["dense_bytes"]  # a new generation starts without versions
+        assert all(step["wire_bytes"] * 20 < step["dense_bytes"] for step in later), later
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "argv, refusal",
@@ -65,7 +85,6 @@ def test_bad_delta_values_are_usage_errors(capsys, argv, refusal):
         (["--steps", "3"], "--steps counts the refits of --elastic or --delta; give one of them"),
         (["--change-fraction", "0.1"], "--change-fraction is the share of elements a --delta step changes"),
         (["--delta", "--repeat", "2"], "--delta does not take --repeat"),
-        (["--delta", "--elastic"], "--delta does not take --elastic"),
         (["--delta", "--transport", "nccl"], "--delta does not take --transport nccl"),
     ],
 )

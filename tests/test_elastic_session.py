@@ -17,7 +17,7 @@ import os
 import re
 import signal
 import time
-from itertools import count
+from itertools import count, pairwise
 
 import pytest
 
@@ -185,7 +185,7 @@ def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool):
         reports = [r for r in result["reports"] if r.get("delta")]
         first = reports[0]["delta"]
         assert first["messages"]["indices"] == first["messages"]["bitmask"] == 0, (rank, first)
-        for before, after in zip(reports, reports[1:]):
+        for before, after in pairwise(reports):
             delta = after["delta"]
             if after["generation"] == before["generation"] and delta["dense_bytes"] > 0:
                 assert delta["wire_bytes"] * 5 < delta["dense_bytes"], (rank, after["step"], delta)
