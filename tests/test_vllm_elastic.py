@@ -93,6 +93,26 @@ def test_every_refitted_engine_generates_the_tokens_of_a_fresh_engine(job):
             assert observed[name]["tokens"] == fresh(job, n), (n, name)
 
 
+def test_refits_are_deltas_dense_where_a_generation_starts(job):
+    """Every refit is a delta refit: the first of a generation (a new group: step 1, the step
+    that lost B, each step after an engine joined or left, the restarted trainer's first) moves
+    dense; a refit in the same generation as the one before moves only what changed (attention
+    and norms train here: well under half the dense bytes). Their tokens are checked above:
+    B2, restarted with dummy weights, got dense and then deltas."""
+    deltas = 0
+    for n in range(1, 9):
+        report = step(job, n)["report"]
+        delta = report["delta"]
+        previous = step(job, n - 1)["report"] if n > 1 else None
+        if previous is None or previous["generation"] != report["generation"] or n == 6:
+            assert delta["messages"]["indices"] == delta["messages"]["bitmask"] == 0, (n, delta)
+        elif delta["dense_bytes"]:
+            assert delta["wire_bytes"] * 2 < delta["dense_bytes"], (n, delta)
+            assert not delta["stale"], (n, delta)
+            deltas += 1
+    assert deltas >= 2, [(n, step(job, n)["report"]["generation"]) for n in range(1, 9)]
+
+
 def test_every_refit_changes_the_tokens(job):
     previous = job["before"]["A"]["tokens"]  # the engine loaded from the first checkpoint
     for n in range(1, 9):

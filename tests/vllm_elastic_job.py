@@ -8,7 +8,8 @@ on what it records. Nothing here asserts.
 own) and the trainer: 2 gloo processes holding a tiny random Llama (float32, made here) as
 FSDP2 DTensors, taking real Adam steps. The trainer refits through layoutlang's vLLM
 weight-transfer engine, with every engine's greedy tokens recorded after every step and the
-trainer's weights saved as a checkpoint:
+trainer's weights saved as a checkpoint. Every refit is a delta refit (only attention and norms
+train, so most of what the engines hold does not change between steps):
 
 1. a program whose inference layout vLLM does not hold fails ``trainer_init`` on every rank
    before a byte moves (engines A, B, C unchanged);
@@ -330,6 +331,12 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
         from safetensors.torch import load_file
 
         model.load_state_dict(load_file(str(work / "step5" / "model.safetensors")))
+    # Only attention and norms train (embeddings, head and MLPs frozen, as in a LoRA-like or
+    # partial fine-tune): the refits are delta refits, and most of what the engines hold does
+    # not change from step to step
+    for name, parameter in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name or ".mlp." in name:
+            parameter.requires_grad_(False)
     mesh = init_device_mesh("cpu", (TRAINERS,), mesh_dim_names=("dp",))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -347,14 +354,14 @@ def trainer(work: Path, rank: int, incarnation: int, store_port: int, trainer_po
         # [trainer]
         info = LayoutlangTrainerInitInfo(
             rank=rank, master_address="127.0.0.1", master_port=store_port, program=text, namespace=namespace,
-            host_store=False, timeout=TIMEOUT, memory_budget=MEMORY_BUDGET,
+            host_store=False, timeout=TIMEOUT, memory_budget=MEMORY_BUDGET, delta=True,
         )
         return LayoutlangTrainerWeightTransferEngine.trainer_init(
             info, client=[client(n) for n in names] if rank == 0 else [], source=model
         )
         # [/trainer]
 
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=2e-2)
 
     def train(step: int) -> None:
         torch.manual_seed(100 + step)

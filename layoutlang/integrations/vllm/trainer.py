@@ -59,6 +59,7 @@ from elastic import ElasticSession, JobSecret, Recovery
 
 from ..._text import rank_ranges
 from ...errors import DataLossError, ExecutionError, LayoutValueError, RuntimeFailure
+from ...runtime.delta import DeltaReport
 from ..dtensor import local_storages, state_dict_problems
 from ..refit_session import (
     DEFAULT_NAMESPACE,
@@ -204,7 +205,8 @@ class RefitReport:
     member could not prepare it (all or nothing: every engine serves its previous weights).
     ``recoveries``: the session's membership changes during the call;
     ``recovered_from``: their recovery plans' bytes by where they were read (``destination``:
-    other engines, ``source``: the trainer).
+    other engines, ``source``: the trainer). ``delta``: with delta refits, this rank's
+    :class:`~layoutlang.runtime.delta.DeltaReport` of the step.
     """
 
     step: int
@@ -217,6 +219,8 @@ class RefitReport:
     failed: dict[int, str] = attrs.Factory(dict)
     recoveries: tuple[Recovery, ...] = ()
     held_back: tuple[int, ...] = ()
+    #: with ``delta=True``: this rank's sends of the try that committed (wire bytes against dense)
+    delta: DeltaReport | None = None
 
     @property
     def recovered_from(self) -> dict[str, int]:
@@ -233,6 +237,7 @@ class RefitReport:
             "left": list(self.left), "failed": {str(k): v for k, v in self.failed.items()},
             "held_back": list(self.held_back),
             "recoveries": [r.to_json() for r in self.recoveries], "recovered_from": self.recovered_from,
+            **({"delta": attrs.asdict(self.delta)} if self.delta is not None else {}),
         }
 
 
@@ -447,7 +452,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             raise
         if not self.is_sender:
             report = RefitReport(step, time.perf_counter() - begin, committed.generation, (),
-                                 recoveries=tuple(session.recoveries[first:]))
+                                 recoveries=tuple(session.recoveries[first:]), delta=committed.delta)
             self.last_report = report
             return report
         report = self._settle_engines(step, members, updates, failed, begin, session.recoveries[first:], committed)
@@ -528,7 +533,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         return RefitReport(
             step, time.perf_counter() - begin, committed.generation, tuple(refitted),
             tuple(e.index for e in now_serving), tuple(e.index for e in lost), tuple(e.index for e in left),
-            failed, tuple(recoveries), held_back=tuple(held_back),
+            failed, tuple(recoveries), held_back=tuple(held_back), delta=committed.delta,
         )
 
     def _abandon(self, step: int, prepared: list[Engine], unprepared: list[Engine], failed: dict[int, str]) -> None:
