@@ -150,7 +150,8 @@ class ElasticSession:
     a process without it can neither forge a decision nor join (the failure-recovery
     guide's security model).
 
-    ``delta=True``: every refit sends only what changed since the version each receiver holds
+    ``delta=True`` (or ``"digests"``: senders keep a digest per block, not a copy): every
+    refit sends only what changed since the version each receiver holds
     (:ref:`delta-refits`); the first refit of each generation moves dense (a new generation's
     group and plans start without versions), and so do the positions of joiners. Every member
     must ask alike (it is part of the program a joiner must share).
@@ -189,7 +190,7 @@ class ElasticSession:
         unit_axis: str | None = None,
         grow: bool = False,
         problem: str | None = None,
-        delta: bool = False,
+        delta: bool | str = False,
     ):
         statement = program.reshard(reshard)
         self.program = program
@@ -231,7 +232,7 @@ class ElasticSession:
         self.last_report: StepReport | None = None
         self._last_delta: DeltaReport | None = None
         self._closed = False
-        self.digest = _program_digest(spec, delta)
+        self.digest = _program_digest(spec, bool(delta))  # what a sender keeps need not match
         try:
             if join:
                 self._check_program()

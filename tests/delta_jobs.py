@@ -44,7 +44,7 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def delta_refits(path, participants, densities, timeout=60.0):
+def delta_refits(path, participants, densities, timeout=60.0, keep="copies"):
     """Refit once dense, then once per density with the sources changed that much, as deltas
     into the same destination storages; after each, a dense refit of the same weights into
     fresh storages is the oracle. Returns per step: whether every destination storage is
@@ -63,7 +63,7 @@ def delta_refits(path, participants, densities, timeout=60.0):
     for step, density in enumerate((None, *densities)):
         if density is not None:
             change_sources(delta.plan.source, rank, sources, density, step)
-        delta.run(sources, held, delta=True)
+        delta.run(sources, held, delta=keep)
         report = delta.last_report.delta
         oracle = dense.run(sources)
         out.append(

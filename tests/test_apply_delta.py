@@ -84,6 +84,7 @@ def test_bad_delta_values_are_usage_errors(capsys, argv, refusal):
     [
         (["--steps", "3"], "--steps counts the refits of --elastic or --delta; give one of them"),
         (["--change-fraction", "0.1"], "--change-fraction is the share of elements a --delta step changes"),
+        (["--delta-digests"], "--delta-digests says what --delta senders keep; give --delta"),
         (["--delta", "--repeat", "2"], "--delta does not take --repeat"),
         (["--delta", "--transport", "nccl"], "--delta does not take --transport nccl"),
     ],

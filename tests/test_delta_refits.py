@@ -55,6 +55,33 @@ def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, 
     assert all(r["kept_bytes"] > 0 for r in first if r["dense_bytes"])  # what a sender keeps is counted
 
 
+def test_digest_only_senders_send_changed_blocks_whole_and_stay_bit_identical(pool, capsys):
+    """Senders that keep only a digest per 4 KiB block: every density bit-identical to a dense
+    refit, the changed blocks sent whole (more bytes than a copy-keeping sender's deltas, never
+    more than dense), and a digest of 8 bytes kept per block instead of a copy."""
+    path = EXAMPLES / "refit.layout"
+    participants = participants_of(path)
+    results = [r for r in pool.run(delta_jobs.delta_refits, str(path), participants, DENSITIES, keep="digests") if r]
+    for steps in results:
+        assert all(step["identical"] for step in steps), [(s["rank"], s["density"]) for s in steps]
+    first, *later = zip(*results)
+    with capsys.disabled():
+        print("\nrefit, digest-only senders: density, wire bytes / dense bytes (all ranks)")
+    for density, step in zip(DENSITIES, later):
+        dense = sum(r["dense_bytes"] for r in step)
+        wire = sum(r["wire_bytes"] for r in step)
+        with capsys.disabled():
+            print(f"  {density:<7g} {wire:>10,} / {dense:>10,} = {wire / dense:.4f}")
+        assert wire <= 1.01 * dense, (density, wire, dense)
+        if density == 0.0:
+            assert wire < dense / 100, (wire, dense)  # headers and bitmasks only
+        if density == 1e-4:
+            assert wire < dense / 2, (wire, dense)  # most blocks unchanged
+    sent = sum(r["dense_bytes"] for r in first)
+    kept = sum(r["kept_bytes"] for r in first)
+    assert 0 < kept <= sent / 4096 * 8 + 8 * 64, (kept, sent)  # 8 bytes per block sent
+
+
 def test_a_storage_written_since_or_handed_anew_is_received_dense_and_right(pool):
     path = EXAMPLES / "refit.layout"
     participants = participants_of(path)

@@ -320,3 +320,63 @@ def test_the_kernels_refuse_bad_arguments():
         indices = torch.tensor([3, 16], dtype=torch.int64)
         _core.delta_apply_indices(at, 64, 4, indices.data_ptr(), 8, at, 2)
     assert not buffer.any()
+
+
+# ----------------------------------------------------------------- digest-only senders
+
+
+def test_a_digest_only_sender_sends_the_changed_blocks_whole_and_the_receiver_is_exact():
+    from layoutlang.runtime.wire_encoding import DIGEST_BLOCK_BYTES, block_digests, encode_blocks
+
+    generator = torch.Generator().manual_seed(5)
+    old = torch.randint(0, 255, (10 * DIGEST_BLOCK_BYTES + 1001,), dtype=torch.uint8, generator=generator)
+    new = old.clone()
+    new[5] ^= 1  # block 0
+    new[3 * DIGEST_BLOCK_BYTES + 17] ^= 0x80  # block 3
+    new[-1] ^= 4  # the last, shorter block
+    out = torch.empty(capacity(new.numel()), dtype=torch.uint8)
+    encoded, digests = encode_blocks(new, block_digests(old), 9, out)
+    assert encoded.header.encoding == Encoding.BLOCKS and encoded.header.changed == 3
+    assert encoded.nbytes == HEADER_BYTES + 16 + 2 * DIGEST_BLOCK_BYTES + 1001
+    assert torch.equal(digests, block_digests(new))
+    base = old.clone()
+    header = apply_patch(out[: encoded.nbytes], base, 1)
+    assert torch.equal(base, new) and header.version == 9 and checksum(base) == header.checksum
+    # no digests kept (or the receiver holds no base): dense, every byte
+    encoded, _ = encode_blocks(new, None, 10, out)
+    assert encoded.header.encoding == Encoding.DENSE and encoded.nbytes == HEADER_BYTES + new.numel()
+    fresh = torch.zeros_like(new)
+    apply_patch(out, fresh, 1)
+    assert torch.equal(fresh, new)
+    # every block changed: dense is cheaper than the bitmask and all the blocks
+    encoded, _ = encode_blocks(torch.bitwise_not(new), digests, 11, out)
+    assert encoded.header.encoding == Encoding.DENSE
+
+
+def test_changes_that_cancel_in_a_sum_still_move_the_digest():
+    from layoutlang.runtime.wire_encoding import block_digests
+
+    old = torch.zeros(8192, dtype=torch.uint8)
+    new = old.clone()
+    words = new.view(torch.int64)
+    words[3] += 1000
+    words[70] -= 1000  # the block's sum of words is unchanged
+    assert not torch.equal(block_digests(old), block_digests(new))
+
+
+def test_a_blocks_message_that_does_not_fit_its_base_is_refused_and_the_base_untouched():
+    from layoutlang.runtime.wire_encoding import DIGEST_BLOCK_BYTES, block_digests, encode_blocks
+
+    old = torch.arange(3 * DIGEST_BLOCK_BYTES, dtype=torch.int64).to(torch.uint8)
+    new = old.clone()
+    new[DIGEST_BLOCK_BYTES] ^= 1
+    out = torch.empty(capacity(new.numel()), dtype=torch.uint8)
+    encoded, _ = encode_blocks(new, block_digests(old), 1, out)
+    message = out[: encoded.nbytes].clone()
+    message[8:16].view(torch.int64)[0] = 2  # the header claims two blocks, its bitmask one
+    base = old.clone()
+    with pytest.raises(ValueError, match="corrupt delta message: its bitmask marks 1 blocks, its header 2"):
+        apply_patch(message, base, 1)
+    assert torch.equal(base, old)
+    with pytest.raises(ValueError, match="corrupt delta message"):
+        apply_patch(out[: encoded.nbytes], torch.zeros(DIGEST_BLOCK_BYTES // 2, dtype=torch.uint8), 1)

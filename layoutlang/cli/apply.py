@@ -129,6 +129,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     deltas.add_argument("--delta", action="store_true", help="send only what changed since the previous refit")
     deltas.add_argument(
+        "--delta-digests", action="store_true",
+        help="with --delta: senders keep a digest per 4 KiB block of what they sent instead of a copy "
+        "(8 bytes per block); the blocks that changed travel whole",
+    )
+    deltas.add_argument(
         "--change-fraction", type=arguments.fraction, default=None, metavar="F",
         help="with --delta: the fraction of source elements each training step changes (default 0.01)",
     )
@@ -419,6 +424,8 @@ def _check_delta_options(args: argparse.Namespace) -> None:
     without the mode that reads them; fill in their defaults."""
     if args.steps is not None and not (args.elastic or args.delta):
         raise LayoutValueError("--steps counts the refits of --elastic or --delta; give one of them")
+    if args.delta_digests and not args.delta:
+        raise LayoutValueError("--delta-digests says what --delta senders keep; give --delta")
     if args.change_fraction is not None and not args.delta:
         raise LayoutValueError("--change-fraction is the share of elements a --delta step changes; give --delta")
     if args.delta:
@@ -516,7 +523,7 @@ def run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         transport=args.transport,
         plan_mode=args.plan_mode,
-        delta=args.delta,
+        delta=("digests" if args.delta_digests else True) if args.delta else False,
         steps=args.steps if args.delta else 1,
         change_fraction=args.change_fraction,
     )
@@ -617,7 +624,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         destination_policy=args.destination_policy,
         source_axis=args.source_axis,
         destination_axis=args.destination_axis,
-        delta=args.delta,
+        delta=("digests" if args.delta_digests else True) if args.delta else False,
         change_fraction=args.change_fraction if args.delta else None,
     )
     if environment_is_torchrun():

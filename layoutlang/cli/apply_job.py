@@ -76,7 +76,7 @@ class ApplyOptions:
     plan_mode: str = "auto"
     #: ``--delta``: ``steps`` refits, each after a synthetic training step that changes
     #: ``change_fraction`` of the source elements, sent as deltas (the first one dense)
-    delta: bool = False
+    delta: bool | str = False
     steps: int = 1
     change_fraction: float = 0.01
 
@@ -261,7 +261,7 @@ def _run_once(
     progress: Callable[[int, int], None] | None,
     problem: Exception | None,
     *,
-    delta: bool = False,
+    delta: bool | str = False,
 ) -> RunReport:
     """One run of the plan; a rank that could not prepare it (its sources, its storages, its
     output) stops every rank in the run's agreement."""

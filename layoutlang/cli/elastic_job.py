@@ -74,7 +74,7 @@ class ElasticOptions:
     destination_axis: str | None = None
     #: delta refits; the weights of step s are those of step 0 after s synthetic training
     #: steps that each change ``change_fraction`` of the elements (None: all change every step)
-    delta: bool = False
+    delta: bool | str = False
     change_fraction: float | None = None
 
 

@@ -125,7 +125,7 @@ def fleet_session(
     problem: str | None = None,
     join_timeout: float | None = None,
     backend: Any = None,
-    delta: bool = False,
+    delta: bool | str = False,
 ) -> ElasticSession:
     """This process's membership of the refit session (see the module doc): a trainer rank or
     an engine worker; ``join`` for a joining engine or a returning trainer rank (it waits up to

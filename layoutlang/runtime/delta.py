@@ -36,9 +36,22 @@ import torch
 
 from .agreement import AGREEMENT_TAG
 from .schedule import _ASSEMBLY, _DESTINATION, Message, Piece, Step
-from .wire_encoding import MIN_DELTA_BYTES, Encoding, apply_patch, capacity, checksum, encode, read_header
+from .wire_encoding import (
+    MIN_DELTA_BYTES,
+    Encoding,
+    apply_patch,
+    capacity,
+    checksum,
+    encode,
+    encode_blocks,
+    read_header,
+)
 
-__all__ = ["DeltaRefits", "DeltaReport"]
+__all__ = ["KEEPS", "DeltaRefits", "DeltaReport"]
+
+#: what a sender keeps of what it sent: a copy of every byte (the changed elements travel),
+#: or only a digest per 4 KiB block (the changed blocks travel whole: 8 bytes kept per block)
+KEEPS = ("copies", "digests")
 
 Key = tuple[int, int]  # (step, index of the transfer among the step's sends or receives)
 
@@ -81,10 +94,13 @@ class DeltaRefits:
     """One executor's delta state across its runs (module doc). ``region`` gives the view of a
     destination piece in the run's storages."""
 
-    def __init__(self, steps: Sequence[Step], rank: int):
+    def __init__(self, steps: Sequence[Step], rank: int, keep: str = "copies"):
+        if keep not in KEEPS:
+            raise ValueError(f"delta refits keep copies or digests of what they send, not {keep!r}")
         self.steps = steps
         self.rank = rank
-        self._kept: dict[Key, torch.Tensor] = {}
+        self.keep = keep
+        self._kept: dict[Key, torch.Tensor] = {}  # copies, or digests (int64 per block)
         self._kept_versions: dict[Key, int] = {}
         self._bases: dict[Key, _Base] = {}
         # transfers by peer, in the order both ends post them: what an offer lists
@@ -169,7 +185,11 @@ class DeltaRefits:
             buffer = self._arena[offset : offset + capacity(message.numel())]
             offset += _size(transfer)
             kept = self._kept.get(key)
-            if kept is None:
+            if self.keep == "digests":
+                encoded, self._kept[key] = encode_blocks(
+                    message, kept, self._version, buffer, delta=key in self._delta_sends, spans=_spans(transfer)
+                )
+            elif kept is None:
                 kept = self._kept[key] = torch.empty_like(message, device="cpu")
                 kept.copy_(message)
                 encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=_spans(transfer))
@@ -229,7 +249,7 @@ class DeltaRefits:
     def report(self, kept_besides: int = 0) -> DeltaReport:
         """This run's report; ``kept_besides``: bytes the executor keeps as bases besides the
         sent copies (the boxes it assembles for quantized tensors)."""
-        kept = sum(t.numel() for t in self._kept.values()) + kept_besides
+        kept = sum(t.numel() * t.element_size() for t in self._kept.values()) + kept_besides
         return DeltaReport(self._dense, self._wire, dict(self._counts), kept, sorted(self._stale))
 
 

@@ -196,7 +196,7 @@ class Resharder:
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
-        delta: bool = False,
+        delta: bool | str = False,
     ) -> dict[str, torch.Tensor]:
         """Move this rank's part of the plan; returns the destination storages.
 
@@ -213,7 +213,9 @@ class Resharder:
         :mod:`layoutlang.runtime.delta`): each sender keeps a copy of what it sent, each
         receiver patches the destination storages in place. Hand the same destination tensors
         at every run: a storage handed anew, or written by someone else since, is received
-        dense (named in ``last_report.delta.stale``). Needs a gloo group.
+        dense (named in ``last_report.delta.stale``). Needs a gloo group. ``delta="digests"``:
+        a sender keeps only a digest per 4 KiB block of what it sent (8 bytes per block instead
+        of a copy), and the blocks whose digest changed travel whole.
         """
         if destinations is None:
             device = device_of(list(sources.values())) if sources else torch.device("cpu")

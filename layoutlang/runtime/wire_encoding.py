@@ -40,16 +40,19 @@ import torch
 from ..core import _core
 
 __all__ = [
+    "DIGEST_BLOCK_BYTES",
     "HEADER_BYTES",
     "MIN_DELTA_BYTES",
     "Encoded",
     "Encoding",
     "Header",
     "apply_patch",
+    "block_digests",
     "capacity",
     "changed_units",
     "checksum",
     "encode",
+    "encode_blocks",
     "read_header",
 ]
 
@@ -68,6 +71,11 @@ class Encoding(enum.IntEnum):
     DENSE = 0
     BITMASK = 1
     INDICES = 2
+    BLOCKS = 3  # digest-only senders: the blocks whose digest changed, whole
+
+
+#: the block a digest-only sender digests and sends whole when its digest changed
+DIGEST_BLOCK_BYTES = 4096
 
 
 @attrs.frozen
@@ -284,6 +292,117 @@ def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Ten
     )
 
 
+_DIGEST_CHUNK = 1024  # blocks digested at once: the int64 products of 4 MiB, not of the message
+
+
+def block_digests(new: torch.Tensor) -> torch.Tensor:
+    """One 64-bit digest per :data:`DIGEST_BLOCK_BYTES` block of the byte buffer ``new`` (the
+    last block may be shorter): the wrapping sum of its 8-byte words plus the sum of each
+    word times its odd position weight (so a change, or two changes that cancel in the
+    sum, moves the digest; a digest, not a hash against an adversary)."""
+    if new.data_ptr() % 8 or new.storage_offset() % 8 or not new.is_contiguous():
+        new = new.clone(memory_format=torch.contiguous_format)
+    nbytes = new.numel()
+    blocks = -(-nbytes // DIGEST_BLOCK_BYTES)
+    out = torch.empty(blocks, dtype=torch.int64, device=new.device)
+    per = DIGEST_BLOCK_BYTES // 8
+    weights = torch.arange(1, 2 * per, 2, dtype=torch.int64, device=new.device)
+    whole = nbytes // DIGEST_BLOCK_BYTES
+    for start in range(0, whole, _DIGEST_CHUNK):
+        stop = min(whole, start + _DIGEST_CHUNK)
+        words = new[start * DIGEST_BLOCK_BYTES : stop * DIGEST_BLOCK_BYTES].view(torch.int64).view(-1, per)
+        out[start:stop] = words.sum(1) + (words * weights).sum(1)
+    if whole < blocks:  # the last, shorter block: its bytes zero-padded to whole words
+        tail = torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device=new.device)
+        tail[: nbytes - whole * DIGEST_BLOCK_BYTES] = new[whole * DIGEST_BLOCK_BYTES :]
+        words = tail.view(torch.int64)
+        out[whole] = words.sum() + (words * weights).sum()
+    return out
+
+
+def encode_blocks(
+    new: torch.Tensor,
+    digests: torch.Tensor | None,
+    version: int,
+    out: torch.Tensor,
+    *,
+    delta: bool = True,
+    spans: Sequence[tuple[int, int]] | None = None,
+) -> tuple[Encoded, torch.Tensor]:
+    """A digest-only sender's :func:`encode`: the message ``new`` as the
+    :data:`DIGEST_BLOCK_BYTES` blocks whose digest differs from ``digests`` (those of the
+    version last sent; None: dense), each sent whole after a bitmask of the blocks, or dense
+    when that is not cheaper. Returns what was written and the new version's digests (what the
+    sender keeps instead of a copy: 8 bytes per block)."""
+    nbytes = new.numel()
+    body = out[HEADER_BYTES:]
+    total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
+    fresh = block_digests(new)
+    blocks = fresh.numel()
+    encoding, changed, payload = Encoding.DENSE, blocks, nbytes
+    if digests is not None and delta and digests.numel() == blocks:
+        moved = (fresh != digests).nonzero().squeeze(1)
+        changed = moved.numel()
+        head = _aligned(math.ceil(blocks / 8))
+        sent = sum(min(DIGEST_BLOCK_BYTES, nbytes - int(b) * DIGEST_BLOCK_BYTES) for b in moved[-1:].tolist())
+        size = head + max(0, changed - 1) * DIGEST_BLOCK_BYTES + sent
+        if size < nbytes:
+            encoding, payload = Encoding.BLOCKS, size
+            body[:head].zero_()
+            mask = torch.zeros(blocks, dtype=torch.bool, device=new.device)
+            mask[moved] = True
+            _pack_bits(mask, body[: math.ceil(blocks / 8)])
+            _move_blocks(new, moved, body[head : head + size - head], to_message=True)
+    if encoding == Encoding.DENSE:
+        changed = blocks
+        body[:nbytes].copy_(new)
+    header = Header(encoding, changed, version, total)
+    out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor([int(encoding), changed, version, total]))
+    return Encoded(header, HEADER_BYTES + payload), fresh
+
+
+def _apply_blocks(header: Header, body: torch.Tensor, base: torch.Tensor) -> None:
+    """Write a BLOCKS message's blocks into ``base``, after checking it fits: a bitmask whose
+    bits are its count of blocks, every block within the base and the message."""
+    nbytes = base.numel()
+    blocks = -(-nbytes // DIGEST_BLOCK_BYTES)
+    head = _aligned(math.ceil(blocks / 8))
+    if not 0 <= header.changed <= blocks or head > body.numel():
+        raise ValueError(f"corrupt delta message: {header.changed} blocks of a base of {blocks} blocks")
+    bits = body[: math.ceil(blocks / 8)]
+    if blocks % 8 and int(bits[-1]) >> (blocks % 8):
+        raise ValueError(f"corrupt delta message: its bitmask marks a block past the last of a base's {blocks}")
+    moved = _unpack_bits(bits, blocks).nonzero().squeeze(1).tolist()
+    if len(moved) != header.changed:
+        raise ValueError(f"corrupt delta message: its bitmask marks {len(moved)} blocks, its header {header.changed}")
+    need = head + sum(min(DIGEST_BLOCK_BYTES, nbytes - b * DIGEST_BLOCK_BYTES) for b in moved)
+    if need > body.numel():
+        raise ValueError(f"corrupt delta message: its {len(moved)} blocks need {need} bytes, it has {body.numel()}")
+    _move_blocks(base, torch.tensor(moved, dtype=torch.int64), body[head:need], to_message=False)
+
+
+def _move_blocks(storage: torch.Tensor, moved: torch.Tensor, packed: torch.Tensor, *, to_message: bool) -> None:
+    """Copy the blocks ``moved`` (ascending) of ``storage`` into ``packed`` one after the
+    other (``to_message``), or back: the whole blocks in one gather or scatter, the last,
+    shorter block of the storage (if moved) after them."""
+    nbytes = storage.numel()
+    whole = nbytes // DIGEST_BLOCK_BYTES
+    full = moved[moved < whole].to(storage.device)
+    blocks = storage[: whole * DIGEST_BLOCK_BYTES].view(whole, DIGEST_BLOCK_BYTES)
+    slots = packed[: full.numel() * DIGEST_BLOCK_BYTES].view(-1, DIGEST_BLOCK_BYTES)
+    if to_message:
+        torch.index_select(blocks, 0, full, out=slots)
+    else:
+        blocks.index_copy_(0, full, slots)
+    if full.numel() < moved.numel():  # the shorter last block
+        tail = storage[whole * DIGEST_BLOCK_BYTES :]
+        at = full.numel() * DIGEST_BLOCK_BYTES
+        if to_message:
+            packed[at : at + tail.numel()].copy_(tail)
+        else:
+            tail.copy_(packed[at : at + tail.numel()])
+
+
 def read_header(message: torch.Tensor) -> Header:
     """The header of an encoded message (its first :data:`HEADER_BYTES` bytes)."""
     encoding, changed, version, total = (int(v) for v in message[:HEADER_BYTES].view(torch.int64).tolist())
@@ -301,6 +420,9 @@ def apply_patch(message: torch.Tensor, base: torch.Tensor, unit: int) -> Header:
     units = nbytes // unit
     body = message[HEADER_BYTES:]
     changed = header.changed
+    if header.encoding == Encoding.BLOCKS:
+        _apply_blocks(header, body, base)
+        return header
     _check_sections(header, nbytes, unit, body.numel())
     if header.encoding == Encoding.DENSE:
         base.copy_(body[:nbytes])

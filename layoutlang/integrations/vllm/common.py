@@ -55,8 +55,9 @@ class WorkerInitFields:
     #: storage goes through load_weights (vLLM's own path for whole tensors, as its NCCL
     #: engine takes it); for comparisons, and for engines layoutlang has no preset of
     checkpoint_format: bool = False
-    #: every refit sends only what changed since the version each worker holds (delta refits)
-    delta: bool = False
+    #: every refit sends only what changed since the version each worker holds (delta refits;
+    #: ``"digests"``: senders keep a digest per 4 KiB block instead of a copy)
+    delta: bool | str = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

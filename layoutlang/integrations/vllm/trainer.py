@@ -169,8 +169,9 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     #: the destination layout names checkpoint tensors (see WorkerInitFields)
     checkpoint_format: bool = False
     #: delta refits: each refit sends only what changed since the version each engine worker
-    #: holds (its staged storages); an engine that joined or missed a step gets dense, then deltas
-    delta: bool = False
+    #: holds (its staged storages); an engine that joined or missed a step gets dense, then deltas;
+    #: ``"digests"``: the trainer keeps a digest per 4 KiB block of what it sent, not a copy
+    delta: bool | str = False
 
 
 @dataclass
