@@ -149,10 +149,7 @@ def _worker_main(
         try:
             _init_default_group(store, prefix, rank, size, timeout, secret)
         except RuntimeError:
-            if launcher is not None:  # the store went with the launcher: its watch ends this worker
-                end = time.monotonic() + 4 * WATCH_PERIOD
-                while time.monotonic() < end:
-                    time.sleep(WATCH_PERIOD / 4)
+            _await_watch(launcher)  # the store went with the launcher: its watch ends this worker
             raise
     worker_context.update(rank=rank, size=size, port=port, store=store)
     while True:
@@ -169,12 +166,26 @@ def _worker_main(
             report = (rank, False, failure)
         try:
             results.send(report)
+        except OSError:  # the pipe's reader is gone (BrokenPipeError): so is the launcher
+            _await_watch(launcher)
+            raise
         except (TypeError, AttributeError, pickle.PicklingError) as err:  # a result the parent cannot receive
             failure = (type(err).__name__, f"the task's result cannot be sent to the launcher: {err}", "internal",
                        int(ExitCode.INTERNAL))
             results.send((rank, False, failure))
     if default_group:
         dist.destroy_process_group()
+
+
+def _await_watch(launcher: int | None) -> None:
+    """When the launcher is gone (its store, its end of a pipe), give its watch
+    (:func:`watch_launcher`) the time to end this worker with its message, before the error
+    that found it does."""
+    if launcher is None:
+        return
+    end = time.monotonic() + 4 * WATCH_PERIOD
+    while time.monotonic() < end:
+        time.sleep(WATCH_PERIOD / 4)
 
 
 def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: float, secret: str | None) -> None:
