@@ -127,62 +127,76 @@ void check_count(const char* what, int64_t n) {
   if (n < 0) throw CoreValueError("argument", std::string(what) + " is negative: " + std::to_string(n));
 }
 
-template <int U, typename I>
-int64_t encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* indices, uint8_t* values,
-                       int64_t capacity) {
-  const int64_t units = nbytes / U;
+// Visits the changes of `fresh` against `kept` (`units` units each): on_group(g, bits) for every
+// group of 64 units (bits: the units that differ; 0 for an unchanged group, found at the cost of
+// one pass over it), then on_unit(u) for each differing unit after the last whole group. A
+// visitor returns false to stop the scan (its output is full): scan_changes then returns false.
+template <int U, typename OnGroup, typename OnUnit>
+bool scan_changes(const uint8_t* fresh, const uint8_t* kept, int64_t units, OnGroup on_group, OnUnit on_unit) {
   const int64_t groups = units / 64;
-  int64_t count = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* a = fresh + g * 64 * U;
     const uint8_t* b = kept + g * 64 * U;
-    if (!Group<U>::differs(a, b)) continue;
-    for (uint64_t rest = Group<U>::bits(a, b); rest != 0; rest &= rest - 1) {
-      if (count == capacity) return -1;
-      const int j = __builtin_ctzll(rest);
-      store_index<I>(indices, count, g * 64 + j);
-      std::memcpy(values + count * U, a + U * j, U);
-      ++count;
-    }
+    if (!on_group(g, Group<U>::differs(a, b) ? Group<U>::bits(a, b) : uint64_t{0})) return false;
   }
   for (int64_t u = groups * 64; u < units; ++u) {  // the last units, fewer than 64
-    if (std::memcmp(fresh + u * U, kept + u * U, U) == 0) continue;
-    if (count == capacity) return -1;
+    if (std::memcmp(fresh + u * U, kept + u * U, U) != 0 && !on_unit(u)) return false;
+  }
+  return true;
+}
+
+template <int U, typename I>
+int64_t encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* indices, uint8_t* values,
+                       int64_t capacity) {
+  int64_t count = 0;
+  auto add = [&](int64_t u) {
+    if (count == capacity) return false;
     store_index<I>(indices, count, u);
     std::memcpy(values + count * U, fresh + u * U, U);
     ++count;
-  }
-  return count;
+    return true;
+  };
+  const bool whole = scan_changes<U>(
+      fresh, kept, nbytes / U,
+      [&](int64_t g, uint64_t bits) {
+        for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
+          if (!add(g * 64 + __builtin_ctzll(rest))) return false;
+        }
+        return true;
+      },
+      add);
+  return whole ? count : -1;
 }
 
 template <int U>
 int64_t encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* mask, uint8_t* values,
                        int64_t capacity) {
   const int64_t units = nbytes / U;
-  const int64_t groups = units / 64;
-  int64_t count = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* a = fresh + g * 64 * U;
-    const uint8_t* b = kept + g * 64 * U;
-    const uint64_t bits = Group<U>::differs(a, b) ? Group<U>::bits(a, b) : 0;
-    for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
-      if (count == capacity) return -1;
-      std::memcpy(values + count * U, a + U * __builtin_ctzll(rest), U);
-      ++count;
-    }
-    store64(mask + 8 * g, bits);
-  }
-  const int64_t first = groups * 64;  // the last units, fewer than 64
-  uint8_t* tail = mask + 8 * groups;
+  const int64_t first = units / 64 * 64;  // the last units, fewer than 64, after the whole groups
+  uint8_t* tail = mask + first / 8;
   std::memset(tail, 0, static_cast<std::size_t>((units - first + 7) / 8));
-  for (int64_t u = first; u < units; ++u) {
-    if (std::memcmp(fresh + u * U, kept + u * U, U) == 0) continue;
-    if (count == capacity) return -1;
-    tail[(u - first) / 8] |= static_cast<uint8_t>(1u << ((u - first) % 8));
+  int64_t count = 0;
+  auto add = [&](int64_t u) {
+    if (count == capacity) return false;
     std::memcpy(values + count * U, fresh + u * U, U);
     ++count;
-  }
-  return count;
+    return true;
+  };
+  const bool whole = scan_changes<U>(
+      fresh, kept, units,
+      [&](int64_t g, uint64_t bits) {
+        for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
+          if (!add(g * 64 + __builtin_ctzll(rest))) return false;
+        }
+        store64(mask + 8 * g, bits);
+        return true;
+      },
+      [&](int64_t u) {
+        if (!add(u)) return false;
+        tail[(u - first) / 8] |= static_cast<uint8_t>(1u << ((u - first) % 8));
+        return true;
+      });
+  return whole ? count : -1;
 }
 
 template <int U, typename I>
