@@ -587,34 +587,22 @@ NB_MODULE(_core, m) {
       "whole word, by the rule of csrc/delta.hpp.");
 
   m.def(
-      "delta_encode_indices",
-      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t indices, int index_bytes,
-         uintptr_t values, int64_t capacity) {
+      "delta_encode",
+      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t body, int index_bytes,
+         int64_t index_room, int64_t mask_room) {
         nb::gil_scoped_release release;
-        return delta_encode_indices(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(kept),
-                                    nbytes, unit, reinterpret_cast<void*>(indices), index_bytes,
-                                    reinterpret_cast<uint8_t*>(values), capacity);
+        const DeltaEncoded out =
+            delta_encode(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<uint8_t*>(kept), nbytes, unit,
+                         reinterpret_cast<uint8_t*>(body), index_bytes, index_room, mask_room);
+        return std::make_tuple(out.encoding, out.changed, out.checksum);
       },
-      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "indices"_a, "index_bytes"_a, "values"_a, "capacity"_a,
-      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units (1, 2, 4, 8; bit by bit) "
-      "and writes the changed units' indices (ascending, `index_bytes` 4 or 8 each) to `indices` and their new "
-      "values to `values`. Returns how many changed, or -1 as soon as more than `capacity` did. `kept` is only "
-      "read.");
-
-  m.def(
-      "delta_encode_bitmask",
-      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t mask, uintptr_t values,
-         int64_t capacity) {
-        nb::gil_scoped_release release;
-        return delta_encode_bitmask(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<const uint8_t*>(kept),
-                                    nbytes, unit, reinterpret_cast<uint8_t*>(mask),
-                                    reinterpret_cast<uint8_t*>(values), capacity);
-      },
-      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "mask"_a, "values"_a, "capacity"_a,
-      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units and writes one bit per "
-      "unit to `mask` (ceil(units / 8) bytes, least significant bit first, 1: changed) and the changed units' "
-      "new values, in order, to `values`. Returns how many changed, or -1 as soon as more than `capacity` did. "
-      "`kept` is only read.");
+      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "body"_a, "index_bytes"_a, "index_room"_a, "mask_room"_a,
+      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units (1, 2, 4, 8; bit by bit), "
+      "in one pass that also checksums `new`, and writes a delta message's body to `body`: INDICES (the changed "
+      "units' indices, `index_bytes` 4 or 8 each, zeros to 16 bytes, their values) when at most `index_room` "
+      "changed, else BITMASK (one bit per unit, zeros to 16 bytes, the values) when at most `mask_room` (< 0: "
+      "none), else DENSE (every byte). `kept` is made equal to `new`. Returns (encoding: 0 DENSE, 1 BITMASK, "
+      "2 INDICES; the units that changed, all for DENSE; the checksum of `new`), by the rule of csrc/delta.hpp.");
 
   m.def(
       "delta_apply_indices",

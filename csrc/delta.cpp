@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -62,18 +63,11 @@ inline uint64_t unit_bits(uint64_t x) {
 }
 
 // The 64 units from `a` and `b` (64 * U bytes each), compared: a group of units is one word
-// of a bitmask, and the step of both encoders.
+// of a bitmask, and the step of the encoder's scan.
 template <int U>
 struct Group {
   static constexpr int kPer = 8 / U;     // units per word
   static constexpr int kWords = 8 * U;   // words per group
-
-  // Whether any of the group's bytes differ: what an unchanged group costs.
-  static bool differs(const uint8_t* a, const uint8_t* b) {
-    uint64_t any = 0;
-    for (int k = 0; k < kWords; ++k) any |= load64(a + 8 * k) ^ load64(b + 8 * k);
-    return any != 0;
-  }
 
   // Bit j set when unit j differs.
   static uint64_t bits(const uint8_t* a, const uint8_t* b) {
@@ -127,17 +121,34 @@ void check_count(const char* what, int64_t n) {
   if (n < 0) throw CoreValueError("argument", std::string(what) + " is negative: " + std::to_string(n));
 }
 
-// Visits the changes of `fresh` against `kept` (`units` units each): on_group(g, bits) for every
-// group of 64 units (bits: the units that differ; 0 for an unchanged group, found at the cost of
-// one pass over it), then on_unit(u) for each differing unit after the last whole group. A
-// visitor returns false to stop the scan (its output is full): scan_changes then returns false.
+// The checksum of csrc/delta.hpp, summed as a scan reads the words: the words at even and
+// at odd word index apart (a part's first word is even).
+struct ChecksumSums {
+  uint64_t even = 0;
+  uint64_t odd = 0;
+};
+
+// Visits the changes of `fresh` against `kept` (`units` units each) and sums `fresh` for its
+// checksum in the same pass: on_group(g, bits) for every group of 64 units that differs
+// (bits: the units that differ), then on_unit(u) for each differing unit after the last whole
+// group. A visitor returns false to stop the scan: scan_changes then returns false (and the
+// sums are of the groups read so far).
 template <int U, typename OnGroup, typename OnUnit>
-bool scan_changes(const uint8_t* fresh, const uint8_t* kept, int64_t units, OnGroup on_group, OnUnit on_unit) {
+bool scan_changes(const uint8_t* fresh, const uint8_t* kept, int64_t units, ChecksumSums& sums, OnGroup on_group,
+                  OnUnit on_unit) {
   const int64_t groups = units / 64;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* a = fresh + g * 64 * U;
     const uint8_t* b = kept + g * 64 * U;
-    if (!on_group(g, Group<U>::differs(a, b) ? Group<U>::bits(a, b) : uint64_t{0})) return false;
+    uint64_t any = 0;
+    for (int k = 0; k < Group<U>::kWords; k += 2) {  // a group is an even number of words
+      const uint64_t even = load64(a + 8 * k);
+      const uint64_t odd = load64(a + 8 * k + 8);
+      sums.even += even;
+      sums.odd += odd;
+      any |= (even ^ load64(b + 8 * k)) | (odd ^ load64(b + 8 * k + 8));
+    }
+    if (any != 0 && !on_group(g, Group<U>::bits(a, b))) return false;
   }
   for (int64_t u = groups * 64; u < units; ++u) {  // the last units, fewer than 64
     if (std::memcmp(fresh + u * U, kept + u * U, U) != 0 && !on_unit(u)) return false;
@@ -145,19 +156,58 @@ bool scan_changes(const uint8_t* fresh, const uint8_t* kept, int64_t units, OnGr
   return true;
 }
 
-template <int U, typename I>
-int64_t encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* indices, uint8_t* values,
-                       int64_t capacity) {
+constexpr int64_t kAlign = 16;  // every section of an encoded message starts on 16 bytes
+
+inline int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// delta_encode for one unit size (delta.hpp): INDICES while the changes fit `index_room`,
+// then the indices found so far turned into a bitmask and BITMASK while they fit
+// `mask_room`, then DENSE.
+template <int U>
+DeltaEncoded encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, uint8_t* body, int index_bytes,
+                    int64_t index_room, int64_t mask_room) {
+  const int64_t units = nbytes / U;
+  const int64_t mask_bytes = (units + 7) / 8;
+  const int64_t mask_head = aligned(mask_bytes);
+  const int64_t spare = aligned(index_room * index_bytes);  // INDICES' values wait after room for every index
+  bool as_mask = index_room < 0;
+  uint8_t* values = body + (as_mask ? mask_head : spare);
+  if (as_mask) std::memset(body, 0, static_cast<std::size_t>(mask_head));
   int64_t count = 0;
+  auto set_bit = [&](int64_t u) { body[u / 8] |= static_cast<uint8_t>(1u << (u % 8)); };
+  auto to_mask = [&] {  // the indices so far become bits; their values move after the mask
+    std::vector<int64_t> found(static_cast<std::size_t>(count));
+    for (int64_t i = 0; i < count; ++i) {
+      found[static_cast<std::size_t>(i)] =
+          index_bytes == 4 ? load_index<int32_t>(body, i) : load_index<int64_t>(body, i);
+    }
+    std::memmove(body + mask_head, body + spare, static_cast<std::size_t>(count * U));
+    std::memset(body, 0, static_cast<std::size_t>(mask_head));
+    for (const int64_t u : found) set_bit(u);
+    values = body + mask_head;
+    as_mask = true;
+  };
   auto add = [&](int64_t u) {
-    if (count == capacity) return false;
-    store_index<I>(indices, count, u);
+    if (!as_mask && count == index_room) {
+      if (mask_room < 0) return false;
+      to_mask();
+    }
+    if (as_mask) {
+      if (count == mask_room) return false;
+      set_bit(u);
+    } else if (index_bytes == 4) {
+      store_index<int32_t>(body, count, u);
+    } else {
+      store_index<int64_t>(body, count, u);
+    }
     std::memcpy(values + count * U, fresh + u * U, U);
+    std::memcpy(kept + u * U, fresh + u * U, U);  // the kept copy becomes what is sent, as the base does
     ++count;
     return true;
   };
-  const bool whole = scan_changes<U>(
-      fresh, kept, nbytes / U,
+  ChecksumSums sums;
+  const bool fits = scan_changes<U>(
+      fresh, kept, units, sums,
       [&](int64_t g, uint64_t bits) {
         for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
           if (!add(g * 64 + __builtin_ctzll(rest))) return false;
@@ -165,38 +215,20 @@ int64_t encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes
         return true;
       },
       add);
-  return whole ? count : -1;
-}
-
-template <int U>
-int64_t encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, uint8_t* mask, uint8_t* values,
-                       int64_t capacity) {
-  const int64_t units = nbytes / U;
-  const int64_t first = units / 64 * 64;  // the last units, fewer than 64, after the whole groups
-  uint8_t* tail = mask + first / 8;
-  std::memset(tail, 0, static_cast<std::size_t>((units - first + 7) / 8));
-  int64_t count = 0;
-  auto add = [&](int64_t u) {
-    if (count == capacity) return false;
-    std::memcpy(values + count * U, fresh + u * U, U);
-    ++count;
-    return true;
-  };
-  const bool whole = scan_changes<U>(
-      fresh, kept, units,
-      [&](int64_t g, uint64_t bits) {
-        for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
-          if (!add(g * 64 + __builtin_ctzll(rest))) return false;
-        }
-        store64(mask + 8 * g, bits);
-        return true;
-      },
-      [&](int64_t u) {
-        if (!add(u)) return false;
-        tail[(u - first) / 8] |= static_cast<uint8_t>(1u << ((u - first) % 8));
-        return true;
-      });
-  return whole ? count : -1;
+  if (!fits) {  // DENSE: every byte, to the wire and to the kept copy
+    std::memcpy(body, fresh, static_cast<std::size_t>(nbytes));
+    std::memcpy(kept, fresh, static_cast<std::size_t>(nbytes));
+    return {0, units, delta_checksum(fresh, nbytes)};
+  }
+  const int64_t whole = units / 64 * 64 * U;  // the groups' bytes: an even number of words
+  const uint64_t total = 4 * sums.even + sums.odd + static_cast<uint64_t>(delta_checksum(fresh + whole, nbytes - whole));
+  int64_t checksum;
+  std::memcpy(&checksum, &total, sizeof checksum);
+  if (as_mask) return {1, count, checksum};  // the mask's padding was zeroed with it
+  const int64_t head = aligned(count * index_bytes);
+  std::memmove(body + head, body + spare, static_cast<std::size_t>(count * U));
+  std::memset(body + count * index_bytes, 0, static_cast<std::size_t>(head - count * index_bytes));
+  return {2, count, checksum};
 }
 
 template <int U, typename I>
@@ -255,17 +287,6 @@ int64_t apply_bitmask(uint8_t* base, int64_t nbytes, const uint8_t* mask, const 
 }
 
 template <typename I>
-int64_t encode_indices_as(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* indices,
-                          uint8_t* values, int64_t capacity) {
-  switch (unit) {
-    case 1: return encode_indices<1, I>(fresh, kept, nbytes, indices, values, capacity);
-    case 2: return encode_indices<2, I>(fresh, kept, nbytes, indices, values, capacity);
-    case 4: return encode_indices<4, I>(fresh, kept, nbytes, indices, values, capacity);
-    default: return encode_indices<8, I>(fresh, kept, nbytes, indices, values, capacity);
-  }
-}
-
-template <typename I>
 void apply_indices_as(uint8_t* base, int64_t nbytes, int unit, const uint8_t* indices, const uint8_t* values,
                       int64_t count) {
   switch (unit) {
@@ -303,28 +324,23 @@ int64_t delta_checksum(const uint8_t* data, int64_t nbytes) {
   return result;
 }
 
-int64_t delta_encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, void* indices,
-                             int index_bytes, uint8_t* values, int64_t capacity) {
+DeltaEncoded delta_encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, int unit, uint8_t* body,
+                          int index_bytes, int64_t index_room, int64_t mask_room) {
   check_message(nbytes, unit);
   check_index_bytes(index_bytes);
-  check_count("a capacity", capacity);
   if (index_bytes == 4 && nbytes / unit > (int64_t{1} << 31)) {
     throw CoreValueError("argument", "int32 indices cannot number " + std::to_string(nbytes / unit) + " units");
   }
-  uint8_t* out = static_cast<uint8_t*>(indices);
-  return index_bytes == 4 ? encode_indices_as<int32_t>(fresh, kept, nbytes, unit, out, values, capacity)
-                          : encode_indices_as<int64_t>(fresh, kept, nbytes, unit, out, values, capacity);
-}
-
-int64_t delta_encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* mask,
-                             uint8_t* values, int64_t capacity) {
-  check_message(nbytes, unit);
-  check_count("a capacity", capacity);
+  if (index_room >= 0 && mask_room >= 0 && aligned(index_room * index_bytes) > aligned((nbytes / unit + 7) / 8)) {
+    throw CoreValueError("argument", "room for " + std::to_string(index_room) +
+                                         " indices does not fit where the bitmask goes: INDICES would not be "
+                                         "the cheaper encoding");
+  }
   switch (unit) {
-    case 1: return encode_bitmask<1>(fresh, kept, nbytes, mask, values, capacity);
-    case 2: return encode_bitmask<2>(fresh, kept, nbytes, mask, values, capacity);
-    case 4: return encode_bitmask<4>(fresh, kept, nbytes, mask, values, capacity);
-    default: return encode_bitmask<8>(fresh, kept, nbytes, mask, values, capacity);
+    case 1: return encode<1>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
+    case 2: return encode<2>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
+    case 4: return encode<4>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
+    default: return encode<8>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
   }
 }
 

@@ -13,8 +13,9 @@
 //              whole word (as unsigned bytes). Words are read from the part's start (memcpy
 //              loads: any address), little-endian.
 //
-// Every kernel is one pass over its inputs, single-threaded, allocates nothing and writes
-// only the buffers it is handed; the caller sizes them. Receivers validate what they read
+// Every kernel is one pass over its inputs, single-threaded, and writes only the buffers it
+// is handed; the caller sizes them (the encoder allocates only when INDICES turns into
+// BITMASK). Receivers validate what they read
 // before writing anything: a bad message throws CoreValueError (kind "argument") and
 // leaves the base untouched. Plain C++: no Python, no torch.
 #pragma once
@@ -26,18 +27,27 @@ namespace layoutlang {
 // The checksum of `nbytes` bytes at `data` (header comment).
 int64_t delta_checksum(const uint8_t* data, int64_t nbytes);
 
-// Writes the indices (`index_bytes` 4 or 8 each) and new values of the `unit`-byte units
-// that differ between `fresh` and `kept` (`nbytes` each, a whole number of units) to
-// `indices` and `values`; returns how many, or -1 as soon as more than `capacity` differ
-// (what was written then is meaningless). `kept` is only read.
-int64_t delta_encode_indices(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, void* indices,
-                             int index_bytes, uint8_t* values, int64_t capacity);
+// What delta_encode wrote: `encoding` 0 DENSE, 1 BITMASK, 2 INDICES (as the Python
+// `Encoding`), the units that changed (every unit for DENSE), the checksum of `fresh`.
+struct DeltaEncoded {
+  int encoding;
+  int64_t changed;
+  int64_t checksum;
+};
 
-// Writes the bitmask of the units that differ (ceil(units / 8) bytes, bits past the last
-// unit zero) to `mask` and their new values to `values`; returns how many, or -1 as soon as
-// more than `capacity` differ. `kept` is only read.
-int64_t delta_encode_bitmask(const uint8_t* fresh, const uint8_t* kept, int64_t nbytes, int unit, uint8_t* mask,
-                             uint8_t* values, int64_t capacity);
+// Compares `fresh` with `kept` (`nbytes` each, a whole number of `unit`-byte units), in one
+// pass that also checksums `fresh`, and writes the message's body (what follows the header)
+// to `body` (`nbytes` bytes):
+//   INDICES  when at most `index_room` units changed: their indices (`index_bytes` 4 or 8
+//            each), zeros to the next 16 bytes, their values;
+//   BITMASK  when more did but at most `mask_room` (< 0: none): the bitmask, zeros to the
+//            next 16 bytes, the values;
+//   DENSE    otherwise: every byte of `fresh`.
+// The caller picks the rooms so that each encoding is the cheapest where it is written (room
+// for `index_room` indices must fit where the bitmask goes). `kept` is made equal to `fresh`
+// (the changed units written, or every byte): the base of the next message.
+DeltaEncoded delta_encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, int unit, uint8_t* body,
+                          int index_bytes, int64_t index_room, int64_t mask_room);
 
 // Writes `count` values to the units of `base` (`nbytes`) at `indices` (`index_bytes` 4 or
 // 8 each). Throws, writing nothing, when an index is not a unit of the base.

@@ -165,28 +165,43 @@ def test_changes_found_by_words_are_the_changes_found_unit_by_unit(unit, offset)
     new, kept = new[:length], kept[:length]
     by_units = (new.view(torch.uint8).view(-1, unit) != kept.view(-1, unit)).any(1).nonzero().squeeze(1)
     assert torch.equal(changed_units(new, kept, unit), by_units)
-    # the C++ kernels find the same units (int32 or int64 indices, or a bitmask) and their
-    # new values, stop past their capacity, and only read the kept copy
+    # the C++ encoder finds the same units (int32 or int64 indices, or a bitmask: room for
+    # fewer indices turns those found into one), writes their new values, checksums `new`
+    # as checksum() does, and leaves the kept copy equal to `new`
     count, units = by_units.numel(), length // unit
-    snapshot = kept.clone()
-    for index_dtype in (torch.int32, torch.int64):
-        indices = torch.empty(count, dtype=index_dtype)
-        values = torch.empty(count * unit, dtype=torch.uint8)
-        args = (new.data_ptr(), kept.data_ptr(), length, unit, indices.data_ptr(), index_dtype.itemsize)
-        assert _core.delta_encode_indices(*args, values.data_ptr(), count) == count
-        assert torch.equal(indices.to(torch.int64), by_units)
-        assert torch.equal(values.view(-1, unit), new.view(-1, unit)[by_units])
-        assert _core.delta_encode_indices(*args, values.data_ptr(), count - 1) == -1
-    mask = torch.empty(math.ceil(units / 8), dtype=torch.uint8)
-    values = torch.empty(count * unit, dtype=torch.uint8)
-    args = (new.data_ptr(), kept.data_ptr(), length, unit, mask.data_ptr(), values.data_ptr())
-    assert _core.delta_encode_bitmask(*args, count) == count
     expected = np.zeros(units, dtype=bool)
     expected[by_units.numpy()] = True
-    assert mask.numpy().tobytes() == np.packbits(expected, bitorder="little").tobytes()
-    assert torch.equal(values.view(-1, unit), new.view(-1, unit)[by_units])
-    assert _core.delta_encode_bitmask(*args, count - 1) == -1
-    assert torch.equal(kept, snapshot)
+    mask_head = -(-math.ceil(units / 8) // 16) * 16
+    fewer = min(count - 1, mask_head // 4)  # indices that fit where the bitmask goes
+    for index_dtype, index_room, mask_room in (
+        (torch.int32, count, -1), (torch.int64, count, -1), (torch.int32, fewer, length)
+    ):
+        old = kept.clone()
+        body = torch.full((length,), 0xAB, dtype=torch.uint8)
+        encoding, changed, total = _core.delta_encode(
+            new.data_ptr(), old.data_ptr(), length, unit, body.data_ptr(), index_dtype.itemsize, index_room, mask_room
+        )
+        assert (changed, total) == (count, checksum(new))
+        assert torch.equal(old, new)
+        if index_room == count:
+            head = -(-count * index_dtype.itemsize // 16) * 16
+            assert encoding == 2
+            assert torch.equal(body[: count * index_dtype.itemsize].view(index_dtype).to(torch.int64), by_units)
+            assert not body[count * index_dtype.itemsize : head].any()
+        else:
+            head = mask_head
+            assert encoding == 1
+            assert body[: math.ceil(units / 8)].numpy().tobytes() == np.packbits(expected, bitorder="little").tobytes()
+            assert not body[math.ceil(units / 8) : head].any()
+        assert torch.equal(body[head : head + count * unit].view(-1, unit), new.view(-1, unit)[by_units])
+    # past both rooms: every byte, to the body and the kept copy
+    old = kept.clone()
+    body = torch.zeros(length, dtype=torch.uint8)
+    encoding, changed, total = _core.delta_encode(
+        new.data_ptr(), old.data_ptr(), length, unit, body.data_ptr(), 4, fewer, count - 1
+    )
+    assert (encoding, changed, total) == (0, units, checksum(new))
+    assert torch.equal(body, new) and torch.equal(old, new)
 
 
 def random_pair(unit: int, units: int, start: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -311,7 +326,9 @@ def test_the_kernels_refuse_bad_arguments():
     buffer = torch.zeros(64, dtype=torch.uint8)
     at = buffer.data_ptr()
     with pytest.raises(_core.CoreError, match="1, 2, 4 or 8 bytes"):
-        _core.delta_encode_bitmask(at, at, 12, 3, at, at, 4)
+        _core.delta_encode(at, at, 12, 3, at, 4, 0, 4)
+    with pytest.raises(_core.CoreError, match="does not fit where the bitmask goes"):
+        _core.delta_encode(at, at, 64, 4, at, 4, 5, 4)
     with pytest.raises(_core.CoreError, match="whole number of 4-byte units"):
         _core.delta_apply_bitmask(at, 6, 4, at, at, 0)
     with pytest.raises(_core.CoreError, match="an index is 4 or 8 bytes"):

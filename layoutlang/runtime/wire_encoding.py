@@ -29,7 +29,6 @@ raises ValueError ("corrupt delta message") and leaves the base untouched.
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import math
 from collections.abc import Sequence
@@ -172,19 +171,22 @@ def encode(
         raise ValueError(f"a message of {nbytes} bytes is not a whole number of {unit}-byte units")
     units = nbytes // unit
     body = out[HEADER_BYTES:]
-    total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
-    encoding, changed = Encoding.DENSE, units
-    if kept is not None and delta:
-        if _kernels(new, kept, out):
-            encoding, changed = _encode_kernels(new, kept, unit, body)
-        else:
-            encoding, changed = _encode_torch(new, kept, unit, body)
-    if encoding == Encoding.DENSE:
-        changed, payload = units, nbytes
-        body[:nbytes].copy_(new)
-        if kept is not None:
-            kept.copy_(new)
+    encoding, changed, total = Encoding.DENSE, units, None
+    if kept is not None and delta and _kernels(new, kept, out):
+        # one pass: compared, checksummed, the body written (dense too) and `kept` updated
+        encoding, changed, total = _encode_kernels(new, kept, unit, body)
     else:
+        if kept is not None and delta:
+            encoding, changed = _encode_torch(new, kept, unit, body)
+        if encoding == Encoding.DENSE:
+            changed = units
+            body[:nbytes].copy_(new)
+            if kept is not None:
+                kept.copy_(new)
+    if total is None or (spans is not None and list(spans) != [(0, nbytes)]):
+        total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
+    payload = nbytes
+    if encoding != Encoding.DENSE:
         chosen, payload = _choose(units, changed, unit)
         assert chosen == encoding, (chosen, encoding)
     header = Header(encoding, changed, version, total)
@@ -230,36 +232,23 @@ def _indices_capacity(nbytes: int, unit: int) -> int:
     return max(0, min(by_mask, by_dense))
 
 
-def _encode_kernels(new: torch.Tensor, kept: torch.Tensor, unit: int, body: torch.Tensor) -> tuple[Encoding, int]:
-    """:func:`_encode_torch` with the C++ kernels, the same bytes: INDICES tried with room for
-    as many changes as it is the cheapest for, then BITMASK with room for as many as it beats
-    DENSE for, then DENSE; ``kept`` patched as its receiver patches its base."""
+def _encode_kernels(new: torch.Tensor, kept: torch.Tensor, unit: int, body: torch.Tensor) -> tuple[Encoding, int, int]:
+    """:func:`_encode_torch` with the C++ kernel (``csrc/delta.hpp``), the same bytes, in one
+    pass: INDICES with room for as many changes as it is the cheapest for, turning into
+    BITMASK (as many as it beats DENSE for), then DENSE; ``kept`` patched as its receiver
+    patches its base (every byte for DENSE, the body written too). Also returns the checksum
+    of ``new``."""
     nbytes = new.numel()
     units = nbytes // unit
     if units == 0:
-        return Encoding.DENSE, 0
-    fresh, old, at = new.data_ptr(), kept.data_ptr(), body.data_ptr()
-    index_bytes = _index_bytes(units)
-    room = _indices_capacity(nbytes, unit)  # written indices first, values after room for them all
-    spare = _aligned(room * index_bytes)
-    changed = _core.delta_encode_indices(fresh, old, nbytes, unit, at, index_bytes, at + spare, room)
-    if changed >= 0:
-        head = _aligned(changed * index_bytes)
-        if changed and head != spare:
-            ctypes.memmove(at + head, at + spare, changed * unit)
-        body[changed * index_bytes : head].zero_()
-        _core.delta_apply_indices(old, nbytes, unit, at, index_bytes, at + head, changed)
-        return Encoding.INDICES, changed
-    mask_bytes = math.ceil(units / 8)
-    head = _aligned(mask_bytes)
-    room = (nbytes - head - 1) // unit  # BITMASK is cheaper than DENSE up to this many
-    if room >= 0:
-        changed = _core.delta_encode_bitmask(fresh, old, nbytes, unit, at, at + head, room)
-        if changed >= 0:
-            body[mask_bytes:head].zero_()
-            _core.delta_apply_bitmask(old, nbytes, unit, at, at + head, changed)
-            return Encoding.BITMASK, changed
-    return Encoding.DENSE, units
+        return Encoding.DENSE, 0, checksum(new)
+    index_room = _indices_capacity(nbytes, unit)
+    mask_room = (nbytes - _aligned(math.ceil(units / 8)) - 1) // unit  # BITMASK beats DENSE up to this many
+    encoding, changed, total = _core.delta_encode(
+        new.data_ptr(), kept.data_ptr(), nbytes, unit, body.data_ptr(), _index_bytes(units), index_room,
+        mask_room if mask_room >= 0 else -1,
+    )
+    return Encoding(encoding), changed, total
 
 
 def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Tensor:
