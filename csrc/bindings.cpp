@@ -588,21 +588,24 @@ NB_MODULE(_core, m) {
 
   m.def(
       "delta_encode",
-      [](uintptr_t fresh, uintptr_t kept, int64_t nbytes, int unit, uintptr_t body, int index_bytes,
-         int64_t index_room, int64_t mask_room) {
+      [](uintptr_t fresh, int64_t rows, int64_t row_stride, uintptr_t kept, int64_t nbytes, int unit, uintptr_t body,
+         int index_bytes, int64_t index_room, int64_t mask_room) {
         nb::gil_scoped_release release;
-        const DeltaEncoded out =
-            delta_encode(reinterpret_cast<const uint8_t*>(fresh), reinterpret_cast<uint8_t*>(kept), nbytes, unit,
-                         reinterpret_cast<uint8_t*>(body), index_bytes, index_room, mask_room);
+        const DeltaEncoded out = delta_encode(reinterpret_cast<const uint8_t*>(fresh), rows, row_stride,
+                                              reinterpret_cast<uint8_t*>(kept), nbytes, unit,
+                                              reinterpret_cast<uint8_t*>(body), index_bytes, index_room, mask_room);
         return std::make_tuple(out.encoding, out.changed, out.checksum);
       },
-      "new"_a, "kept"_a, "nbytes"_a, "unit"_a, "body"_a, "index_bytes"_a, "index_room"_a, "mask_room"_a,
-      "Compares the `nbytes` bytes at `new` with those at `kept` in `unit`-byte units (1, 2, 4, 8; bit by bit), "
-      "in one pass that also checksums `new`, and writes a delta message's body to `body`: INDICES (the changed "
-      "units' indices, `index_bytes` 4 or 8 each, zeros to 16 bytes, their values) when at most `index_room` "
-      "changed, else BITMASK (one bit per unit, zeros to 16 bytes, the values) when at most `mask_room` (< 0: "
-      "none), else DENSE (every byte). `kept` is made equal to `new`. Returns (encoding: 0 DENSE, 1 BITMASK, "
-      "2 INDICES; the units that changed, all for DENSE; the checksum of `new`), by the rule of csrc/delta.hpp.");
+      "new"_a, "rows"_a, "row_stride"_a, "kept"_a, "nbytes"_a, "unit"_a, "body"_a, "index_bytes"_a, "index_room"_a,
+      "mask_room"_a,
+      "Compares the `nbytes` bytes of `new` (`rows` rows of nbytes / rows bytes, `row_stride` bytes apart; more "
+      "than one row: whole 8-byte words) with those at `kept` (contiguous) in `unit`-byte units (1, 2, 4, 8; bit "
+      "by bit), in one pass that also checksums `new`, and writes a delta message's body to `body`: INDICES (the "
+      "changed units' indices, `index_bytes` 4 or 8 each, zeros to 16 bytes, their values) when at most "
+      "`index_room` changed, else BITMASK (one bit per unit, zeros to 16 bytes, the values) when at most "
+      "`mask_room` (< 0: none), else DENSE (every byte). `kept` is made equal to `new`. Returns (encoding: 0 "
+      "DENSE, 1 BITMASK, 2 INDICES; the units that changed, all for DENSE; the checksum of `new`), by the rule of "
+      "csrc/delta.hpp.");
 
   m.def(
       "delta_apply_indices",

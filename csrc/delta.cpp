@@ -160,13 +160,26 @@ constexpr int64_t kAlign = 16;  // every section of an encoded message starts on
 
 inline int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Adds `words` whole words at `p` to `sums`, the first at an even word index.
+void sum_words(const uint8_t* p, int64_t words, ChecksumSums& sums) {
+  int64_t w = 0;
+  for (; w + 1 < words; w += 2) {
+    sums.even += load64(p + 8 * w);
+    sums.odd += load64(p + 8 * w + 8);
+  }
+  if (w < words) sums.even += load64(p + 8 * w);
+}
+
 // delta_encode for one unit size (delta.hpp): INDICES while the changes fit `index_room`,
 // then the indices found so far turned into a bitmask and BITMASK while they fit
-// `mask_room`, then DENSE.
+// `mask_room`, then DENSE. The message is `rows` rows of `nbytes / rows` bytes, `row_stride`
+// bytes apart in `fresh` and one after the other everywhere else.
 template <int U>
-DeltaEncoded encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, uint8_t* body, int index_bytes,
-                    int64_t index_room, int64_t mask_room) {
+DeltaEncoded encode(const uint8_t* fresh, int64_t rows, int64_t row_stride, uint8_t* kept, int64_t nbytes,
+                    uint8_t* body, int index_bytes, int64_t index_room, int64_t mask_room) {
   const int64_t units = nbytes / U;
+  const int64_t row_bytes = nbytes / rows;
+  const int64_t row_units = row_bytes / U;
   const int64_t mask_bytes = (units + 7) / 8;
   const int64_t mask_head = aligned(mask_bytes);
   const int64_t spare = aligned(index_room * index_bytes);  // INDICES' values wait after room for every index
@@ -187,7 +200,8 @@ DeltaEncoded encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, uint8_t
     values = body + mask_head;
     as_mask = true;
   };
-  auto add = [&](int64_t u) {
+  // unit `u` of the message, whose bytes are at `at` in `fresh`
+  auto add = [&](int64_t u, const uint8_t* at) {
     if (!as_mask && count == index_room) {
       if (mask_room < 0) return false;
       to_mask();
@@ -200,28 +214,41 @@ DeltaEncoded encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, uint8_t
     } else {
       store_index<int64_t>(body, count, u);
     }
-    std::memcpy(values + count * U, fresh + u * U, U);
-    std::memcpy(kept + u * U, fresh + u * U, U);  // the kept copy becomes what is sent, as the base does
+    std::memcpy(values + count * U, at, U);
+    std::memcpy(kept + u * U, at, U);  // the kept copy becomes what is sent, as the base does
     ++count;
     return true;
   };
-  ChecksumSums sums;
-  const bool fits = scan_changes<U>(
-      fresh, kept, units, sums,
-      [&](int64_t g, uint64_t bits) {
-        for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
-          if (!add(g * 64 + __builtin_ctzll(rest))) return false;
-        }
-        return true;
-      },
-      add);
-  if (!fits) {  // DENSE: every byte, to the wire and to the kept copy
-    std::memcpy(body, fresh, static_cast<std::size_t>(nbytes));
-    std::memcpy(kept, fresh, static_cast<std::size_t>(nbytes));
-    return {0, units, delta_checksum(fresh, nbytes)};
+  uint64_t total = 0;  // the checksum, wrapping
+  bool fits = true;
+  for (int64_t r = 0; r < rows && fits; ++r) {
+    const uint8_t* row = fresh + r * row_stride;
+    const int64_t first = r * row_units;
+    ChecksumSums row_sums;
+    fits = scan_changes<U>(
+        row, kept + first * U, row_units, row_sums,
+        [&](int64_t g, uint64_t bits) {
+          for (uint64_t rest = bits; rest != 0; rest &= rest - 1) {
+            const int64_t u = g * 64 + __builtin_ctzll(rest);
+            if (!add(first + u, row + u * U)) return false;
+          }
+          return true;
+        },
+        [&](int64_t u) { return add(first + u, row + u * U); });
+    const int64_t whole = row_units / 64 * 64 * U;  // the groups' bytes: an even number of words
+    if (rows == 1) {  // one row of any length: its tail's bytes as delta_checksum sums them
+      total += 4 * row_sums.even + row_sums.odd + static_cast<uint64_t>(delta_checksum(row + whole, row_bytes - whole));
+    } else {  // rows of whole words (delta_encode checks): a row that starts at an odd word swaps the sums
+      sum_words(row + whole, (row_bytes - whole) / 8, row_sums);
+      const bool odd_start = (r * (row_bytes / 8)) % 2 == 1;
+      total += odd_start ? 4 * row_sums.odd + row_sums.even : 4 * row_sums.even + row_sums.odd;
+    }
   }
-  const int64_t whole = units / 64 * 64 * U;  // the groups' bytes: an even number of words
-  const uint64_t total = 4 * sums.even + sums.odd + static_cast<uint64_t>(delta_checksum(fresh + whole, nbytes - whole));
+  if (!fits) {  // DENSE: every byte, to the wire and to the kept copy
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(body + r * row_bytes, fresh + r * row_stride, row_bytes);
+    std::memcpy(kept, body, static_cast<std::size_t>(nbytes));
+    return {0, units, delta_checksum(body, nbytes)};
+  }
   int64_t checksum;
   std::memcpy(&checksum, &total, sizeof checksum);
   if (as_mask) return {1, count, checksum};  // the mask's padding was zeroed with it
@@ -324,10 +351,14 @@ int64_t delta_checksum(const uint8_t* data, int64_t nbytes) {
   return result;
 }
 
-DeltaEncoded delta_encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, int unit, uint8_t* body,
-                          int index_bytes, int64_t index_room, int64_t mask_room) {
+DeltaEncoded delta_encode(const uint8_t* fresh, int64_t rows, int64_t row_stride, uint8_t* kept, int64_t nbytes,
+                          int unit, uint8_t* body, int index_bytes, int64_t index_room, int64_t mask_room) {
   check_message(nbytes, unit);
   check_index_bytes(index_bytes);
+  if (rows < 1 || nbytes % rows != 0 || (rows > 1 && (nbytes / rows) % 8 != 0)) {
+    throw CoreValueError("argument", "a message of " + std::to_string(nbytes) + " bytes is not " +
+                                         std::to_string(rows) + " rows of whole 8-byte words");
+  }
   if (index_bytes == 4 && nbytes / unit > (int64_t{1} << 31)) {
     throw CoreValueError("argument", "int32 indices cannot number " + std::to_string(nbytes / unit) + " units");
   }
@@ -337,10 +368,10 @@ DeltaEncoded delta_encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, i
                                          "the cheaper encoding");
   }
   switch (unit) {
-    case 1: return encode<1>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
-    case 2: return encode<2>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
-    case 4: return encode<4>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
-    default: return encode<8>(fresh, kept, nbytes, body, index_bytes, index_room, mask_room);
+    case 1: return encode<1>(fresh, rows, row_stride, kept, nbytes, body, index_bytes, index_room, mask_room);
+    case 2: return encode<2>(fresh, rows, row_stride, kept, nbytes, body, index_bytes, index_room, mask_room);
+    case 4: return encode<4>(fresh, rows, row_stride, kept, nbytes, body, index_bytes, index_room, mask_room);
+    default: return encode<8>(fresh, rows, row_stride, kept, nbytes, body, index_bytes, index_room, mask_room);
   }
 }
 

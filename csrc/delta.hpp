@@ -46,8 +46,11 @@ struct DeltaEncoded {
 // The caller picks the rooms so that each encoding is the cheapest where it is written (room
 // for `index_room` indices must fit where the bitmask goes). `kept` is made equal to `fresh`
 // (the changed units written, or every byte): the base of the next message.
-DeltaEncoded delta_encode(const uint8_t* fresh, uint8_t* kept, int64_t nbytes, int unit, uint8_t* body,
-                          int index_bytes, int64_t index_room, int64_t mask_room);
+// `fresh` may lie in `rows` rows of nbytes / rows bytes, `row_stride` bytes apart (a region
+// of a larger tensor, read where it lies instead of packed first); the message is the rows
+// one after the other. More than one row must be whole 8-byte words.
+DeltaEncoded delta_encode(const uint8_t* fresh, int64_t rows, int64_t row_stride, uint8_t* kept, int64_t nbytes,
+                          int unit, uint8_t* body, int index_bytes, int64_t index_room, int64_t mask_room);
 
 // Writes `count` values to the units of `base` (`nbytes`) at `indices` (`index_bytes` 4 or
 // 8 each). Throws, writing nothing, when an index is not a unit of the base.

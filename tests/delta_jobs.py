@@ -7,7 +7,7 @@ from workers import program_rank, rank_map
 
 import layoutlang
 from layoutlang.io.weights import _in_storage, fill_synthetic
-from layoutlang.runtime import Resharder
+from layoutlang.runtime import Resharder, executor
 
 _PRIME = 1_000_003
 
@@ -60,10 +60,24 @@ def delta_refits(path, participants, densities, timeout=60.0, keep="copies"):
     fill_synthetic(delta.plan.source, rank, sources)
     held = delta.allocate("destination")
     out = []
+    read_in_place = []  # bytes of the staged messages the encoder read where they lie, not packed
+
+    def counting(spaces, transfer):
+        rows = region_rows(spaces, transfer)
+        if rows is not None:
+            read_in_place.append(rows.numel())
+        return rows
+
+    region_rows = executor._region_rows
     for step, density in enumerate((None, *densities)):
         if density is not None:
             change_sources(delta.plan.source, rank, sources, density, step)
-        delta.run(sources, held, delta=keep)
+        read_in_place.clear()
+        executor._region_rows = counting
+        try:
+            delta.run(sources, held, delta=keep)
+        finally:
+            executor._region_rows = region_rows
         report = delta.last_report.delta
         oracle = dense.run(sources)
         out.append(
@@ -77,6 +91,7 @@ def delta_refits(path, participants, densities, timeout=60.0, keep="copies"):
                 "messages": report.messages,
                 "kept_bytes": report.kept_bytes,
                 "stale": report.stale,
+                "read_in_place": sum(read_in_place),
             }
         )
     return out

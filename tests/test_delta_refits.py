@@ -22,14 +22,35 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("name", ["refit", "moe_ep", "fp8"])
+# Column shards of column shards: every region a training rank sends ("up": 2 MiB, a transfer
+# of its own; "down": one small region per peer) is rows of its storage, which the encoder
+# reads where they lie instead of packing them first. (The examples above pack theirs.)
+STRIDED = """
+mesh train [tp = 2] on ranks 0..1
+mesh infer [tp = 4] on ranks 2..5
+tensor "up" [1024, 2048] fp32
+tensor "down" [1024, 384] bf16
+layout train on train {
+  "up": tp = shard(1)
+  "down": tp = shard(0)
+}
+layout serve on infer {
+  "up": tp = shard(1)
+  "down": tp = shard(1)
+}
+reshard refit: train -> serve
+"""
+
+
+@pytest.mark.parametrize("name", ["refit", "moe_ep", "fp8", "strided"])
 def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, capsys, tmp_path):
-    """The refit example (fused storages, domains: relays), the MoE example (stacked experts)
-    and an FP8 destination (block, per-channel and MXFP8 scales: values and scales patched)."""
+    """The refit example (fused storages, domains: relays), the MoE example (stacked experts),
+    an FP8 destination (block, per-channel and MXFP8 scales: values and scales patched) and
+    regions sent from rows of a larger source storage (read where they lie)."""
     path = EXAMPLES / f"{name}.layout"
-    if name == "fp8":
-        path = tmp_path / "fp8.layout"
-        path.write_text(FP8)
+    if name in ("fp8", "strided"):
+        path = tmp_path / f"{name}.layout"
+        path.write_text(FP8 if name == "fp8" else STRIDED)
     participants = participants_of(path)
     results = [r for r in pool.run(delta_jobs.delta_refits, str(path), participants, DENSITIES) if r]
     assert len(results) == len(participants)
@@ -53,6 +74,9 @@ def test_deltas_at_every_density_are_bit_identical_to_a_dense_refit(pool, name, 
             assert wire < dense / 5, (density, wire, dense)
         assert all(not r["stale"] for r in step)
     assert all(r["kept_bytes"] > 0 for r in first if r["dense_bytes"])  # what a sender keeps is counted
+    if name == "strided":  # every region was encoded where it lies, not packed
+        program_bytes = 1024 * 2048 * 4 + 1024 * 384 * 2
+        assert sum(r["read_in_place"] for step in later for r in step) == len(later) * program_bytes
 
 
 def test_digest_only_senders_send_changed_blocks_whole_and_stay_bit_identical(pool, capsys):

@@ -179,7 +179,8 @@ def test_changes_found_by_words_are_the_changes_found_unit_by_unit(unit, offset)
         old = kept.clone()
         body = torch.full((length,), 0xAB, dtype=torch.uint8)
         encoding, changed, total = _core.delta_encode(
-            new.data_ptr(), old.data_ptr(), length, unit, body.data_ptr(), index_dtype.itemsize, index_room, mask_room
+            new.data_ptr(), 1, length, old.data_ptr(), length, unit, body.data_ptr(), index_dtype.itemsize,
+            index_room, mask_room,
         )
         assert (changed, total) == (count, checksum(new))
         assert torch.equal(old, new)
@@ -198,7 +199,7 @@ def test_changes_found_by_words_are_the_changes_found_unit_by_unit(unit, offset)
     old = kept.clone()
     body = torch.zeros(length, dtype=torch.uint8)
     encoding, changed, total = _core.delta_encode(
-        new.data_ptr(), old.data_ptr(), length, unit, body.data_ptr(), 4, fewer, count - 1
+        new.data_ptr(), 1, length, old.data_ptr(), length, unit, body.data_ptr(), 4, fewer, count - 1
     )
     assert (encoding, changed, total) == (0, units, checksum(new))
     assert torch.equal(body, new) and torch.equal(old, new)
@@ -248,6 +249,40 @@ def test_the_kernels_and_torch_write_the_same_messages(unit, units, monkeypatch)
                 messages[path] = (encoded, out[: encoded.nbytes].clone())
             assert messages["kernels"][0] == messages["torch"][0], (start, density)
             assert torch.equal(messages["kernels"][1], messages["torch"][1]), (start, density)
+
+
+@pytest.mark.parametrize("unit", [1, 2, 4, 8])
+@pytest.mark.parametrize("row_bytes", [8, 24, 256, 264, 1032])  # rows of an odd and an even count of words
+def test_a_region_read_where_it_lies_is_encoded_as_its_packed_copy(unit, row_bytes, monkeypatch):
+    """The C++ encoder reads a strided region (rows of a larger tensor) in place: the same
+    message, header and checksum as the region packed first, by the kernels and by torch."""
+    generator = torch.Generator().manual_seed(unit * row_bytes)
+    seed = 0
+    for rows in (2, 5, 70):
+        for density in (0.0, 1e-3, 0.02, 0.5, 1.0):
+            seed += 1
+            storage = torch.randint(0, 256, (rows, row_bytes + 3 * unit + 16), dtype=torch.uint8, generator=generator)
+            region = storage[:, 2 * unit : 2 * unit + row_bytes]
+            packed = region.reshape(-1).clone()
+            kept = packed.clone()
+            count = round(density * packed.numel() // unit)
+            where = torch.randperm(packed.numel() // unit, generator=generator)[:count]
+            kept.view(-1, unit)[where, 0] ^= 0x10
+            results = []
+            for path, message in (("kernels", region), ("kernels", packed), ("torch", region)):
+                monkeypatch.setattr(wire_encoding, "_KERNELS", path == "kernels")
+                copy = kept.clone()
+                out = torch.zeros(capacity(packed.numel()), dtype=torch.uint8)
+                encoded = encode(message, copy, unit, 5, out, spans=[(0, packed.numel())])
+                assert torch.equal(copy, packed), (path, rows, density)
+                results.append((encoded, out[: encoded.nbytes]))
+                base = kept.clone()
+                apply_patch(out[: encoded.nbytes], base, unit)
+                assert torch.equal(base, packed)
+            for encoded, message in results[1:]:
+                assert encoded == results[0][0], (rows, density)
+                assert torch.equal(message, results[0][1]), (rows, density)
+            assert results[0][0].header.checksum == checksum(packed)
 
 
 def reference_checksum(data: bytes) -> int:
@@ -326,9 +361,11 @@ def test_the_kernels_refuse_bad_arguments():
     buffer = torch.zeros(64, dtype=torch.uint8)
     at = buffer.data_ptr()
     with pytest.raises(_core.CoreError, match="1, 2, 4 or 8 bytes"):
-        _core.delta_encode(at, at, 12, 3, at, 4, 0, 4)
+        _core.delta_encode(at, 1, 12, at, 12, 3, at, 4, 0, 4)
     with pytest.raises(_core.CoreError, match="does not fit where the bitmask goes"):
-        _core.delta_encode(at, at, 64, 4, at, 4, 5, 4)
+        _core.delta_encode(at, 1, 64, at, 64, 4, at, 4, 5, 4)
+    with pytest.raises(_core.CoreError, match="not 3 rows of whole 8-byte words"):
+        _core.delta_encode(at, 3, 64, at, 60, 4, at, 4, 0, 4)
     with pytest.raises(_core.CoreError, match="whole number of 4-byte units"):
         _core.delta_apply_bitmask(at, 6, 4, at, at, 0)
     with pytest.raises(_core.CoreError, match="an index is 4 or 8 bytes"):

@@ -175,7 +175,8 @@ class DeltaRefits:
     # ------------------------------------------------------------------ each step
 
     def encode_sends(self, n: int, sends: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
-        """Step ``n``'s messages (as the executor packed them, dense) encoded for the wire."""
+        """Step ``n``'s messages encoded for the wire: as the executor packed them (dense), or
+        a source region's rows where they lie (2-D uint8, read without a packed copy)."""
         out, offset = [], 0
         for k, ((peer, message), transfer) in enumerate(zip(sends, self.steps[n].send_transfers)):
             if transfer.wire_bytes < MIN_DELTA_BYTES:
@@ -190,8 +191,8 @@ class DeltaRefits:
                     message, kept, self._version, buffer, delta=key in self._delta_sends, spans=_spans(transfer)
                 )
             elif kept is None:
-                kept = self._kept[key] = torch.empty_like(message, device="cpu")
-                kept.copy_(message)
+                kept = self._kept[key] = torch.empty(message.numel(), dtype=torch.uint8, device="cpu")
+                kept.view(message.shape).copy_(message)
                 encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=_spans(transfer))
             else:
                 encoded = encode(message, kept, _unit(transfer), self._version, buffer,

@@ -25,7 +25,8 @@ from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
 from .delta import KEEPS, DeltaRefits, DeltaReport
-from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Piece, Step, schedule
+from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, schedule
+from .wire_encoding import MIN_DELTA_BYTES
 
 #: called with a destination storage's name and tensor once all its bytes have arrived
 OnComplete = Callable[[str, torch.Tensor], None]
@@ -314,7 +315,9 @@ class Executor:
         start = time.perf_counter()
         in_place = not _overlapping(per_source, destinations)
         spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
-        staging = self._staging(spaces, in_place=in_place, device=device)
+        # a delta run keeping copies reads a staged source region where it lies (sources only
+        # read: not when destinations share their memory)
+        staging = self._staging(spaces, in_place=in_place, device=device, encode_in_place=in_place and keep == "copies")
         if delta:  # the bf16 boxes assembled for quantized tensors are patched from run to run
             spaces.assembled, spaces.keep_assemblies = self._kept_assemblies, True
         deltas = self._start_deltas(spaces, destinations, keep) if keep is not None else None
@@ -359,7 +362,9 @@ class Executor:
         self._deltas.start(self.transport, self.timeout, lambda piece: _held(spaces, piece), dtypes)
         return self._deltas
 
-    def _staging(self, spaces: _Spaces, *, in_place: bool, device: torch.device) -> _Staging:
+    def _staging(
+        self, spaces: _Spaces, *, in_place: bool, device: torch.device, encode_in_place: bool = False
+    ) -> _Staging:
         """Which messages of this run travel in place (a message of one region that is
         contiguous in its storage, in the wire's dtype: sent from, or received into, the
         storage itself) and where the others are staged: arena ``n % 2`` for step ``n``,
@@ -387,7 +392,7 @@ class Executor:
         pin = device.type == "cpu" and moved_on is not None and moved_on.type == "cuda" and torch.cuda.is_available()
         for arena, nbytes in zip(self._arenas, need):
             arena.reserve(nbytes, device, pin)
-        return _Staging(self._arenas, direct)
+        return _Staging(self._arenas, direct, encode_in_place)
 
     def _receive_buffers(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
         """Where step ``n``'s transfers arrive: the region itself (in place), or the step's
@@ -523,6 +528,11 @@ class Executor:
         for k, transfer in enumerate(self.steps[n].send_transfers):
             if (n, "send", k) in staging.direct:
                 out.append((transfer.peer, _wire(spaces.view(transfer.pieces[0]))))
+                continue
+            rows = _region_rows(spaces, transfer) if staging.encode_in_place else None
+            if rows is not None:  # the delta encoder reads the region where it lies: nothing to pack
+                out.append((transfer.peer, rows))
+                offset += transfer.nbytes
                 continue
             buf = buffer[offset : offset + transfer.wire_bytes]
             for piece, at in zip(transfer.pieces, transfer.offsets):
@@ -908,6 +918,9 @@ class _Staging:
 
     arenas: tuple[_Arena, _Arena]
     direct: set[tuple[int, str, int]]
+    #: a delta run keeping copies: a staged message of one source region is handed to the
+    #: encoder as the region's rows (:func:`_region_rows`), not packed
+    encode_in_place: bool = False
 
     def arena(self, n: int) -> torch.Tensor:
         buffer = self.arenas[n % 2].buffer
@@ -930,6 +943,28 @@ def _contiguous_region(shape: Sequence[int], index: Sequence[slice | int]) -> bo
     while k > 0 and sizes[k - 1] == shape[k - 1]:
         k -= 1
     return all(size == 1 for size in sizes[: max(0, k - 1)])
+
+
+def _region_rows(spaces: _Spaces, transfer: Message) -> torch.Tensor | None:
+    """A staged message of one source region as 2-D rows of its bytes where they lie (what
+    :func:`~.wire_encoding.encode` reads without a packed copy), or None: a message of
+    several regions, a quantized or scratch one, one under
+    :data:`~.wire_encoding.MIN_DELTA_BYTES`, or a region whose rows are not whole 8-byte
+    words of one stride."""
+    if len(transfer.pieces) != 1 or transfer.wire_bytes < MIN_DELTA_BYTES:
+        return None
+    piece = transfer.pieces[0]
+    if piece.quantized is not None or piece.space != _SOURCE:
+        return None
+    region = spaces.view(piece)
+    if region.dim() == 0 or region.stride(-1) != 1:
+        return None
+    try:
+        as_bytes = region.view(torch.uint8)
+        rows = as_bytes.view(-1, as_bytes.shape[-1])  # fails where the leading dims do not collapse
+    except RuntimeError:
+        return None
+    return rows if rows.shape[1] % 8 == 0 else None
 
 
 def _wire(region: torch.Tensor) -> torch.Tensor:

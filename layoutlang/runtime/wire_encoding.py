@@ -159,7 +159,9 @@ def encode(
     spans: Sequence[tuple[int, int]] | None = None,
 ) -> Encoded:
     """Encode the message ``new`` (uint8) into ``out`` (uint8, at least :func:`capacity` bytes)
-    against ``kept`` (the bytes last sent), and make ``kept`` equal ``new``. Dense when there
+    against ``kept`` (the bytes last sent), and make ``kept`` equal ``new``. ``new`` is
+    contiguous, or 2-D rows of contiguous bytes (a region read where it lies; the message is
+    its rows one after the other). Dense when there
     is no kept copy or ``delta`` is False (the receiver holds no base to patch).
 
     ``unit``: the bytes of one element (1, 2, 4 or 8); ``new`` is a whole number of them.
@@ -172,10 +174,11 @@ def encode(
     units = nbytes // unit
     body = out[HEADER_BYTES:]
     encoding, changed, total = Encoding.DENSE, units, None
-    if kept is not None and delta and _kernels(new, kept, out):
+    if kept is not None and delta and _kernels(kept, out) and _rows(new) is not None:
         # one pass: compared, checksummed, the body written (dense too) and `kept` updated
         encoding, changed, total = _encode_kernels(new, kept, unit, body)
     else:
+        new = new.reshape(-1)  # rows of a region: packed here (the kernels read them where they lie)
         if kept is not None and delta:
             encoding, changed = _encode_torch(new, kept, unit, body)
         if encoding == Encoding.DENSE:
@@ -184,7 +187,8 @@ def encode(
             if kept is not None:
                 kept.copy_(new)
     if total is None or (spans is not None and list(spans) != [(0, nbytes)]):
-        total = checksum([new[o : o + n] for o, n in spans] if spans is not None else new)
+        flat = new.reshape(-1)
+        total = checksum([flat[o : o + n] for o, n in spans] if spans is not None else flat)
     payload = nbytes
     if encoding != Encoding.DENSE:
         chosen, payload = _choose(units, changed, unit)
@@ -242,13 +246,26 @@ def _encode_kernels(new: torch.Tensor, kept: torch.Tensor, unit: int, body: torc
     units = nbytes // unit
     if units == 0:
         return Encoding.DENSE, 0, checksum(new)
+    rows, row_stride = _rows(new) or (1, 0)
     index_room = _indices_capacity(nbytes, unit)
     mask_room = (nbytes - _aligned(math.ceil(units / 8)) - 1) // unit  # BITMASK beats DENSE up to this many
     encoding, changed, total = _core.delta_encode(
-        new.data_ptr(), kept.data_ptr(), nbytes, unit, body.data_ptr(), _index_bytes(units), index_room,
-        mask_room if mask_room >= 0 else -1,
+        new.data_ptr(), rows, row_stride, kept.data_ptr(), nbytes, unit, body.data_ptr(), _index_bytes(units),
+        index_room, mask_room if mask_room >= 0 else -1,
     )
     return Encoding(encoding), changed, total
+
+
+def _rows(new: torch.Tensor) -> tuple[int, int] | None:
+    """``(rows, row stride in bytes)`` of a message the C++ encoder reads where it lies: host
+    memory, contiguous (one row) or 2-D rows of whole 8-byte words; None otherwise."""
+    if not _KERNELS or new.device.type != "cpu":
+        return None
+    if new.is_contiguous():
+        return 1, new.numel()
+    if new.dim() == 2 and new.stride(1) == 1 and new.shape[1] % 8 == 0:
+        return new.shape[0], new.stride(0)
+    return None
 
 
 def changed_units(new: torch.Tensor, kept: torch.Tensor, unit: int) -> torch.Tensor:
