@@ -58,7 +58,7 @@ from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan
 from layoutlang.plan.data import layout_digest
 from layoutlang.plan.loss import lost_regions
 from layoutlang.runtime.agreement import agree
-from layoutlang.runtime.delta import DeltaReport
+from layoutlang.runtime.delta import DeltaOptions, DeltaReport
 
 from .auth import JobSecret, establish_job
 from .commit import COMMITTED, step_record
@@ -190,7 +190,7 @@ class ElasticSession:
         unit_axis: str | None = None,
         grow: bool = False,
         problem: str | None = None,
-        delta: bool | str = False,
+        delta: bool | str | DeltaOptions = False,
     ):
         statement = program.reshard(reshard)
         self.program = program

@@ -69,6 +69,7 @@ def test_elastic_delta_refits_are_dense_after_a_recovery_then_deltas_again():
         (["--delta", "--change-fraction", "nan"], "argument --change-fraction: expected a fraction within [0, 1]"),
         (["--delta", "--change-fraction", "lots"], "argument --change-fraction: expected a fraction such as 0.01"),
         (["--delta", "--steps", "0"], "argument --steps: expected a whole number of at least 1"),
+        (["--delta", "--delta-budget", "lots"], "argument --delta-budget"),
     ],
 )
 def test_bad_delta_values_are_usage_errors(capsys, argv, refusal):
@@ -85,6 +86,9 @@ def test_bad_delta_values_are_usage_errors(capsys, argv, refusal):
         (["--steps", "3"], "--steps counts the refits of --elastic or --delta; give one of them"),
         (["--change-fraction", "0.1"], "--change-fraction is the share of elements a --delta step changes"),
         (["--delta-digests"], "--delta-digests says what --delta senders keep; give --delta"),
+        (["--delta-budget", "1MiB"], "--delta-budget says what --delta senders keep; give --delta"),
+        (["--delta-place", "."], "--delta-place says what --delta senders keep; give --delta"),
+        (["--delta", "--delta-place", "no/such/dir"], "--delta-place no/such/dir: not a directory"),
         (["--delta", "--repeat", "2"], "--delta does not take --repeat"),
         (["--delta", "--transport", "nccl"], "--delta does not take --transport nccl"),
     ],

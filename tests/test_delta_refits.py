@@ -12,6 +12,9 @@ from test_execute import EXAMPLES, PAIRS, participants_of
 from test_fp8_refit import TP as FP8
 
 from layoutlang.cli.launch import WorkerError
+from layoutlang.errors import LayoutValueError
+from layoutlang.runtime import DeltaOptions
+from layoutlang.runtime.delta import delta_options
 
 DENSITIES = (0.0, 1e-4, 1e-2, 0.1, 0.5, 1.0)
 
@@ -104,6 +107,45 @@ def test_digest_only_senders_send_changed_blocks_whole_and_stay_bit_identical(po
     sent = sum(r["dense_bytes"] for r in first)
     kept = sum(r["kept_bytes"] for r in first)
     assert 0 < kept <= sent / 4096 * 8 + 8 * 64, (kept, sent)  # 8 bytes per block sent
+
+
+def test_a_budget_keeps_copies_up_to_it_and_digests_past_it_in_files_of_a_directory(pool, tmp_path):
+    """``DeltaOptions(budget=..., place=dir)``: each sender keeps copies of its first messages
+    up to the budget, in memory-mapped files of the directory (deleted as made: it is left
+    empty), and digests of the rest (their changed blocks travel whole); bit-identical at
+    every density, and never above 1.01x dense."""
+    path = EXAMPLES / "refit.layout"
+    participants = participants_of(path)
+    budget = 512 * 1024
+    options = DeltaOptions(budget=budget, place=str(tmp_path))
+    results = [r for r in pool.run(delta_jobs.delta_refits, str(path), participants, DENSITIES, keep=options) if r]
+    for steps in results:
+        assert all(step["identical"] for step in steps), [(s["rank"], s["density"]) for s in steps]
+    first, *later = zip(*results)
+    senders = [r for r in first if r["dense_bytes"]]
+    for sender in senders:  # copies within the budget, and 8 bytes per 4 KiB block past it
+        assert sender["kept_bytes"] <= budget + sender["dense_bytes"] / 4096 * 8 + 8 * 64, sender
+    for density, step in zip(DENSITIES, later):
+        encodings = {k for r in step for k, v in r["messages"].items() if v}
+        dense = sum(r["dense_bytes"] for r in step)
+        assert sum(r["wire_bytes"] for r in step) <= 1.01 * dense, density
+        if density == 1e-4:  # both kinds of senders' messages, side by side
+            assert {"indices", "blocks"} <= encodings, encodings
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_delta_options_refuse_what_they_cannot_do(tmp_path):
+    with pytest.raises(LayoutValueError, match="keep copies or digests of what they send, not 'all'"):
+        DeltaOptions(keep="all")
+    with pytest.raises(LayoutValueError, match="a number of bytes \\(0 or more\\), not -1"):
+        DeltaOptions(budget=-1)
+    with pytest.raises(LayoutValueError, match="in 'host' memory or in an existing directory"):
+        DeltaOptions(place=str(tmp_path / "missing"))
+    with pytest.raises(LayoutValueError, match=r"delta=1\.5: a run is dense"):
+        delta_options(1.5)  # type: ignore[arg-type]
+    assert delta_options(False) is None
+    assert delta_options(True) == DeltaOptions() == delta_options("copies")
+    assert delta_options("digests") == DeltaOptions(keep="digests")
 
 
 def test_a_storage_written_since_or_handed_anew_is_received_dense_and_right(pool):

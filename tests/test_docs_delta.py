@@ -1,4 +1,4 @@
-"""The delta-refit guide cannot rot: its two runs (``docs/snippets/delta-*.out``) are run
+"""The delta-refit guide cannot rot: its runs (``docs/snippets/delta-*.out``) are run
 again from the repository root and compared, times and bandwidths left out."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def steady(text: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["delta-apply.out", "delta-resharder.out"])
+@pytest.mark.parametrize("name", ["delta-apply.out", "delta-budget.out", "delta-resharder.out"])
 def test_the_guides_runs_print_what_it_shows(name):
     command, _, expected = (SNIPPETS / name).read_text("utf-8").partition("\n")
     assert command.startswith("$ ")

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._text import human_bytes, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError, ModelDescriptionError, did_you_mean
@@ -25,6 +25,9 @@ from . import arguments
 from .doctor import missing_for_run
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
+
+if TYPE_CHECKING:
+    from ..runtime.delta import DeltaOptions
 
 HELP = "run a refit for real and verify every destination byte"
 DESCRIPTION = (
@@ -132,6 +135,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--delta-digests", action="store_true",
         help="with --delta: senders keep a digest per 4 KiB block of what they sent instead of a copy "
         "(8 bytes per block); the blocks that changed travel whole",
+    )
+    deltas.add_argument(
+        "--delta-budget", type=arguments.memory_size, default=None, metavar="SIZE",
+        help="with --delta: the copies a sender keeps at most (e.g. 1GiB); messages past it keep digests, "
+        "their changed blocks sent whole (default: no bound)",
+    )
+    deltas.add_argument(
+        "--delta-place", default=None, metavar="DIR",
+        help="with --delta: keep the senders' copies in memory-mapped files in this directory, not in "
+        "memory (deleted as they are made)",
     )
     deltas.add_argument(
         "--change-fraction", type=arguments.fraction, default=None, metavar="F",
@@ -419,13 +432,30 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
         )
 
 
+def _delta_of(args: argparse.Namespace) -> DeltaOptions | bool:
+    """What ``--delta`` and its options ask of every rank (False without ``--delta``)."""
+    from ..runtime.delta import DeltaOptions  # torch: imported by the runs that need it
+
+    if not args.delta:
+        return False
+    return DeltaOptions(
+        keep="digests" if args.delta_digests else "copies",
+        budget=args.delta_budget,
+        place="host" if args.delta_place is None else args.delta_place,
+    )
+
+
 def _check_delta_options(args: argparse.Namespace) -> None:
     """Refuse what ``--delta`` does not combine with, and ``--steps`` / ``--change-fraction``
     without the mode that reads them; fill in their defaults."""
     if args.steps is not None and not (args.elastic or args.delta):
         raise LayoutValueError("--steps counts the refits of --elastic or --delta; give one of them")
-    if args.delta_digests and not args.delta:
-        raise LayoutValueError("--delta-digests says what --delta senders keep; give --delta")
+    for flag, given in (("--delta-digests", args.delta_digests), ("--delta-budget", args.delta_budget is not None),
+                        ("--delta-place", args.delta_place is not None)):
+        if given and not args.delta:
+            raise LayoutValueError(f"{flag} says what --delta senders keep; give --delta")
+    if args.delta_place is not None and not os.path.isdir(args.delta_place):
+        raise LayoutValueError(f"--delta-place {args.delta_place}: not a directory (the senders' copies go there)")
     if args.change_fraction is not None and not args.delta:
         raise LayoutValueError("--change-fraction is the share of elements a --delta step changes; give --delta")
     if args.delta:
@@ -523,7 +553,7 @@ def run(args: argparse.Namespace) -> int:
         repeat=args.repeat,
         transport=args.transport,
         plan_mode=args.plan_mode,
-        delta=("digests" if args.delta_digests else True) if args.delta else False,
+        delta=_delta_of(args),
         steps=args.steps if args.delta else 1,
         change_fraction=args.change_fraction,
     )
@@ -624,7 +654,7 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         destination_policy=args.destination_policy,
         source_axis=args.source_axis,
         destination_axis=args.destination_axis,
-        delta=("digests" if args.delta_digests else True) if args.delta else False,
+        delta=_delta_of(args),
         change_fraction=args.change_fraction if args.delta else None,
     )
     if environment_is_torchrun():
@@ -756,8 +786,9 @@ def _recovery_lines(rec: dict[str, Any], joined: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _delta_lines(policy: str, steps: list[dict]) -> list[str]:
-    """A delta run's steps: what changed, what travelled against dense, how it was encoded."""
+def _delta_lines(policy: str, steps: list[dict], args: argparse.Namespace) -> list[str]:
+    """A delta run's steps: what changed, what travelled against dense, how it was encoded,
+    and where the senders keep the previous versions."""
     rows = []
     for step in steps:
         wire, dense = step["wire_bytes"], step["dense_bytes"]
@@ -777,7 +808,11 @@ def _delta_lines(policy: str, steps: list[dict]) -> list[str]:
     stale = sorted({name for step in steps for name in step["stale"]})
     lines = [f"{policy}: delta refits (step 0 is dense: no receiver holds a version yet)"]
     lines += table(rows, header, right={1, 2, 3, 4, 5})
-    lines.append(f"previous versions kept in host memory on the senders: {human_bytes(kept)} per rank at most")
+    kept_as = "digests per 4 KiB block" if args.delta_digests else "copies"
+    kept_as += " in host memory" if args.delta_place is None else f" in memory-mapped files in {args.delta_place}"
+    if args.delta_budget is not None and not args.delta_digests:
+        kept_as += f", up to {human_bytes(args.delta_budget)} per rank (digests past it)"
+    lines.append(f"previous versions kept on the senders: {kept_as}; {human_bytes(kept)} per rank at most")
     if stale:
         lines.append(f"received dense (their bytes were not the version received last): {', '.join(stale)}")
     return lines
@@ -829,7 +864,7 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
         lines.append("(time: the fastest delta refit; moved: the plan's bytes, which a dense refit sends)")
     for policy, run in runs.items():
         if "delta_steps" in run:
-            lines += ["", *_delta_lines(policy, run["delta_steps"])]
+            lines += ["", *_delta_lines(policy, run["delta_steps"], args)]
     for run in runs.values():
         for mismatch in run["mismatches"][:10]:
             lines.append(f"MISMATCH {mismatch}")

@@ -44,6 +44,7 @@ from ..model import Box, Layout, Program
 from ..plan import KINDS
 from ..runtime import Resharder, RunReport
 from ..runtime.agreement import raise_stopped
+from ..runtime.delta import DeltaOptions
 from ..transport.nccl import NcclTransport
 from .launch import LocalWorkers, worker_context
 
@@ -76,7 +77,7 @@ class ApplyOptions:
     plan_mode: str = "auto"
     #: ``--delta``: ``steps`` refits, each after a synthetic training step that changes
     #: ``change_fraction`` of the source elements, sent as deltas (the first one dense)
-    delta: bool | str = False
+    delta: bool | str | DeltaOptions = False
     steps: int = 1
     change_fraction: float = 0.01
 
@@ -261,7 +262,7 @@ def _run_once(
     progress: Callable[[int, int], None] | None,
     problem: Exception | None,
     *,
-    delta: bool | str = False,
+    delta: bool | str | DeltaOptions = False,
 ) -> RunReport:
     """One run of the plan; a rank that could not prepare it (its sources, its storages, its
     output) stops every rank in the run's agreement."""

@@ -48,6 +48,7 @@ from .. import lang
 from ..errors import DataLossError, LayoutError, RuntimeFailure
 from ..io.torch_dtypes import torch_dtype
 from ..io.weights import change_synthetic, changed_truth, fill_synthetic, verify
+from ..runtime.delta import DeltaOptions
 from .apply_job import participants_of
 from .launch import LAUNCHER_GONE, LocalWorkers, worker_context
 
@@ -74,7 +75,7 @@ class ElasticOptions:
     destination_axis: str | None = None
     #: delta refits; the weights of step s are those of step 0 after s synthetic training
     #: steps that each change ``change_fraction`` of the elements (None: all change every step)
-    delta: bool | str = False
+    delta: bool | str | DeltaOptions = False
     change_fraction: float | None = None
 
 

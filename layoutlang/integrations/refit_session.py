@@ -44,6 +44,7 @@ from elastic.store import serve_store
 
 from ..errors import ExecutionError, LayoutValueError
 from ..model import Layout, Program
+from ..runtime.delta import DeltaOptions
 
 __all__ = [
     "DEFAULT_NAMESPACE",
@@ -125,7 +126,7 @@ def fleet_session(
     problem: str | None = None,
     join_timeout: float | None = None,
     backend: Any = None,
-    delta: bool | str = False,
+    delta: bool | str | DeltaOptions = False,
 ) -> ElasticSession:
     """This process's membership of the refit session (see the module doc): a trainer rank or
     an engine worker; ``join`` for a joining engine or a returning trainer rank (it waits up to

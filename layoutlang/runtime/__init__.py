@@ -20,8 +20,9 @@ rank with an error naming the ranks that differ, and nothing is transferred.
 """
 
 from .agreement import agree
+from .delta import DeltaOptions
 from .executor import Executor, RunReport
 from .redistribute import redistribute
 from .resharder import Resharder
 
-__all__ = ["Executor", "Resharder", "RunReport", "agree", "redistribute"]
+__all__ = ["DeltaOptions", "Executor", "Resharder", "RunReport", "agree", "redistribute"]

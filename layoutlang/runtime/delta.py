@@ -3,8 +3,9 @@
 A refit after a training step moves the same boxes as the one before; most of their bytes
 did not change. With ``delta=True`` (:meth:`Executor.run <layoutlang.runtime.executor.Executor.run>`):
 
-- every sender keeps, per message, the bytes it last sent (*kept copies*, host memory of
-  the sender's device; :attr:`DeltaRefits.kept_bytes` in the run's report);
+- every sender keeps, per message, the bytes it last sent (*kept copies*, in host memory or
+  in memory-mapped files of a directory, up to a budget past which it keeps digests:
+  :class:`DeltaOptions`; ``kept_bytes`` in the run's :class:`DeltaReport`);
 - before the first step, every receiver tells each of its senders which version it holds of
   each message it gets from it (the *offers*: 0 for none). A receiver holds a version when it
   received it whole into the destination storages it is handed again now, and the checksum
@@ -26,7 +27,9 @@ buffer (gloo does; :attr:`Transport.variable_length <layoutlang.transport.Transp
 from __future__ import annotations
 
 import math
+import os
 import secrets
+import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..errors import LayoutValueError
 from .agreement import AGREEMENT_TAG
 from .schedule import _ASSEMBLY, _DESTINATION, Message, Piece, Step
 from .wire_encoding import (
@@ -47,13 +51,55 @@ from .wire_encoding import (
     read_header,
 )
 
-__all__ = ["KEEPS", "DeltaRefits", "DeltaReport"]
+__all__ = ["KEEPS", "DeltaOptions", "DeltaRefits", "DeltaReport", "delta_options"]
 
 #: what a sender keeps of what it sent: a copy of every byte (the changed elements travel),
 #: or only a digest per 4 KiB block (the changed blocks travel whole: 8 bytes kept per block)
 KEEPS = ("copies", "digests")
 
 Key = tuple[int, int]  # (step, index of the transfer among the step's sends or receives)
+
+
+@attrs.frozen
+class DeltaOptions:
+    """How a delta run's senders keep what they sent (``delta=DeltaOptions(...)`` wherever
+    ``delta=True`` is taken; ranks may differ: only receivers' versions are agreed on).
+
+    ``keep``: ``"copies"`` (every byte; the changed elements travel) or ``"digests"`` (a
+    digest per 4 KiB block; the changed blocks travel whole). ``budget``: the bytes of copies
+    this rank keeps at most (None: no bound); a message whose copy would go past it keeps
+    digests instead, so its changed blocks travel whole. ``place``: ``"host"`` (the process's
+    memory) or a directory: each copy is a memory-mapped file there, deleted at once (its pages
+    live while the executor does), for senders whose memory is short and whose disk is not.
+    """
+
+    keep: str = "copies"
+    budget: int | None = None
+    place: str = "host"
+
+    def __attrs_post_init__(self) -> None:
+        if self.keep not in KEEPS:
+            raise LayoutValueError(f"delta refits keep copies or digests of what they send, not {self.keep!r}")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 0):
+            raise LayoutValueError(f"a delta budget is a number of bytes (0 or more), not {self.budget!r}")
+        if self.place != "host" and not os.path.isdir(self.place):
+            raise LayoutValueError(f"delta copies are kept in 'host' memory or in an existing directory, "
+                                   f"not {self.place!r}")
+
+
+def delta_options(delta: bool | str | DeltaOptions) -> DeltaOptions | None:
+    """``run(delta=...)`` as options: None for a dense run (False)."""
+    if delta is False:
+        return None
+    if delta is True:
+        return DeltaOptions()
+    if isinstance(delta, DeltaOptions):
+        return delta
+    if isinstance(delta, str) and delta in KEEPS:
+        return DeltaOptions(keep=delta)
+    raise LayoutValueError(f"delta={delta!r}: a run is dense (False) or a delta run keeping copies (True, "
+                           "'copies') or digests ('digests') of what it sends, or DeltaOptions")
 
 
 @attrs.frozen
@@ -94,13 +140,13 @@ class DeltaRefits:
     """One executor's delta state across its runs (module doc). ``region`` gives the view of a
     destination piece in the run's storages."""
 
-    def __init__(self, steps: Sequence[Step], rank: int, keep: str = "copies"):
-        if keep not in KEEPS:
-            raise ValueError(f"delta refits keep copies or digests of what they send, not {keep!r}")
+    def __init__(self, steps: Sequence[Step], rank: int, options: DeltaOptions | None = None):
         self.steps = steps
         self.rank = rank
-        self.keep = keep
+        self.options = options or DeltaOptions()
         self._kept: dict[Key, torch.Tensor] = {}  # copies, or digests (int64 per block)
+        self._digested: set[Key] = set()  # the messages whose sender keeps digests, not a copy
+        self._copy_bytes = 0  # kept in copies (what the budget bounds)
         self._kept_versions: dict[Key, int] = {}
         self._bases: dict[Key, _Base] = {}
         # transfers by peer, in the order both ends post them: what an offer lists
@@ -186,12 +232,15 @@ class DeltaRefits:
             buffer = self._arena[offset : offset + capacity(message.numel())]
             offset += _size(transfer)
             kept = self._kept.get(key)
-            if self.keep == "digests":
+            if kept is None and not self._keeps_copy(message.numel()):
+                self._digested.add(key)
+            if key in self._digested:
                 encoded, self._kept[key] = encode_blocks(
-                    message, kept, self._version, buffer, delta=key in self._delta_sends, spans=_spans(transfer)
+                    message.reshape(-1), kept, self._version, buffer, delta=key in self._delta_sends,
+                    spans=_spans(transfer),
                 )
             elif kept is None:
-                kept = self._kept[key] = torch.empty(message.numel(), dtype=torch.uint8, device="cpu")
+                kept = self._kept[key] = self._new_copy(message.numel())
                 kept.view(message.shape).copy_(message)
                 encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=_spans(transfer))
             else:
@@ -204,6 +253,23 @@ class DeltaRefits:
             out.append((peer, buffer[: encoded.nbytes]))
         self._recv_offset = offset
         return out
+
+    def _keeps_copy(self, nbytes: int) -> bool:
+        """Whether a message seen for the first time gets a copy (within the budget), else digests."""
+        options = self.options
+        if options.keep == "digests" or (options.budget is not None and self._copy_bytes + nbytes > options.budget):
+            return False
+        self._copy_bytes += nbytes
+        return True
+
+    def _new_copy(self, nbytes: int) -> torch.Tensor:
+        """Room for a kept copy, where the options place it."""
+        if self.options.place == "host":
+            return torch.empty(nbytes, dtype=torch.uint8)
+        with tempfile.NamedTemporaryFile(dir=self.options.place, prefix=f"layoutlang-kept-{self.rank}-") as file:
+            file.truncate(nbytes)
+            # mapped, then the name goes with the file object: the pages live as long as the copy
+            return torch.from_file(file.name, shared=True, size=nbytes, dtype=torch.uint8)
 
     def receive_buffers(self, n: int, landing: Sequence[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
         """Where step ``n``'s messages arrive (after :meth:`encode_sends` of the same step):

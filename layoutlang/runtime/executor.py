@@ -24,7 +24,7 @@ from ..plan.quantized import broadcast_into_quantized
 from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
-from .delta import KEEPS, DeltaRefits, DeltaReport
+from .delta import DeltaOptions, DeltaRefits, DeltaReport, delta_options
 from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, schedule
 from .wire_encoding import MIN_DELTA_BYTES
 
@@ -276,7 +276,7 @@ class Executor:
         on_complete: OnComplete | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
-        delta: bool | str = False,
+        delta: bool | str | DeltaOptions = False,
     ) -> RunReport:
         """Move every byte this rank sends or receives; destinations are written in place.
 
@@ -290,15 +290,16 @@ class Executor:
         (:mod:`.delta`; every rank must ask for it alike). The first delta run, and every
         message whose receiver holds no version, moves dense. ``True`` or ``"copies"``: this
         rank keeps a copy of what it sends; ``"digests"``: only a digest per 4 KiB block, and
-        the blocks that changed travel whole.
+        the blocks that changed travel whole; :class:`~.delta.DeltaOptions`: a budget for the
+        copies, or a directory to keep them in.
         """
-        keep = _delta_keep(delta)
-        if keep is not None and not self.transport.variable_length and not_ready is None:
+        options = delta_options(delta)
+        if options is not None and not self.transport.variable_length and not_ready is None:
             not_ready = (
                 f"delta refits need a transport that delivers a message into a longer receive (gloo); "
                 f"{type(self.transport).__name__} on {self.transport.device} does not"
             )
-        per_source = self._check_and_agree(sources, destinations, cast, not_ready, cast_sources, keep is not None)
+        per_source = self._check_and_agree(sources, destinations, cast, not_ready, cast_sources, options is not None)
         device = device_of([t for given in per_source for t in given.values()] + list(destinations.values()))
         spaces = _Spaces(
             [_as_parts(given, shapes) for given, shapes in zip(per_source, self._parts_shapes)],
@@ -317,10 +318,11 @@ class Executor:
         spaces.alias_sources = in_place  # a source region copied into scratch is read where it lies
         # a delta run keeping copies reads a staged source region where it lies (sources only
         # read: not when destinations share their memory)
-        staging = self._staging(spaces, in_place=in_place, device=device, encode_in_place=in_place and keep == "copies")
+        reads_in_place = in_place and options is not None and options.keep == "copies"
+        staging = self._staging(spaces, in_place=in_place, device=device, encode_in_place=reads_in_place)
         if delta:  # the bf16 boxes assembled for quantized tensors are patched from run to run
             spaces.assembled, spaces.keep_assemblies = self._kept_assemblies, True
-        deltas = self._start_deltas(spaces, destinations, keep) if keep is not None else None
+        deltas = self._start_deltas(spaces, destinations, options) if options is not None else None
         packed_next: list[tuple[int, torch.Tensor]] | None = None
         for n, step in enumerate(self.steps):
             sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
@@ -353,11 +355,13 @@ class Executor:
         assembled = sum(t.numel() * t.element_size() for t in self._kept_assemblies.values())
         return attrs.evolve(report, delta=deltas.report(kept_besides=assembled))
 
-    def _start_deltas(self, spaces: _Spaces, destinations: Mapping[str, torch.Tensor], keep: str) -> DeltaRefits:
+    def _start_deltas(
+        self, spaces: _Spaces, destinations: Mapping[str, torch.Tensor], options: DeltaOptions
+    ) -> DeltaRefits:
         """This run's deltas: what each receiver holds, exchanged before the first step (a
         sender that changes what it keeps starts again from dense)."""
-        if self._deltas is None or self._deltas.keep != keep:
-            self._deltas = DeltaRefits(self.steps, self.rank, keep)
+        if self._deltas is None or self._deltas.options != options:
+            self._deltas = DeltaRefits(self.steps, self.rank, options)
         dtypes = {name: tensor.dtype for name, tensor in destinations.items()}
         self._deltas.start(self.transport, self.timeout, lambda piece: _held(spaces, piece), dtypes)
         return self._deltas
@@ -681,18 +685,6 @@ def _quantized_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, tor
     values = buf[:nvalues].view(q.values).view(piece.sizes)
     scales = buf[start : start + nscales].view(q.scale_dtype).view(q.scale_sizes)
     return values, scales
-
-
-def _delta_keep(delta: bool | str) -> str | None:
-    """What a sender keeps for ``run(delta=...)``: None for a dense run."""
-    if delta is False:
-        return None
-    if delta is True:
-        return "copies"
-    if delta in KEEPS:
-        return str(delta)
-    raise LayoutValueError(f"delta={delta!r}: a run is dense (False) or a delta run keeping copies (True, "
-                           "'copies') or digests ('digests') of what it sends")
 
 
 def _held(spaces: _Spaces, piece: Piece) -> list[torch.Tensor]:

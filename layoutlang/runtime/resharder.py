@@ -16,6 +16,7 @@ from ..model import Program
 from ..plan import DEFAULT_BUCKET_BYTES, Plan, compile_plan
 from ..transport import TorchTransport, Transport
 from .agreement import agree, raise_stopped
+from .delta import DeltaOptions
 from .executor import Executor, RunReport, device_of
 
 #: A reshard whose two meshes hold at least this many ranks together runs per-rank plans
@@ -196,7 +197,7 @@ class Resharder:
         on_complete: Callable[[str, torch.Tensor], None] | None = None,
         progress: Callable[[int, int], None] | None = None,
         not_ready: str | None = None,
-        delta: bool | str = False,
+        delta: bool | str | DeltaOptions = False,
     ) -> dict[str, torch.Tensor]:
         """Move this rank's part of the plan; returns the destination storages.
 

@@ -59,7 +59,7 @@ from elastic import ElasticSession, JobSecret, Recovery
 
 from ..._text import rank_ranges
 from ...errors import DataLossError, ExecutionError, LayoutValueError, RuntimeFailure
-from ...runtime.delta import DeltaReport
+from ...runtime.delta import DeltaOptions, DeltaReport
 from ..dtensor import local_storages, state_dict_problems
 from ..refit_session import (
     DEFAULT_NAMESPACE,
@@ -170,8 +170,9 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     checkpoint_format: bool = False
     #: delta refits: each refit sends only what changed since the version each engine worker
     #: holds (its staged storages); an engine that joined or missed a step gets dense, then deltas;
-    #: ``"digests"``: the trainer keeps a digest per 4 KiB block of what it sent, not a copy
-    delta: bool | str = False
+    #: ``"digests"``: the trainer keeps a digest per 4 KiB block of what it sent, not a copy;
+    #: :class:`~layoutlang.runtime.delta.DeltaOptions`: a budget for the copies, or a directory for them
+    delta: bool | str | DeltaOptions = False
 
 
 @dataclass
@@ -696,7 +697,8 @@ def _worker_fields(
         program_path=info.program_path, reshard=refit.reshard.name, rank_offset=offset, namespace=info.namespace,
         mode=mode, secret=secret.text(), token=token, timeout=info.timeout, deadline=info.deadline,
         memory_budget=info.memory_budget, engine_axis=info.engine_axis, checkpoint_format=info.checkpoint_format,
-        delta=info.delta,
+        # the workers are told what to keep; the trainer's budget and place are its own
+        delta=info.delta.keep if isinstance(info.delta, DeltaOptions) else info.delta,
     )
 
 
