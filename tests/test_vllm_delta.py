@@ -1,7 +1,7 @@
 """Delta refits of live bf16 vLLM engines during real training: issue 25's acceptance run.
 
 A long test, opt-in: ``LAYOUTLANG_LONG_TESTS=1 python -m pytest -s tests/test_vllm_delta.py``
-(about 15 minutes on 2 cores; the CI budget has no room for it). tests/vllm_delta_job.py runs
+(about 8 minutes on 2 cores; the CI budget has no room for it). tests/vllm_delta_job.py runs
 once (module fixture) with the vLLM environment's Python (``.venv-vllm``): a 2-rank FSDP2 trainer
 (fp32 masters, bf16 compute, AdamW) trains the tiny Llama and the tiny Qwen3-MoE at learning
 rates 1e-6 and 1e-5 for 10 steps each, and after every step refits two vLLM CPU engines (bf16,
@@ -60,15 +60,17 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("vllm-delta")
     command = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_delta_job.py"), str(work),
                "--models", ",".join(MODELS), "--lrs", ",".join(map(str, LRS)), "--steps", str(STEPS)]
-    # its own session: every process it starts (trainers, engine cores, workers) is stopped with it
-    process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        output, _ = process.communicate(timeout=2300)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+    # its own session: every process it starts (trainers, engine cores, workers) is stopped with
+    # it; its output goes to a file, to be read while it runs
+    log = work / "job.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            process.wait(timeout=2300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text(errors="replace")
     result = work / "result.json"
     assert result.exists(), output[-6000:]
     data = json.loads(result.read_text())

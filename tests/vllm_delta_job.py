@@ -29,8 +29,9 @@ tests/vllm_refit_job.py, vocabulary 256 so that vLLM pads nothing), one after th
   engine axis shrinks, a new generation, so that refit is dense), is stopped and started again
   (a new process, dummy weights); before step k+1's it is added (``add_engine``): admitted at
   that step's boundary and caught up from A. Step k+2 starts a new generation again (the axis
-  grew): dense for both engines, then deltas. (Removing and adding at one boundary stalls:
-  the joiner asks to join a generation the members have not agreed yet.)
+  grew): dense for both engines, then deltas. (Removing and adding before the same refit
+  stalled here: the sender's ``send_weights()`` waited its whole timeout for the joiner to ask
+  to join, in ``_await_joiners``, before going on.)
 
 The oracle is vLLM's loader, not layoutlang. vLLM 0.32's in-place reload
 (``Worker.reload_weights``: ``load_weights`` under its layerwise reload) is right for the Llama;
@@ -414,7 +415,7 @@ def oracle(name: str, current: dict[str, Any], checkpoint: Path, engines: dict[s
     return out
 
 
-def trainer(rank: int, work: Path, ports: list[int], args: argparse.Namespace) -> None:
+def trainer(rank: int, work: Path, ports: list[int], args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS,
                             timeout=timedelta(seconds=JOB_SECONDS))
@@ -428,20 +429,21 @@ def trainer(rank: int, work: Path, ports: list[int], args: argparse.Namespace) -
         record["models"].append(refit_model(rank, name, work, ports[1 + i], args))
         record["models"][-1]["seconds"] = time.perf_counter() - started
     record["seconds"] = time.perf_counter() - begin
-    (work / f"rank{rank}.json").write_text(json.dumps(record))
+    return record
 
 
 def run(rank: int, work: Path, ports: list[int], args: argparse.Namespace) -> None:
-    code = 0
+    """One trainer rank: its record (or its error) written to WORKDIR, whatever happens every
+    engine it started stopped."""
+    done = work / f"rank{rank}.json"
     try:
-        trainer(rank, work, ports, args)
+        done.write_text(json.dumps(trainer(rank, work, ports, args)))
     except BaseException:
-        (work / f"rank{rank}.error").write_text(traceback.format_exc())
-        code = 1
+        done.with_suffix(".error").write_text(traceback.format_exc())
     finally:
         while STARTED:
             stop(STARTED[-1])
-    os._exit(code)  # a lost peer would hang the process group's teardown
+        os._exit(0 if done.exists() else 1)  # a lost peer would hang the process group's teardown
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
