@@ -232,7 +232,7 @@ class DeltaRefits:
             buffer = self._arena[offset : offset + capacity(message.numel())]
             offset += _size(transfer)
             kept = self._kept.get(key)
-            if kept is None and not self._keeps_copy(message.numel()):
+            if kept is None and not self._reserve_copy(message.numel()):
                 self._digested.add(key)
             if key in self._digested:
                 encoded, self._kept[key] = encode_blocks(
@@ -254,8 +254,9 @@ class DeltaRefits:
         self._recv_offset = offset
         return out
 
-    def _keeps_copy(self, nbytes: int) -> bool:
-        """Whether a message seen for the first time gets a copy (within the budget), else digests."""
+    def _reserve_copy(self, nbytes: int) -> bool:
+        """Whether a message seen for the first time gets a copy (its bytes then count against the
+        budget), else digests."""
         options = self.options
         if options.keep == "digests" or (options.budget is not None and self._copy_bytes + nbytes > options.budget):
             return False
