@@ -434,7 +434,8 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
 
 def _delta_of(args: argparse.Namespace) -> DeltaOptions | bool:
     """What ``--delta`` and its options ask of every rank (False without ``--delta``)."""
-    from ..runtime.delta import DeltaOptions  # torch: imported by the runs that need it
+    # The runtime imports torch: here, so that the light commands start without it.
+    from ..runtime.delta import DeltaOptions
 
     if not args.delta:
         return False
