@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "counted",
     "elide",
     "human_bytes",
     "human_time",
@@ -20,6 +21,15 @@ __all__ = [
     "table",
     "tensor_region",
 ]
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and the noun, singular for one.
+
+    >>> counted(1, "problem"), counted(3, "problem"), counted(0, "box", "boxes")
+    ('1 problem', '3 problems', '0 boxes')
+    """
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
 
 
 def elide(text: str, width: int) -> str:

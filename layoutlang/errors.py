@@ -46,6 +46,7 @@ __all__ = [
     "ExecutionError",
     "ExitCode",
     "LayoutError",
+    "LayoutFileError",
     "LayoutIncludeError",
     "LayoutNameError",
     "LayoutSyntaxError",
@@ -209,6 +210,13 @@ class LayoutSyntaxError(LayoutError):
     """The text is not a valid ``.layout`` program (or the file is empty or not UTF-8)."""
 
     kind = "syntax"
+
+
+class LayoutFileError(LayoutSyntaxError):
+    """A ``.layout`` file that cannot be read: missing, unreadable, not a regular file, or over
+    the size limit (a :class:`LayoutSyntaxError` too, so existing handlers still catch it)."""
+
+    kind = "file"
 
 
 class LayoutNameError(LayoutError):

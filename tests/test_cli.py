@@ -23,6 +23,7 @@ import pytest
 import layoutlang
 from layoutlang.cli import ExitCode, main
 from layoutlang.cli import check as check_command
+from layoutlang.cli.main import COMMANDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -402,6 +403,27 @@ def test_missing_file(capsys, tmp_path):
     code, _, err = run(capsys, "check", tmp_path / "nope.layout")
     assert code == ExitCode.BAD_INPUT
     assert err.strip() == f"error: no such file: {tmp_path / 'nope.layout'}"
+
+
+@pytest.mark.parametrize("make", ["missing", "directory"])
+def test_a_file_that_cannot_be_read_is_a_file_error_in_json(capsys, tmp_path, make):
+    path = tmp_path / "program.layout"
+    if make == "directory":
+        path.mkdir()
+    code, out, _ = run(capsys, "check", path, "--json")
+    assert code == ExitCode.BAD_INPUT
+    (entry,) = json.loads(out)
+    assert (entry["ok"], entry["error"]) == (False, "file")  # not a syntax error: there is no text
+
+
+def test_top_level_help_names_what_the_commands_do(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for command in COMMANDS:
+        assert command in text
+    for verb in ("check", "show", "plan", "simulate", "apply", "draw"):
+        assert verb in text.split("positional arguments")[0], verb
 
 
 def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tiny, monkeypatch):

@@ -49,7 +49,7 @@ def test_an_offset_dtensor_computes_differently_is_named(pool):
     for rank in (1, 2):
         assert "tensor 'nested' on rank" in messages[rank], rank
         assert "DTensor places this rank's shard at offset" in messages[rank], rank
-        assert "(1 problems)" in messages[rank], rank
+        assert "(1 problem)" in messages[rank], rank
     assert messages[0] == [] and messages[3] == []  # the corners hold the same rows either way
 
 

@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (separate from :func:`main` so the docs can render it)."""
     parser = argparse.ArgumentParser(
         prog="layoutlang",
-        description="Describe tensor layouts on device meshes, and check and show them.",
+        description=(
+            "Describe tensor layouts on device meshes in .layout files: check and show them; plan, "
+            "simulate, apply and draw the reshards between them; and report what this machine offers."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"layoutlang {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")

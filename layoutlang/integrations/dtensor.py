@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .._text import rank_ranges
+from .._text import counted, rank_ranges
 from ..errors import LayoutError, LayoutValueError, did_you_mean
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
@@ -222,7 +222,7 @@ def local_storages(
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise LayoutValueError(
             f"rank {rank}'s state dict does not match layout '{layout.name}' "
-            f"({len(problems)} problems):\n  {shown}{more}"
+            f"({counted(len(problems), 'problem')}):\n  {shown}{more}"
         )
     named = {(rename(k) if rename else k): v for k, v in state_dict.items()}
     return {storage: _local(named[storage]).detach() for storage in layout.storages_on(rank)}

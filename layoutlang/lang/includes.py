@@ -29,7 +29,7 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import LayoutError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
+from ..errors import LayoutError, LayoutFileError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
 from ..io._files import read_limited
 from . import ast
 from .limits import MAX_INCLUDE_DEPTH, MAX_PROGRAM_BYTES
@@ -75,12 +75,12 @@ class Source:
 
 def read_source(path: str | os.PathLike[str], display: str | None = None) -> str:
     """The text of a ``.layout`` file; missing, unreadable, non-regular (a FIFO, a device, a
-    directory), oversized (:data:`~.limits.MAX_PROGRAM_BYTES`) or non-UTF-8 files are
-    LayoutSyntaxErrors naming the file."""
+    directory) or oversized (:data:`~.limits.MAX_PROGRAM_BYTES`) files are LayoutFileErrors,
+    non-UTF-8 ones LayoutSyntaxErrors at the first bad byte; both name the file."""
     display = display or str(path)
     if not os.path.lexists(path):
-        raise LayoutSyntaxError(f"no such file: {display}")
-    data = read_limited(path, MAX_PROGRAM_BYTES, ".layout file", display=display, error=LayoutSyntaxError)
+        raise LayoutFileError(f"no such file: {display}")
+    data = read_limited(path, MAX_PROGRAM_BYTES, ".layout file", display=display, error=LayoutFileError)
     data = data.removeprefix(_BYTE_ORDER_MARK)
     try:
         return data.decode("utf-8")

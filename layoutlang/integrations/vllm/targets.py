@@ -39,6 +39,7 @@ from typing import Any, cast
 
 import torch
 
+from ..._text import counted
 from ...errors import ExecutionError, did_you_mean
 from ...io.torch_dtypes import torch_dtype
 from ...model import Box, Layout
@@ -283,7 +284,8 @@ class EngineTargets:
                 problems.extend(self._box_problems(storage, received[storage]))
         if problems:
             raise ExecutionError(
-                f"rank {self.rank} cannot apply the refit ({len(problems)} problems): " + "; ".join(problems[:5])
+                f"rank {self.rank} cannot apply the refit ({counted(len(problems), 'problem')}): "
+                + "; ".join(problems[:5])
                 + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
                 rank=self.rank,
             )

@@ -57,6 +57,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from elastic import ElasticSession, JobSecret
 
+from ..._text import counted
 from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
 from .common import RefitProgram, WorkerInitFields, first_of
@@ -189,7 +190,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         if joining and problems:  # a joiner that cannot hold its boxes never asks to join
             raise LayoutValueError(
                 f"rank {self.rank}: the engine does not match the destination layout "
-                f"({len(problems)} problems):\n  " + "\n  ".join(problems)
+                f"({counted(len(problems), 'problem')}):\n  " + "\n  ".join(problems)
             )
         address = info.address
         store = address.connect(serve=False, timeout=info.timeout)
@@ -204,7 +205,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             if problems:  # this worker's own list, whole
                 raise LayoutValueError(
                     f"rank {self.rank}: the engine does not match the destination layout "
-                    f"({len(problems)} problems):\n  " + "\n  ".join(problems)
+                    f"({counted(len(problems), 'problem')}):\n  " + "\n  ".join(problems)
                 ) from None
             raise
         self.address = address
