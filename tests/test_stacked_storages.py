@@ -333,6 +333,21 @@ def test_plan_explain_gives_the_places_in_stacked_and_transposed_storages(tmp_pa
     assert lines == [f"{move} {places}"]
 
 
+def test_plan_explain_says_where_a_relay_reads_from(tmp_path, capsys):
+    # vLLM replicas (dp) side by side in one domain: one receives each expert over the
+    # network, the other gets it from the first one's storage (a relay)
+    megatron = megatron_program(2, 1).replace("[ep = 2, tp = 1]", "[ep = 2, tp = 1] on ranks 0..1")
+    vllm = (vllm_program(2, 1).replace("mesh infer [ep = 2, tp = 1]", "mesh infer [ep = 2, dp = 2] on ranks 2..5")
+            .replace("tp = shard(0)", "dp = replicate").replace("tp = shard(1)", "dp = replicate"))
+    path = tmp_path / "refit.layout"
+    path.write_text("topology { domain_size = 2 }\n" + megatron + vllm.replace("tensor ", "# tensor ")
+                    + "reshard megatron -> vllm\n")
+    assert main(["plan", str(path), "--no-compare", "--explain", "mlp.experts.5.up_proj.weight"]) == 0
+    (relay,) = [line.strip() for line in capsys.readouterr().out.splitlines() if "relay" in line]
+    place = f"mlp.experts.w13_weight[1, {F}:{2 * F}, 0:{H}]"
+    assert relay.endswith(f"(bucket 0, stage 1, relay) from {place} into {place}")
+
+
 def test_the_native_box_copies_write_transposed_and_stacked_regions():
     """The device path's pitched copies (CudaMock: host memory) take the executor's views of
     a stacked, transposed storage as they are: strides swapped, one element of the stack."""

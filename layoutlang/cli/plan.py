@@ -182,7 +182,8 @@ def _explained(plan: Plan, move: Move) -> str:
     with its places there (``w13_weight[2, 6:12, 0:16]``; ``.T``: the region transposed),
     since those differ from the region's own coordinates."""
     places = []
-    for space, place in zip((move.src_space, move.dst_space), plan.place(move)):
+    # a relay reads from a destination storage: the side, not the space, says from or into
+    for side, space, place in zip(("from", "into"), (move.src_space, move.dst_space), plan.place(move)):
         if space == "scratch" or place is None:
             continue
         layout = plan.sources[move.source] if space == "source" else plan.destination
@@ -196,5 +197,5 @@ def _explained(plan: Plan, move: Move) -> str:
         lead = len(offsets) - len(sizes)  # the element of a stacked storage: an index
         items = [str(o) for o in offsets[:lead]] + [f"{o}:{o + n}" for o, n in zip(offsets[lead:], sizes)]
         transposed = ".T" if storage.is_transposed(move.tensor) else ""
-        places.append(f"{'from' if space == 'source' else 'into'} {name}[{', '.join(items)}]{transposed}")
+        places.append(f"{side} {name}[{', '.join(items)}]{transposed}")
     return f"{move} {' '.join(places)}" if places else str(move)
