@@ -8,6 +8,7 @@ shown. The fuzz tests hold every example to that contract under truncation and m
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ import pytest
 import layoutlang
 from layoutlang.cli import ExitCode, main
 from layoutlang.cli import check as check_command
-from layoutlang.cli.main import COMMANDS
+from layoutlang.cli.main import COMMANDS, build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -414,6 +415,20 @@ def test_a_file_that_cannot_be_read_is_a_file_error_in_json(capsys, tmp_path, ma
     assert code == ExitCode.BAD_INPUT
     (entry,) = json.loads(out)
     assert (entry["ok"], entry["error"]) == (False, "file")  # not a syntax error: there is no text
+
+
+def test_no_option_help_stops_mid_sentence():
+    """Every option's help is a whole phrase (``--policy``'s once ended "overriding the statement's")."""
+    parser = build_parser()
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    dangling = re.compile(r"(\b(the|a|an|of|to|for|and|or|with|in)|'s)$")
+    cut = [
+        (name, action.option_strings, action.help)
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if action.help and action.help != argparse.SUPPRESS and dangling.search(action.help.strip())
+    ]
+    assert cut == []
 
 
 def test_top_level_help_names_what_the_commands_do(capsys):

@@ -20,7 +20,6 @@ from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_fro
 from ..lang import load
 from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
-from ..plan import POLICIES
 from . import arguments
 from .doctor import missing_for_run
 from .report import plan_mode_line
@@ -53,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang apply``, plain and elastic."""
     arguments.add_file(parser)
     arguments.add_reshard(parser)
-    parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
+    arguments.add_policy(parser)
     parser.add_argument("--compare", action="store_true", help="also run the gather-and-broadcast plan and compare")
     parser.add_argument(
         "--plan-mode",

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from .._text import parse_size, rank_ranges
 from ..errors import LayoutValueError, did_you_mean
 from ..model import Program
-from ..plan import DEFAULT_BUCKET_BYTES
+from ..plan import DEFAULT_BUCKET_BYTES, POLICIES
 
 __all__ = [
     "MAX_SECONDS",
@@ -144,6 +144,16 @@ def add_allow_outside_includes(parser: argparse.ArgumentParser) -> None:
 def add_reshard(parser: argparse.ArgumentParser) -> None:
     """``--reshard NAME``: which reshard statement of the program."""
     parser.add_argument("--reshard", metavar="NAME", help="the reshard statement (default: the only one)")
+
+
+def add_policy(parser: argparse.ArgumentParser) -> None:
+    """``--policy``: one plan policy for every tensor."""
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        help="one policy for every tensor (reshard: exact overlaps; broadcast: gather and broadcast), "
+        "overriding the reshard statement's per-tensor policies",
+    )
 
 
 def add_bucket_size(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from ..errors import ExitCode, LayoutValueError
 from ..lang import load
 from ..model import Program
-from ..plan import POLICIES, Move, Plan, compile_plan
+from ..plan import Move, Plan, compile_plan
 from ..plan.data import PLAN_MODES
 from . import arguments
 from .progress import Progress
@@ -53,11 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit", type=arguments.count, default=100, metavar="N", help="print at most N moves (default 100)"
     )
     arguments.add_bucket_size(parser)
-    parser.add_argument(
-        "--policy",
-        choices=POLICIES,
-        help="one policy for every tensor, overriding the statement's rules",
-    )
+    arguments.add_policy(parser)
     parser.add_argument("--per-rank", action="store_true", help="also print bytes sent and received per rank")
     parser.add_argument(
         "--mode",

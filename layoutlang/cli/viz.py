@@ -46,7 +46,7 @@ from .._text import human_bytes, rank_ranges
 from ..errors import LayoutNameError, LayoutValueError, did_you_mean
 from ..lang import load
 from ..model import Box, Layout, Program
-from ..plan import POLICIES, Move, Plan, compile_plan
+from ..plan import Move, Plan, compile_plan
 from . import arguments
 
 if TYPE_CHECKING:  # matplotlib is imported when a picture is drawn (it is slow to import)
@@ -469,7 +469,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor", metavar="NAME", required=True, help="the logical tensor to draw")
     parser.add_argument("--out", metavar="FILE.png", required=True, help="the PNG file to write")
     arguments.add_reshard(parser)
-    parser.add_argument("--policy", choices=POLICIES, help="one policy for every tensor, overriding the statement's")
+    arguments.add_policy(parser)
     parser.add_argument(
         "--rank",
         metavar="R",
