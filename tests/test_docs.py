@@ -164,6 +164,56 @@ def test_html_build(tmp_path):
     assert "--summary" in cli and "BAD_INPUT" in cli  # generated from build_parser() and ExitCode
 
 
+_UNDERLINE = re.compile(r"^([=\-~^\"'`#*+:.])\1+$")
+
+
+def _source_headings(text: str) -> list[str]:
+    """The section titles of a reStructuredText page: an unindented line whose next line is an
+    underline at least as long (inline markup reduced to its text)."""
+    lines = text.splitlines()
+    titles = []
+    for title, under in zip(lines, lines[1:]):
+        if title.strip() and not title[0].isspace() and _UNDERLINE.match(under) and len(under) >= len(title.rstrip()):
+            if not _UNDERLINE.match(title):
+                titles.append(re.sub(r":\w+:`~?([^`<]*?)\s*(<[^>]*>)?`|``?([^`]*)``?", r"\1\3", title.strip()))
+    return titles
+
+
+def _html_headings(page: str) -> set[str]:
+    import html
+
+    found = re.findall(r"<h[1-6][^>]*>(.*?)</h[1-6]>", page, re.S)
+    texts = (html.unescape(re.sub(r"<[^>]+>", "", h)).replace("\u00b6", "") for h in found)
+    # Sphinx curls the quotes of a title
+    return {" ".join(t.translate(_PLAIN_QUOTES).split()) for t in texts}
+
+
+_PLAIN_QUOTES = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201c": '"', "\u201d": '"'})
+
+
+def test_every_section_heading_renders(tmp_path):
+    """A title that reStructuredText reads as a paragraph (no blank line before it) builds
+    without a warning: compare every page's source titles with its built headings."""
+    result = _sphinx("html", tmp_path, "--keep-going")
+    assert result.returncode == 0, result.stdout + result.stderr
+    missing = []
+    for source in sorted(DOCS.rglob("*.rst")):
+        relative = source.relative_to(DOCS)
+        if relative.parts[0].startswith("_"):
+            continue
+        built = tmp_path / "html" / relative.with_suffix(".html")
+        headings = _html_headings(built.read_text("utf-8"))
+        missing += [f"{relative}: {t}" for t in _source_headings(source.read_text("utf-8"))
+                    if " ".join(t.split()) not in headings]
+    assert missing == []
+
+
+def test_the_heading_check_finds_a_title_glued_to_its_paragraph():
+    text = "Intro\n=====\n\nSome text.\nLimits\n------\n\n- one\n"
+    assert _source_headings(text) == ["Intro", "Limits"]
+    assert _html_headings("<h1>Intro<a class='headerlink'>\u00b6</a></h1><p>Some text.\nLimits</p>") == {"Intro"}
+
+
 def test_doctest_build(tmp_path):
     result = _sphinx("doctest", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -8,6 +8,8 @@ QKV per query group, SwiGLU fc1 and stage-local names) and is written as
 
 from __future__ import annotations
 
+import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,52 @@ def test_refit_has_disjoint_fleets():
     source, destination = program.layout(refit.source), program.layout(refit.destination)
     assert not set(source.mesh.ranks) & set(destination.mesh.ranks)
     assert program.topology.domain_size == 2
+
+
+def _project_imports(path: Path) -> list[tuple[int, str, str | None]]:
+    """(line, module, name) of every import of layoutlang or elastic in a script (name None
+    for ``import module``)."""
+    found: list[tuple[int, str, str | None]] = []
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, node.module, alias.name) for alias in node.names]
+    return [(line, module, name) for line, module, name in found if module.split(".")[0] in ("layoutlang", "elastic")]
+
+
+def _private_use(module: str, name: str | None) -> str | None:
+    """Why importing ``name`` from ``module`` is not public API, or None when it is."""
+    if any(part.startswith("_") for part in module.split(".")):
+        return f"module {module} is private"
+    if name is None:
+        return None
+    if name.startswith("_"):
+        return f"{name} is private"
+    exported = getattr(importlib.import_module(module), "__all__", None)
+    if exported is not None and name not in exported and not _is_submodule(module, name):
+        return f"{name} is not in {module}.__all__"
+    return None
+
+
+def _is_submodule(module: str, name: str) -> bool:
+    try:
+        importlib.import_module(f"{module}.{name}")
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.py")), ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_examples_use_only_the_public_api(path):
+    """What users copy must not lean on private names (``layoutlang._text`` once was)."""
+    private = [f"line {line}: {why}" for line, module, name in _project_imports(path)
+               if (why := _private_use(module, name)) is not None]
+    assert private == []
+
+
+def test_the_public_api_check_finds_a_private_import(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text("import os\nfrom layoutlang._text import human_bytes\nfrom layoutlang.runtime import Resharder\n")
+    found = [(line, _private_use(module, name)) for line, module, name in _project_imports(script)]
+    assert found == [(2, "module layoutlang._text is private"), (3, None)]

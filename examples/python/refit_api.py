@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 
 import layoutlang
-from layoutlang._text import human_bytes
 from layoutlang.cli.launch import LocalWorkers
 from layoutlang.errors import AgreementError
 from layoutlang.io.weights import fill_synthetic, synthetic_box, verify
@@ -54,6 +53,11 @@ reshard refit: fsdp -> vllm
 #: staging memory per rank: buckets of 128 KiB, so the refit takes several steps and the
 #: engine's parameters complete one after the other
 MEMORY_BUDGET = 256 * 1024
+
+
+def size(nbytes: int) -> str:
+    """Bytes as this example prints them (its tensors are whole KiB)."""
+    return f"{nbytes // 1024} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
 def expected(layout, step):
@@ -100,7 +104,7 @@ def refit_worker(program_text: str) -> dict:
             # of this refit writes or reads it. (Workers share one terminal: the messages go
             # back to the parent, which prints them in order.)
             completions.append(
-                f"  rank {rank}, refit {step}: {name} complete ({human_bytes(tensor.nbytes)}), "
+                f"  rank {rank}, refit {step}: {name} complete ({size(tensor.nbytes)}), "
                 f"during transfer step {transfers[0] + 1} of {transfers[1]}"
             )
 
@@ -150,7 +154,7 @@ def main() -> None:
     fingerprints = {r["fingerprint"] for r in results}
     fingerprint = results[0]["fingerprint"][:16]
     print(f"\nplan fingerprint {fingerprint} on all {len(results)} ranks: {len(fingerprints) == 1}")
-    print(f"buckets of {human_bytes(MEMORY_BUDGET // 2)}: {results[0]['buckets']} buckets")
+    print(f"buckets of {size(MEMORY_BUDGET // 2)}: {results[0]['buckets']} buckets")
     for line in sorted(c for r in results for c in r["completions"]):
         print(line)
     for step in (1, 2):
@@ -158,13 +162,13 @@ def main() -> None:
         for r in results:
             s = r["steps"][step - 1]
             line = (
-                f"  rank {r['rank']}: sent {human_bytes(s['sent'])} ({s['messages']} messages), "
-                f"received {human_bytes(s['received'])}, {s['steps']} transfer steps, "
-                f"peak staging {human_bytes(s['peak_staging'])}"
+                f"  rank {r['rank']}: sent {size(s['sent'])} ({s['messages']} messages), "
+                f"received {size(s['received'])}, {s['steps']} transfer steps, "
+                f"peak staging {size(s['peak_staging'])}"
             )
             if s["verified"] is not None:
                 ok, nbytes = s["verified"]
-                line += f", verified {human_bytes(nbytes)}: {'ok' if ok else 'MISMATCH'}"
+                line += f", verified {size(nbytes)}: {'ok' if ok else 'MISMATCH'}"
             print(line)
     refusals = {r["refused"] for r in results}
     print(
