@@ -297,3 +297,17 @@ def test_a_dtensor_on_a_sliced_submesh(pool):
         assert "may have died" not in message and "did not complete" not in message, (
             f"rank {row['rank']} waited {row['seconds']:.1f} s and blamed a peer: {message}"
         )
+
+
+def test_a_rank_without_a_dtensor_is_told_how_to_make_one():
+    """A rank of the destination mesh only has no data, but still passes the source DTensor:
+    the error says how to make it (issue 29: the message once said only "takes a DTensor")."""
+    import torch
+
+    from layoutlang import LayoutValueError
+    from layoutlang.runtime.redistribute import redistribute
+
+    with pytest.raises(LayoutValueError) as caught:
+        redistribute(torch.zeros(4), None, [])
+    assert "redistribute takes a DTensor on every rank; this rank passed Tensor" in caught.value.message
+    assert "src_data_rank=None" in caught.value.hint

@@ -180,9 +180,14 @@ def redistribute(
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    rank = dist.get_rank()
     if not isinstance(dtensor, DTensor):
-        raise LayoutValueError("redistribute takes a DTensor")
+        where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
+        raise LayoutValueError(
+            f"redistribute takes a DTensor on every rank; {where} passed {type(dtensor).__name__}",
+            hint="a rank outside the source mesh passes the source DTensor too, made there without data: "
+            "distribute_tensor(torch.empty(shape, dtype=dtype), source_mesh, source_placements, src_data_rank=None)",
+        )
+    rank = dist.get_rank()
     if len(placements) != device_mesh.ndim:
         raise LayoutValueError(f"{len(placements)} placements for a destination mesh of {device_mesh.ndim} dims")
     src_root, src_full = _unsliced(dtensor.device_mesh, dtensor.placements)
