@@ -1076,3 +1076,18 @@ def test_layouts_extending_each_other_in_a_cycle():
 def test_inherited_rule_on_a_mesh_without_its_axis_points_at_the_rule():
     err = error_of(_EXTENDS + "mesh d [dp = 2]\nlayout child on d extends base {}\n")
     assert_error(err, LayoutNameError, "unknown axis 'tp'", 4, 8)
+
+
+def test_a_constant_a_preset_reads_is_hinted_as_a_let_before_the_include(tmp_path):
+    """The fix is a 'let' before the include, not a near name such as the mesh's 'train.pp'."""
+    path = tmp_path / "refit.layout"
+    path.write_text('include "preset:qwen3_30b_a3b"\nmesh train [pp = 2, ep = 4, tp = 2]\n'
+                    'include "preset:qwen3_moe/megatron"\n')
+    with pytest.raises(LayoutNameError) as caught:
+        layoutlang.load(path)
+    err = caught.value
+    assert err.message == "unknown name 'train_pp'"
+    assert err.hint == f"define it before the include at {path}:3:1: let train_pp = ..."
+    path.write_text(path.read_text().replace("include \"preset:qwen3_moe", "let train_pp = 2\nlet train_ep = 4\n"
+                                             "let train_tp = 2\ninclude \"preset:qwen3_moe"))
+    assert "megatron" in layoutlang.load(path).layouts

@@ -4,6 +4,9 @@ training and inference layouts place tensors as Megatron and vLLM do, and
 
 from __future__ import annotations
 
+import re
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -212,3 +215,48 @@ def test_large_model_architecture():
     assert len(experts) == 93 * 512 * 3
     assert sum(t.numel for t in experts) == pytest.approx(2396.6e9, rel=1e-4)
     assert program.constants["cfg.num_hidden_layers"] == 96 and program.constants["cfg.hidden_size"] == 8192
+
+
+# ------------------------------------------------------------- model presets' headers
+
+TRAINING = ("megatron", "torchtitan")  # a layout file whose name starts so is a training layout
+HEADER_WIDTH = 96
+
+
+def layouts_header(model: Path) -> str:
+    """The ``# Layouts`` lines a model preset's header must carry: every layout file of the
+    families it names (``preset:FAMILY/...``), training then inference, as the folder has them."""
+    text = model.read_text("utf-8")
+    families = sorted(set(re.findall(r'"preset:(\w+)/\w+"', _layouts_block(text))))
+    lines = []
+    for role, chosen in (("training", True), ("inference", False)):
+        names = [f'"preset:{family}/{path.stem}"' for family in families
+                 for path in sorted((PRESETS / family).glob("*.layout")) if path.stem.startswith(TRAINING) == chosen]
+        if names:
+            lines += textwrap.wrap(f"Layouts ({role}): " + ", ".join(names) + ".", HEADER_WIDTH - 2,
+                                   break_on_hyphens=False)
+    return "\n".join(f"# {line}" for line in lines)
+
+
+def _layouts_block(text: str) -> str:
+    """The header's ``# Layouts`` lines (up to the first line that is not a comment)."""
+    match = re.search(r"^# Layouts.*?(?=^[^#]|^#\s*$)", text, re.M | re.S)
+    return match.group(0).rstrip("\n") if match else ""
+
+
+MODEL_PRESETS = sorted(p for p in PRESETS.glob("*/model.layout") if _layouts_block(p.read_text("utf-8")))
+
+
+@pytest.mark.parametrize("model", MODEL_PRESETS, ids=lambda p: p.parent.name)
+def test_model_preset_headers_list_every_layout_of_their_families(model):
+    """A new layout in a family folder must appear in each model's header (they once listed
+    megatron, vllm and vllm_ep but not megatron_core and vllm_fused). After adding one:
+    ``python tests/test_presets.py --update``."""
+    assert _layouts_block(model.read_text("utf-8")) == layouts_header(model)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--update"]:
+    for model in MODEL_PRESETS:
+        text = model.read_text("utf-8")
+        model.write_text(text.replace(_layouts_block(text), layouts_header(model), 1), "utf-8")
+        print(f"updated {model.relative_to(PRESETS)}")

@@ -51,7 +51,15 @@ def _unknown_name(expr: ast.Name | ast.Attr, known: Collection[str], extra: str 
         if siblings:
             shown = ", ".join(siblings[:8]) + (", ..." if len(siblings) > 8 else "")
             message += f" ('{expr.obj}.' names: {shown})"
-    return LayoutNameError(message + extra, expr.span, did_you_mean(expr.name, known))
+    hint = did_you_mean(expr.name, known)
+    if isinstance(expr, ast.Name) and expr.span is not None and expr.span.included_from:
+        # An included file (a preset) reads a constant its includer must define: a near
+        # name such as a mesh's 'train.pp' is not the fix, a 'let' before the include is.
+        include = expr.span.included_from[0]
+        hint = f"define it before the include at {include}: let {expr.name} = ..." + (
+            f" ({hint})" if hint and "." not in hint.split("'")[1] else ""
+        )
+    return LayoutNameError(message + extra, expr.span, hint)
 
 
 def _check_call(node: ast.Call) -> Callable[..., int]:
