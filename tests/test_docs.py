@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 import os
 import re
 import shlex
@@ -172,10 +173,10 @@ def _source_headings(text: str) -> list[str]:
     underline at least as long (inline markup reduced to its text)."""
     lines = text.splitlines()
     titles = []
-    for title, under in zip(lines, lines[1:]):
-        if title.strip() and not title[0].isspace() and _UNDERLINE.match(under) and len(under) >= len(title.rstrip()):
-            if not _UNDERLINE.match(title):
-                titles.append(re.sub(r":\w+:`~?([^`<]*?)\s*(<[^>]*>)?`|``?([^`]*)``?", r"\1\3", title.strip()))
+    for title, under in itertools.pairwise(lines):
+        heading = title.strip() and not title[0].isspace() and not _UNDERLINE.match(title)
+        if heading and _UNDERLINE.match(under) and len(under) >= len(title.rstrip()):
+            titles.append(re.sub(r":\w+:`~?([^`<]*?)\s*(<[^>]*>)?`|``?([^`]*)``?", r"\1\3", title.strip()))
     return titles
 
 
