@@ -59,6 +59,7 @@ __all__ = [
     "RuntimeFailure",
     "Span",
     "core_errors",
+    "closest_name",
     "did_you_mean",
     "from_nccl_core",
 ]
@@ -270,10 +271,16 @@ class ModelDescriptionError(LayoutError):
     kind = "model"
 
 
+def closest_name(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate closest to ``name`` (a likely misspelling of it), or None when none is close."""
+    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str | None:
     """A hint naming the closest candidate, or None when nothing is close."""
-    close = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else None
+    close = closest_name(name, candidates)
+    return f"did you mean '{close}'?" if close is not None else None
 
 
 # ------------------------------------------------------------- failures at run time

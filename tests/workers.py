@@ -116,7 +116,9 @@ def run_with_storages(text, participants, mutate, timeout=20.0):
     if rank == target:
         side = destinations if mutate.startswith("destination") else sources
         name = sorted(side)[0]
-        if mutate.endswith("missing"):
+        if mutate.endswith("misspelled"):
+            side[name + "_"] = side.pop(name)
+        elif mutate.endswith("missing"):
             del side[name]
         elif mutate.endswith("shape"):
             side[name] = torch.zeros(tuple(s + 1 for s in side[name].shape), dtype=side[name].dtype)

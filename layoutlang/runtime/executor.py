@@ -15,7 +15,7 @@ import attrs
 import torch
 
 from .._text import rank_ranges
-from ..errors import ExecutionError, LayoutValueError
+from ..errors import ExecutionError, LayoutValueError, closest_name
 from ..io.quantize import quantize_into
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
@@ -213,7 +213,9 @@ class Executor:
         for side, wanted, given, layout in sides:
             for name, shape in wanted.items():
                 converts = cast if side == "destination" else cast_sources
-                self._check_storage(side, name, shape, given.get(name), layout, converts)
+                # a missing storage beside a key the plan does not know: most likely its misspelling
+                unknown = [key for key in given if key not in wanted]
+                self._check_storage(side, name, shape, given.get(name), layout, converts, unknown)
         for name, shape in self.scale_storages.items():  # scales are written as they are: no cast
             tensor = destinations.get(name)
             wanted_dtype = self._scale_dtypes.get(name)
@@ -230,13 +232,17 @@ class Executor:
                 raise ExecutionError(f"rank {self.rank}: the scale storage '{name}' is not contiguous", rank=self.rank)
 
     def _check_storage(
-        self, side: str, name: str, shape: tuple[int, ...], tensor: torch.Tensor | None, layout: Layout, cast: bool
+        self, side: str, name: str, shape: tuple[int, ...], tensor: torch.Tensor | None, layout: Layout, cast: bool,
+        unknown: Sequence[str] = (),
     ) -> None:
         rank = self.rank
         if tensor is None:
+            near = closest_name(name, unknown)
             raise ExecutionError(
-                f"rank {rank}: the {side} storage '{name}' (layout '{layout.name}', shape {list(shape)}) is missing",
+                f"rank {rank}: the {side} storage '{name}' (layout '{layout.name}', shape {list(shape)}) is missing"
+                + (f"; the {side} storages given hold '{near}', which the plan does not know" if near else ""),
                 rank=rank,
+                hint=None if near is None else f"rename '{near}' to '{name}'",
             )
         if tuple(tensor.shape) != tuple(shape):
             raise ExecutionError(
