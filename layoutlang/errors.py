@@ -58,8 +58,8 @@ __all__ = [
     "NcclUnavailableError",
     "RuntimeFailure",
     "Span",
-    "core_errors",
     "closest_name",
+    "core_errors",
     "did_you_mean",
     "from_nccl_core",
 ]

@@ -14,7 +14,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from layoutlang import loads
 from layoutlang.errors import LayoutError
-from layoutlang.integrations.dtensor import layout_from_state_dict, local_storages, state_dict_problems
+from layoutlang.integrations.dtensor import layout_from_state_dict, local_storages, run_state_dict, state_dict_problems
+from layoutlang.runtime import Resharder
 
 #: name -> (global shape, placements on the (dp, tp) mesh)
 TENSORS: dict[str, tuple[tuple[int, ...], tuple[Any, ...]]] = {
@@ -87,3 +88,38 @@ def mismatched(rules: str, drop: str | None = None) -> list[str] | str:
     except LayoutError as err:
         return str(err)
     return state_dict_problems(layout, weights, rank)
+
+
+REFIT = """
+mesh train [dp = 2] on ranks 0..1
+mesh infer [tp = 2] on ranks 2..3
+tensor "model.embed.weight" [8, 4] fp32
+tensor "model.head.weight" [8, 4] fp32
+layout fsdp on train { default: dp = shard(0) }
+layout vllm on infer { default: tp = shard(1) }
+reshard fsdp -> vllm
+"""
+
+
+def refit_from_state_dict(misspell_on: int | None) -> dict[str, Any]:
+    """Every rank runs :func:`run_state_dict`: the trainers (0, 1) from their shards (rank
+    ``misspell_on`` with one key misspelled), the engines (2, 3) from ``{}``. The outcome
+    per rank: its error, or whether its storages hold the right elements."""
+    rank = dist.get_rank()
+    program = loads(REFIT)
+    resharder = Resharder(program, rank=rank, timeout=30)
+    full = {name: torch.arange(32, dtype=torch.float32).view(8, 4) + i for i, name in enumerate(program.tensors)}
+    weights: dict[str, Any] = {}
+    if rank < 2:
+        weights = {name: t[4 * rank : 4 * rank + 4].clone() for name, t in full.items()}
+        if rank == misspell_on:
+            weights["model.embed.weights"] = weights.pop("model.embed.weight")
+    try:
+        out = run_state_dict(resharder, weights)
+    except LayoutError as err:
+        return {"error": f"{type(err).__name__}: {err.message}"}
+    except Exception as err:  # AgreementError is a RuntimeFailure
+        return {"error": f"{type(err).__name__}: {getattr(err, 'message', err)}"}
+    tp = rank - 2
+    right = {name: torch.equal(t, full[name][:, 2 * tp : 2 * tp + 2]) for name, t in out.items()} if rank >= 2 else {}
+    return {"error": None, "right": right}

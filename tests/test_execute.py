@@ -104,8 +104,8 @@ reshard a -> b
         ("source dtype", "the source storage 'w' is torch.float64, layout 'a' holds torch.float32"),
         ("destination shape", "the destination storage 'w' has shape [5, 3], layout 'b' needs [4, 2]"),
         ("destination missing", "the destination storage 'w' (layout 'b', shape [4, 2]) is missing"),
-        ("source misspelled", "the source storage 'w' (layout 'a', shape [2, 4]) is missing; the source "
-                              "storages given hold 'w_', which the plan does not know"),
+        ("source misspelled", ("the source storage 'w' (layout 'a', shape [2, 4]) is missing; the source "
+                               "storages given hold 'w_', which the plan does not know")),
     ],
 )
 def test_bad_storages_are_named(pool, mutation, message):

@@ -56,3 +56,19 @@ def test_an_offset_dtensor_computes_differently_is_named(pool):
 def test_a_tensor_missing_from_the_state_dict_is_named_with_its_rank(pool):
     messages = pool.run(live_layout_jobs.mismatched, "default: replicate", "norm")
     assert all("tensor 'norm' is missing from rank" in m for m in messages)
+
+
+def test_a_state_dict_that_does_not_match_stops_every_rank_in_its_words(pool):
+    """run_state_dict: the engine ranks learn the trainer's problem (not "a peer may have
+    died"), the misspelled key is named, nothing moves; the same call with right state dicts
+    refits."""
+    results = pool.run(live_layout_jobs.refit_from_state_dict, 1)
+    for rank, result in enumerate(results):
+        error = result["error"]
+        assert error.startswith("AgreementError: rank 1 is not ready: rank 1's state dict does not match "
+                                "layout 'fsdp' (2 problems)"), (rank, error)
+        missing = "'model.embed.weight' is missing from rank 1's state dict (did you mean 'model.embed.weights'?)"
+        assert f"tensor {missing}" in error, (rank, error)
+    results = pool.run(live_layout_jobs.refit_from_state_dict, None)
+    assert [r["error"] for r in results] == [None] * 4
+    assert [r["right"] for r in results[2:]] == [{"model.embed.weight": True, "model.head.weight": True}] * 2

@@ -10,7 +10,10 @@ program, or to compare with one.
 after checking every tensor against the layout: a storage the state dict lacks, a tensor the
 layout does not place, a local shape or dtype that differs, and a shard whose offset DTensor
 computes differently from the layout's. All problems are reported at once, each naming the
-tensor and the rank.
+tensor and the rank. It raises on the rank whose state dict is wrong, and only there: the
+other ranks of the reshard would wait for it. :func:`run_state_dict` runs a Resharder from
+every rank's state dict instead, and a state dict that does not match stops every rank with
+its rank's own words before a byte moves.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ..errors import LayoutError, LayoutValueError, did_you_mean
 from ..io.torch_dtypes import torch_dtype
 from ..model import Layout
 
-__all__ = ["layout_from_state_dict", "local_storages", "state_dict_problems"]
+__all__ = ["layout_from_state_dict", "local_storages", "run_state_dict", "state_dict_problems"]
 
 
 def _mesh_of(tensor: Any) -> Any:
@@ -226,3 +229,33 @@ def local_storages(
         )
     named = {(rename(k) if rename else k): v for k, v in state_dict.items()}
     return {storage: _local(named[storage]).detach() for storage in layout.storages_on(rank)}
+
+
+def run_state_dict(
+    resharder: Any,
+    state_dict: Mapping[str, Any],
+    destinations: Mapping[str, torch.Tensor] | None = None,
+    *,
+    rename: Callable[[str], str] | None = None,
+    **options: Any,
+) -> dict[str, torch.Tensor]:
+    """``resharder.run`` (a :class:`~layoutlang.runtime.Resharder`) from this rank's
+    ``state_dict``, called on every rank of the reshard (``{}`` on a rank that holds no
+    source). The state dict is checked as :func:`local_storages` does, but a mismatch is not
+    raised here: it goes into the run's agreement, so that every rank, the destination ranks
+    included, stops with an :class:`~layoutlang.errors.AgreementError` that names this rank,
+    its tensors and what is wrong with them, and nothing moves. ``options`` are ``run``'s
+    (``cast_sources=True`` also accepts the state dict's other dtypes).
+    """
+    layout = resharder.plan.source
+    rank = resharder.rank
+    problems = state_dict_problems(
+        layout, state_dict, rank, rename=rename, allow_dtype=bool(options.get("cast_sources", False))
+    )
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        mismatch = f"rank {rank}'s state dict does not match layout '{layout.name}'"
+        not_ready = f"{mismatch} ({counted(len(problems), 'problem')}): {shown}"
+        return resharder.run({}, destinations, not_ready=not_ready, **options)
+    sources = local_storages(layout, state_dict, rank, rename=rename, checked=False)
+    return resharder.run(sources, destinations, **options)
