@@ -1091,3 +1091,24 @@ def test_a_constant_a_preset_reads_is_hinted_as_a_let_before_the_include(tmp_pat
     path.write_text(path.read_text().replace("include \"preset:qwen3_moe", "let train_pp = 2\nlet train_ep = 4\n"
                                              "let train_tp = 2\ninclude \"preset:qwen3_moe"))
     assert "megatron" in layoutlang.load(path).layouts
+
+
+def test_a_generic_layout_may_match_nothing_and_the_others_are_still_checked():
+    """``generic layout``: a user's family layout, as generic as a preset's (issue 29)."""
+    text = (
+        'mesh m [tp = 2]\ntensor "embed" [8, 4] fp32\n'
+        'generic layout family on m {\n  "embed": tp = shard(0)\n  "lm_head": tp = shard(0)\n}\n'
+    )
+    program = layoutlang.loads(text)
+    assert program.layout("family").rule_for("embed") is not None
+    # extending it keeps its rules generic; a rule of the child is checked
+    child = 'layout wide on m extends family {\n  "embedd": tp = shard(1)\n}\n'
+    with pytest.raises(LayoutNameError) as caught:
+        layoutlang.loads(text + child, path="family.layout")
+    assert caught.value.message == 'pattern "embedd" of layout \'wide\' matches no tensor of the program'
+    assert (caught.value.span.line, caught.value.hint) == (8, 'did you mean "embed"?')
+    # without the word, the family's own unmatched pattern is an error
+    with pytest.raises(LayoutNameError, match='pattern "lm_head" of layout \'family\' matches no tensor'):
+        layoutlang.loads(text.replace("generic layout", "layout"))
+    # 'generic' is a word only where a statement starts: a name elsewhere
+    assert layoutlang.loads("let generic = 2\nmesh generic [tp = generic]\n").meshes["generic"].size == 2

@@ -36,7 +36,7 @@ __all__ = ["LayoutLexer", "setup"]
 
 # Words of the grammar (layout.lark), by role.
 STATEMENTS = (
-    "include", "let", "topology", "mesh", "tensor", "tensors", "layout", "storage", "quantize", "reshard",
+    "include", "let", "topology", "mesh", "tensor", "tensors", "generic", "layout", "storage", "quantize", "reshard",
 )  # fmt: skip
 CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed", "into")
 PLACEMENTS = ("shard", "replicate", "broadcast")

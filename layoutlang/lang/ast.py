@@ -246,6 +246,7 @@ class RuleDecl:
     pattern_span: Span
     entries: tuple[SelectEntry | PlacementEntry, ...]
     span: Span
+    generic: bool = False  # written in a ``generic layout``: its pattern may match no tensor
 
 
 @attrs.frozen
@@ -310,6 +311,7 @@ class LayoutDecl:
     parent: str | None = None  # ``extends PARENT``
     parent_span: Span | None = attrs.field(default=None, eq=False)
     quantize: tuple[QuantizeDecl | QuantizeFrom, ...] = ()
+    generic: bool = False  # ``generic layout``: its own patterns may match no tensor
 
 
 @attrs.frozen

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
 
-from ..errors import LayoutNameError, LayoutValueError, did_you_mean
+from ..errors import LayoutNameError, LayoutValueError, closest_name, did_you_mean
 from ..model.rules import CaptureFn
 from . import ast
 from .limits import INT64_MAX, INT64_MIN
@@ -51,14 +51,14 @@ def _unknown_name(expr: ast.Name | ast.Attr, known: Collection[str], extra: str 
         if siblings:
             shown = ", ".join(siblings[:8]) + (", ..." if len(siblings) > 8 else "")
             message += f" ('{expr.obj}.' names: {shown})"
-    hint = did_you_mean(expr.name, known)
-    if isinstance(expr, ast.Name) and expr.span is not None and expr.span.included_from:
+    near = closest_name(expr.name, known)
+    hint = None if near is None else f"did you mean '{near}'?"
+    included = isinstance(expr, ast.Name) and expr.span is not None and expr.span.included_from
+    if included and (near is None or "." in near):
         # An included file (a preset) reads a constant its includer must define: a near
         # name such as a mesh's 'train.pp' is not the fix, a 'let' before the include is.
-        include = expr.span.included_from[0]
-        hint = f"define it before the include at {include}: let {expr.name} = ..." + (
-            f" ({hint})" if hint and "." not in hint.split("'")[1] else ""
-        )
+        assert expr.span is not None
+        hint = f"define it before the include at {expr.span.included_from[0]}: let {expr.name} = ..."
     return LayoutNameError(message + extra, expr.span, hint)
 
 

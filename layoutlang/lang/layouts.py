@@ -96,12 +96,12 @@ def _check_matches(node: ast.LayoutDecl, rules: list[Rule], names: TensorNames) 
     """Every pattern of a layout matches some tensor of the program.
 
     A misspelled pattern would otherwise send its tensors to ``default`` without a word.
-    Rules written in the packaged presets are generic (written once for every size of a
-    model family, included into programs that may lack some tensors), so they are not
-    checked, also when a layout of the program extends a preset's layout.
+    Rules written in the packaged presets, or in a ``generic layout``, are generic (written
+    once for every size of a model family, included into programs that may lack some
+    tensors), so they are not checked, also when another layout extends theirs.
     """
     for decl, rule in zip(node.rules, rules):
-        if decl.pattern is not None:
+        if decl.pattern is not None and not decl.generic:
             _require_match(decl.pattern, decl.pattern_span, list(rule.captures), names, f"layout '{node.name}'")
 
 
@@ -200,7 +200,8 @@ def _quantize_rules(scope: Scope, node: ast.LayoutDecl, names: TensorNames) -> l
             )
         seen[decl.pattern] = decl.pattern_span
         captures = pattern_captures(decl.pattern, decl.pattern_span)
-        _require_match(decl.pattern, decl.pattern_span, captures, names, f"quantize in layout '{node.name}'")
+        if not node.generic:
+            _require_match(decl.pattern, decl.pattern_span, captures, names, f"quantize in layout '{node.name}'")
         try:
             out.append(_quantize(scope, decl, captures))
         except LayoutValueError as err:

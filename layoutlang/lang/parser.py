@@ -478,8 +478,10 @@ class _Builder(Transformer[Token, Any]):
         return children[0]
 
     def layout(self, meta: Meta, children: list[Any]) -> ast.LayoutDecl:
-        name, mesh, parent, *items = children
-        rules = tuple(i for i in items if isinstance(i, ast.RuleDecl))
+        generic, name, mesh, parent, *items = children
+        rules = tuple(
+            attrs.evolve(i, generic=True) if generic is not None else i for i in items if isinstance(i, ast.RuleDecl)
+        )
         storages = tuple(i for i in items if isinstance(i, ast.StorageDecl))
         quantize = tuple(i for i in items if isinstance(i, ast.QuantizeDecl | ast.QuantizeFrom))
         return ast.LayoutDecl(
@@ -492,6 +494,7 @@ class _Builder(Transformer[Token, Any]):
             str(parent) if parent is not None else None,
             self._tok(parent) if parent is not None else None,
             quantize,
+            generic is not None,
         )
 
     # -- reshards
