@@ -644,3 +644,24 @@ def test_fuzz_case_in_a_real_process_shows_no_traceback(examples_copy, case):
     assert result.stderr.startswith(f"{path}:"), result.stderr
     assert ERROR_HEAD.match(result.stderr)
     assert "^" in result.stderr
+
+
+def test_plan_json_gives_statistics_and_the_tensors_on_request(capsys):
+    """``plan --json`` is statistics (a 30B MoE's tensor list was 2.3 MB); ``--tensors`` and
+    ``--per-rank`` add the lists."""
+    path = str(EXAMPLES / "refit.layout")
+    program = layoutlang.load(path)
+    code, out, _ = run(capsys, "plan", path, "--json")
+    short = json.loads(out)
+    assert code == 0 and "tensors" not in short and "per_rank" not in short["stats"]
+    assert short["tensor_count"] == len(program.tensors) and short["broadcast_tensor_count"] == 0
+    code, out, _ = run(capsys, "plan", path, "--json", "--tensors", "--per-rank")
+    full = json.loads(out)
+    assert [t[0] for t in full["tensors"]] == list(program.tensors)
+    layouts = (program.layout("megatron"), program.layout("vllm"))
+    assert set(full["stats"]["per_rank"]) == {str(r) for layout in layouts for r in layout.mesh.ranks}
+    assert {k: v for k, v in full.items() if k not in ("tensors", "broadcast_tensors")} | {"stats": None} == (
+        short | {"stats": None}
+    )
+    code, _, err = run(capsys, "plan", path, "--tensors")
+    assert code == ExitCode.BAD_INPUT and "--tensors lists the tensors in the JSON output: add --json" in err

@@ -73,6 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out", metavar="PLAN", help="write the plan: JSON when PLAN ends in .json, else the binary form"
     )
     parser.add_argument("--json", action="store_true", help="print the statistics (and explained moves) as JSON")
+    parser.add_argument(
+        "--tensors",
+        action="store_true",
+        help="with --json: also list every tensor (name, shape, dtype) and the broadcast ones (large for big models)",
+    )
 
 
 def check_plan_size(program: Program, reshard: str | None) -> None:
@@ -113,6 +118,8 @@ def _write_plan(plan: Plan, out: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tensors and not args.json:
+        raise LayoutValueError("--tensors lists the tensors in the JSON output: add --json")
     if args.out:
         _check_out(args.out)
     progress = Progress("plan", args.json)
@@ -147,6 +154,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with progress.step("computing the statistics"):
             out = plan.to_json(moves=False)
+            # statistics by default: the tensor list is megabytes for a 30B MoE model
+            out["tensor_count"] = len(out["tensors"])
+            out["broadcast_tensor_count"] = len(out["broadcast_tensors"])
+            if not args.tensors:
+                del out["tensors"], out["broadcast_tensors"]
+            if not args.per_rank:
+                del out["stats"]["per_rank"]
             if baseline is not None:
                 out["gather_and_broadcast"] = baseline.stats.to_json()
                 out["gather_and_broadcast"].pop("per_rank")
