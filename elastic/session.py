@@ -156,6 +156,10 @@ class ElasticSession:
     group and plans start without versions), and so do the positions of joiners. Every member
     must ask alike (it is part of the program a joiner must share).
 
+    ``cast_sources=True`` accepts sources in another dtype than the program declares (fp32
+    master weights of a bf16 program), converted while they are packed, as
+    :meth:`Resharder.run <layoutlang.runtime.Resharder.run>` does; a rank's own choice.
+
     Use it as a context manager (or call :meth:`close`) to stop its heartbeat.
     """
 
@@ -191,6 +195,7 @@ class ElasticSession:
         grow: bool = False,
         problem: str | None = None,
         delta: bool | str | DeltaOptions = False,
+        cast_sources: bool = False,
     ):
         statement = program.reshard(reshard)
         self.program = program
@@ -205,6 +210,7 @@ class ElasticSession:
         )
         self.rank = int(rank)
         self.delta = delta
+        self.cast_sources = cast_sources
         self.store = store
         self.host, self.port = host, port
         self.deadline = deadline
@@ -459,7 +465,7 @@ class ElasticSession:
             return 0
         sources = step_fn(step, self) if self.rank in self.source.mesh and not_ready is None else {}
         report = executor.run(
-            sources, self.destinations, not_ready=not_ready, delta=self.delta,
+            sources, self.destinations, not_ready=not_ready, delta=self.delta, cast_sources=self.cast_sources,
             progress=None if progress is None else lambda n, total: progress(step, n, total),
         )
         self._recoverer.note_first_byte()

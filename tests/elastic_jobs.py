@@ -213,3 +213,40 @@ def stall_job(text, steps, *, namespace, stalled, stall_step, deadline=1.0, time
             "rechecks": session.rechecks,
             "suspected": {str(r): why for r, why in session.suspected.items()},
         }
+
+
+def cast_sources_job(text, *, namespace, cast_sources, timeout=40.0):
+    """One refit of a bf16 program from fp32 sources (master weights): with
+    ``cast_sources`` the destinations must hold exactly ``source.to(bfloat16)``; without, the
+    session refuses the sources before a byte moves. Returns the outcome per rank."""
+    import layoutlang
+    from elastic import ElasticSession
+    from layoutlang.errors import RuntimeFailure
+
+    rank, _, port, store = _context()
+    program = layoutlang.loads(text)
+    if not any(rank in layout.mesh for layout in program.layouts.values()):
+        return {"rank": rank, "error": None, "idle": True}
+    generator = torch.Generator().manual_seed(7)
+    masters = {n: torch.randn(t.shape, generator=generator, dtype=torch.float32) for n, t in program.tensors.items()}
+
+    def sources(step, session):
+        layout = session.source
+        return {name: masters[name][layout.boxes(name, rank)[0].slices()].contiguous()
+                for name in layout.storages_on(rank)}
+
+    with ElasticSession(program, rank=rank, store=store, port=port, namespace=namespace, timeout=timeout,
+                        cast_sources=cast_sources) as session:
+        try:
+            session.refit(0, sources)
+        except RuntimeFailure as err:
+            return {"rank": rank, "error": err.message}
+        if rank not in session.destination.mesh:
+            return {"rank": rank, "error": None}
+        layout = session.destination
+        exact = all(
+            torch.equal(session.destinations[name], masters[name][box.slices()].to(torch.bfloat16))
+            for name in layout.storages_on(rank)
+            for box in layout.boxes(name, rank)
+        )
+        return {"rank": rank, "error": None, "exact": exact}

@@ -19,6 +19,7 @@ import signal
 import time
 from itertools import count, pairwise
 
+import elastic_jobs
 import pytest
 
 from elastic import ExitWatcher
@@ -257,3 +258,31 @@ def test_a_failure_that_leaves_no_copy_is_a_clear_error(pool):
         assert ["embed", [24, 0], [24, 32]] in result["regions"]
         assert {t for t, _, _ in result["regions"]} == {"embed", "layers.0.q", "layers.1.q", "layers.0.k", "layers.1.k"}
         assert [c["step"] for c in result["checked"]] == [0]  # step 1 never reported as done
+
+
+CAST = """
+mesh train [tp = 2] on ranks 0..1
+mesh infer [tp = 2] on ranks 2..3
+tensor "embed" [64, 32] bf16
+tensor "head" [32, 64] bf16
+layout fsdp on train { "embed": tp = shard(0)
+                       "head": tp = shard(1) }
+layout serve on infer { default: tp = shard(1) }
+reshard refit: fsdp -> serve
+"""
+
+
+@pytest.mark.parametrize("cast_sources", [True, False])
+def test_a_session_casts_fp32_master_weights_when_asked(pool, cast_sources):
+    """``ElasticSession(cast_sources=True)`` (what the vLLM trainer's ``cast_sources`` asks):
+    fp32 masters of a bf16 program arrive as their bf16 cast; without it, every rank stops."""
+    pool.respawn()
+    results = pool.run(elastic_jobs.cast_sources_job, CAST, namespace=f"cast{next(_namespaces)}",
+                       cast_sources=cast_sources)
+    errors = [r["error"] for r in results[:4]]
+    if cast_sources:
+        assert errors == [None] * 4
+        assert [r["exact"] for r in results[2:4]] == [True, True]
+    else:
+        assert all(e and "is torch.float32, layout 'fsdp' holds torch.bfloat16" in e for e in errors), errors
+    assert all(r.get("idle") for r in results[4:])

@@ -127,13 +127,15 @@ def fleet_session(
     join_timeout: float | None = None,
     backend: Any = None,
     delta: bool | str | DeltaOptions = False,
+    cast_sources: bool = False,
 ) -> ElasticSession:
     """This process's membership of the refit session (see the module doc): a trainer rank or
     an engine worker; ``join`` for a joining engine or a returning trainer rank (it waits up to
     ``join_timeout`` seconds, default ``timeout``, for a step boundary). Over NCCL (shrunk and
     grown communicators) where ``device`` is a CUDA device, gloo otherwise; ``backend``
     overrides that choice (a generation backend, e.g. NCCL over a mock fabric). ``delta``: the
-    refits send only what changed (:ref:`delta-refits`; gloo only)."""
+    refits send only what changed (:ref:`delta-refits`; gloo only); ``cast_sources``: this rank's
+    sources may hold another dtype (fp32 master weights), converted as they are packed."""
     device = torch.device(device)
     if backend is None:
         backend = (
@@ -146,7 +148,7 @@ def fleet_session(
         namespace=address.namespace, join=join, secret=secret, timeout=timeout, deadline=deadline,
         source_policy="await-rejoin", destination_policy="drop-replica", destination_axis=engine_axis,
         unit_axis=engine_axis, grow=True, spares=False, backend=backend, device=device, problem=problem,
-        join_timeout=join_timeout, delta=delta,
+        join_timeout=join_timeout, delta=delta, cast_sources=cast_sources,
         **extra,
     )
 

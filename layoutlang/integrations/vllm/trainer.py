@@ -346,7 +346,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 join=returning, engine_axis=init_info.engine_axis, timeout=init_info.timeout,
                 deadline=init_info.deadline, memory_budget=init_info.memory_budget,
                 device=_device_of(weights.state_dict()), problem=None if returning else first_of(problems),
-                delta=init_info.delta,
+                delta=init_info.delta, cast_sources=init_info.cast_sources,
             )
         except RuntimeFailure:
             # an engine's own error names its parameters and ranks, whole: it comes first
