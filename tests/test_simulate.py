@@ -636,3 +636,42 @@ if __name__ == "__main__":
             print(f"updated {path.relative_to(ROOT)}", flush=True)
     else:
         sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+FP8 = """
+topology { domain_size = 1 }
+mesh train [tp = 1]
+mesh infer [tp = 2] on ranks 1..2
+tensor "w" [256, 256] bf16
+tensor "n" [64] bf16
+layout train on train { default: replicate }
+layout serve on infer {
+  default: replicate
+  "w": tp = shard(0)
+  quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: train -> serve
+"""
+
+
+def test_a_quantized_destination_is_priced_at_its_wire_bytes(capsys):
+    """Each TP rank receives 128 rows of "w" as two 128 x 128 fp8 blocks and their two fp32
+    scales (32,768 + 8 bytes), and "n" whole in bf16 (128 bytes); unquantized, "w"'s rows are
+    65,536 bf16 bytes. The plan's own statistics count the same wire bytes."""
+    program = layoutlang.loads(FP8)
+    sim = S.simulate(program)
+    reshard = sim.estimates[0]
+    assert reshard.bytes["network"] == 2 * (128 * 256 + 2 * 4) + 2 * 64 * 2
+    assert sim.unquantized is not None and sim.unquantized.bytes["network"] == 2 * 128 * 256 * 2 + 2 * 64 * 2
+    plan = compile_plan(program)
+    assert reshard.bytes["network"] == plan.quantization.totals(plan.arrays)["wire_bytes"]["network"]
+    assert 0 < sim.quantized_ratio() < 1
+    assert sim.to_json()["quantized_ratio"] == sim.quantized_ratio()
+    # a program that quantizes nothing has no comparison
+    plain = S.simulate(layoutlang.loads(FP8.replace('quantize "w"', '# quantize "w"')))
+    assert plain.unquantized is None and "quantized_ratio" not in plain.to_json()
+    assert plain.estimates[0].bytes["network"] == sim.unquantized.bytes["network"]
+    from layoutlang.cli.simulate import simulation_report
+
+    (line,) = [line for line in simulation_report(sim) if line.startswith("quantized destination")]
+    assert f"({sim.quantized_ratio():.2f}x)" in line

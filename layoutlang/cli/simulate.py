@@ -85,6 +85,13 @@ def simulation_report(sim: Simulation) -> list[str]:
         r, b = by_policy["reshard"], by_policy["gather-and-broadcast"]
         speedup = b.time / r.time if r.time else math.inf
         lines.append(f"reshard is {speedup:.1f}x faster than gather-and-broadcast")
+    if sim.unquantized is not None and "reshard" in by_policy:
+        r, u = by_policy["reshard"], sim.unquantized
+        lines.append(
+            f"quantized destination: the reshard moves {human_bytes(r.bytes['network'])} on the network as it travels "
+            f"(quantized values and scales) against {human_bytes(u.bytes['network'])} unquantized: "
+            f"{human_time(r.time)} against {human_time(u.time)} ({sim.quantized_ratio():.2f}x)"
+        )
     return lines
 
 

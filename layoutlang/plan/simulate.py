@@ -285,7 +285,10 @@ class _Moves:
     of_kind: dict[int, _KindMoves]
 
     @classmethod
-    def of(cls, plan: Plan) -> _Moves:
+    def of(cls, plan: Plan, *, wire: bool = True) -> _Moves:
+        """The plan's moves; ``wire``: a move into a quantized tensor carries its wire bytes
+        (fp8 values and scales where its sender quantizes), else every move its region's
+        bytes in the tensor's own dtype."""
         a = plan.arrays
         ranks = np.union1d(
             np.asarray(plan.source.mesh.ranks, dtype=np.int64), np.asarray(plan.destination.mesh.ranks, dtype=np.int64)
@@ -303,7 +306,9 @@ class _Moves:
         kept = np.asarray(a.move_dst_space) == SPACES.index("destination")
         bucket = np.asarray(a.move_bucket, dtype=np.int32)
         region = np.asarray(a.move_region, dtype=np.int32)
-        nbytes = np.asarray(a.region_bytes, dtype=np.int64)[region]
+        quantization = plan.quantization if wire else None
+        per_region = a.region_bytes if quantization is None else quantization.wire_bytes
+        nbytes = np.asarray(per_region, dtype=np.int64)[region]
         # The phase of a move: gather 0, moves across ranks 1, relays 2, extraction 3. A
         # broadcast tensor's stages are its phases; a resharded tensor's stage 0 (its moves
         # from source storages) and stage 1 (relays) are phases 1 and 2, so that in a hybrid
@@ -628,6 +633,9 @@ class Simulation:
     bucket_bytes: int
     estimates: tuple[Estimate, ...]
     bound: LowerBound
+    #: for a destination that stores tensors quantized: the reshard plan priced as if every
+    #: move carried its tensor's own dtype (the estimates price wire bytes), else None
+    unquantized: Estimate | None = None
 
     def ratio(self, estimate: Estimate) -> float:
         """``estimate``'s time over the lower bound: how far the plan is from any plan's best."""
@@ -643,9 +651,20 @@ class Simulation:
             return 1.0 if estimate.time == 0 else math.inf
         return estimate.time / busiest
 
+    def quantized_ratio(self) -> float | None:
+        """The reshard's time on the wire over its time unquantized (None: nothing is quantized)."""
+        if self.unquantized is None:
+            return None
+        reshard = self.estimates[0]
+        return reshard.time / self.unquantized.time if self.unquantized.time else 1.0
+
     def to_json(self) -> dict[str, Any]:
         t = self.topology
-        return {
+        quantized = (
+            {} if self.unquantized is None
+            else {"unquantized_reshard": self.unquantized.to_json(), "quantized_ratio": self.quantized_ratio()}
+        )
+        return quantized | {
             "reshard": self.reshard,
             "source": {"layout": self.source, "ranks": self.source_ranks},
             "destination": {"layout": self.destination, "ranks": self.destination_ranks},
@@ -717,6 +736,9 @@ def simulate(
     moves = _Moves.of(plan)
     estimates = [_estimate(moves, plan, topo, "reshard", sequential)]
     bound = _lower_bound(moves, plan, topo)
+    unquantized = None
+    if plan.quantization is not None:  # the same moves in the tensors' own dtype, for comparison
+        unquantized = _estimate(_Moves.of(plan, wire=False), plan, topo, "reshard", sequential)
     del plan, moves
     others: list[tuple[str, str | None]] = [("gather-and-broadcast", "broadcast")]
     if any(policy == "broadcast" for _, policy in statement.policies):
@@ -739,4 +761,5 @@ def simulate(
         bucket_bytes=bucket_bytes,
         estimates=tuple(estimates),
         bound=bound,
+        unquantized=unquantized,
     )
