@@ -1112,3 +1112,16 @@ def test_a_generic_layout_may_match_nothing_and_the_others_are_still_checked():
         layoutlang.loads(text.replace("generic layout", "layout"))
     # 'generic' is a word only where a statement starts: a name elsewhere
     assert layoutlang.loads("let generic = 2\nmesh generic [tp = generic]\n").meshes["generic"].size == 2
+
+
+def test_a_preset_extending_an_unincluded_one_names_the_preset_to_include(tmp_path):
+    path = tmp_path / "ep.layout"
+    path.write_text('include "preset:qwen3_30b_a3b"\nmesh infer [dp = 2, tp = 4]\nlet num_experts = cfg.num_experts\n'
+                    'include "preset:qwen3_moe/vllm_fused_ep"\n')
+    with pytest.raises(LayoutNameError) as caught:
+        layoutlang.load(path)
+    assert caught.value.message.startswith("layout 'vllm_fused_ep' extends an unknown layout 'vllm_fused'")
+    assert caught.value.hint == "include \"preset:qwen3_moe/vllm_fused\" before this preset (it declares 'vllm_fused')"
+    ep = 'include "preset:qwen3_moe/vllm_fused_ep"'
+    path.write_text(path.read_text().replace(ep, 'include "preset:qwen3_moe/vllm_fused"\n' + ep))
+    assert "vllm_fused_ep" in layoutlang.load(path).layouts

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,19 @@ def preset_file(name: str, span: Span) -> str:
 def is_preset(path: str) -> bool:
     """Whether ``path`` (as a span names it) is one of the packaged presets."""
     return os.path.realpath(path).startswith(f"{_PRESETS}{os.sep}")
+
+
+def preset_declaring(layout: str, path: str) -> str | None:
+    """The preset (``family/name``) beside the preset file ``path`` that declares layout
+    ``layout``: what a preset extending it needs included first (None when none does, or
+    ``path`` is no preset)."""
+    if not is_preset(path):
+        return None
+    declares = re.compile(rf"^\s*(generic\s+)?layout\s+{re.escape(layout)}\s+on\b", re.M)
+    for sibling in sorted(Path(os.path.realpath(path)).parent.glob("*.layout")):
+        if declares.search(sibling.read_text("utf-8")):
+            return sibling.relative_to(_PRESETS).with_suffix("").as_posix().removesuffix("/model")
+    return None
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -23,7 +23,7 @@ from ..model.quantization import BLOCKINGS, CONVENTIONS, FORMATS, QuantizeRule
 from ..model.rules import CaptureFn, compile_pattern
 from . import ast
 from .expressions import compile_expression, evaluate, names_in
-from .includes import is_preset
+from .includes import is_preset, preset_declaring
 from .limits import INT32_MAX, INT64_MAX
 from .patterns import name_template, pattern_captures
 from .scope import Scope
@@ -129,10 +129,12 @@ def extended(layouts: Mapping[str, ast.LayoutDecl], name: str, chain: tuple[str,
         return node
     span = node.parent_span or node.span
     if node.parent not in layouts:
+        needed = preset_declaring(node.parent, span.path)
         raise LayoutNameError(
             f"layout '{name}' extends an unknown layout '{node.parent}' (layouts: {', '.join(layouts)})",
             span,
-            did_you_mean(node.parent, [n for n in layouts if n != name]),
+            f'include "preset:{needed}" before this preset (it declares \'{node.parent}\')' if needed
+            else did_you_mean(node.parent, [n for n in layouts if n != name]),
         )
     if node.parent == name or node.parent in chain:
         cycle = " -> ".join([*chain, name, node.parent][[*chain, name].index(node.parent) :])
