@@ -666,6 +666,8 @@ def test_a_quantized_destination_is_priced_at_its_wire_bytes(capsys):
     plan = compile_plan(program)
     assert reshard.bytes["network"] == plan.quantization.totals(plan.arrays)["wire_bytes"]["network"]
     assert 0 < sim.quantized_ratio() < 1
+    # no plan beats the bound, priced in the same wire bytes (it once read the logical bytes)
+    assert sim.bound.time <= reshard.time and sim.bound.volume <= reshard.bytes["network"]
     assert sim.to_json()["quantized_ratio"] == sim.quantized_ratio()
     # a program that quantizes nothing has no comparison
     plain = S.simulate(layoutlang.loads(FP8.replace('quantize "w"', '# quantize "w"')))

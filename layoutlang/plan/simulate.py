@@ -283,6 +283,8 @@ class _Moves:
     phases: int
     #: per kind (0 local, 1 domain, 2 network)
     of_kind: dict[int, _KindMoves]
+    #: the bytes each region of the plan carries (its wire bytes where they are priced)
+    region_bytes: _Int64s
 
     @classmethod
     def of(cls, plan: Plan, *, wire: bool = True) -> _Moves:
@@ -307,8 +309,8 @@ class _Moves:
         bucket = np.asarray(a.move_bucket, dtype=np.int32)
         region = np.asarray(a.move_region, dtype=np.int32)
         quantization = plan.quantization if wire else None
-        per_region = a.region_bytes if quantization is None else quantization.wire_bytes
-        nbytes = np.asarray(per_region, dtype=np.int64)[region]
+        per_region = np.asarray(a.region_bytes if quantization is None else quantization.wire_bytes, dtype=np.int64)
+        nbytes = per_region[region]
         # The phase of a move: gather 0, moves across ranks 1, relays 2, extraction 3. A
         # broadcast tensor's stages are its phases; a resharded tensor's stage 0 (its moves
         # from source storages) and stage 1 (relays) are phases 1 and 2, so that in a hybrid
@@ -328,6 +330,7 @@ class _Moves:
             buckets=plan.num_buckets,
             phases=int(phase.max()) + 1 if len(phase) else 1,
             of_kind=of_kind,
+            region_bytes=per_region,
         )
 
 
@@ -565,7 +568,7 @@ def _lower_bound(m: _Moves, plan: Plan, topology: Topology) -> LowerBound:
     # 2. destination domains: each byte a domain needs and does not hold enters it once
     network = m.of_kind[2]
     ingress = _byte_sums(domain_index[network.dst], network.nbytes, len(domains))
-    region_bytes = np.asarray(a.region_bytes, dtype=np.int64)
+    region_bytes = m.region_bytes
     region = np.asarray(a.move_region)[np.asarray(a.move_kind) == 2]
     t = ingress / (per_domain * b_net)
     j = int(t.argmax()) if len(t) else 0
