@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -124,6 +125,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the workers as Ray actors: on the cluster RAY_ADDRESS names, else on a local one started "
+        "(and shut down) here; without a topology block in the program, a Ray node is a domain "
+        "(docs: tutorials/refit-ray)",
+    )
     deltas = parser.add_argument_group(
         "delta refits",
         "With --delta, the refit runs --steps times; before each refit after the first, a synthetic "
@@ -502,8 +510,27 @@ def check_device(args: argparse.Namespace) -> None:
         )
 
 
+def _check_ray(args: argparse.Namespace) -> None:
+    """Refuse ``--ray`` where it cannot run, before anything starts: under torchrun (every
+    process is already a rank), with ``--elastic`` (not on Ray yet), without Ray installed."""
+    if environment_is_torchrun():
+        raise LayoutValueError(
+            "--ray starts the workers as Ray actors, but torchrun already started this process as a rank",
+            hint="run `layoutlang apply --ray FILE` alone, or drop --ray under torchrun",
+        )
+    if args.elastic:
+        raise LayoutValueError(
+            "--ray with --elastic: elastic refits run on the local launcher or under torchrun only, not on Ray yet",
+            hint="drop --ray to run the elastic refit on local workers",
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise LayoutValueError("--ray: Ray is not installed", hint="pip install 'layoutlang[ray]'")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_delta_options(args)
+    if args.ray:
+        _check_ray(args)
     if args.elastic:
         return _apply_elastic(args)
     check_device(args)
@@ -566,8 +593,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         # a bad program fails here, before any process starts
         job.participants_of(args.file, args.reshard, allow_outside_includes=args.allow_outside_includes)
+        show_progress = sys.stdout.isatty() and not args.json
         try:
-            reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
+            if args.ray:
+                # Ray and the Ray actors' pool import torch and ray: only --ray needs them
+                from .ray_job import run_ray
+
+                reports, launcher = run_ray(options, show_progress)
+            else:
+                reports, launcher = job.run_local(options, show_progress), "local gloo workers"
         except WorkerError as err:
             if err.exit_code == ExitCode.INTERNAL:
                 raise  # a bug: main reports it (exit 3), without a traceback
@@ -578,7 +612,6 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(err.message, file=sys.stderr)
             return err.exit_code
-        launcher = "local gloo workers"
     if args.to_dir:
         record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))

@@ -1,0 +1,96 @@
+"""``layoutlang apply --ray``: the program's workers as Ray actors.
+
+On the cluster ``RAY_ADDRESS`` names (``host:port`` of its head, or ``auto``), or on a
+local cluster started here and shut down at the end. The workers are a
+:class:`~layoutlang.integrations.ray.RayWorkers` pool: the rendezvous actor serves the
+job's store on this node, every worker finds it by name and joins the job's gloo group
+signed with the job's secret. The job and its report are those of the local launcher
+(:func:`~layoutlang.cli.apply_job.run_on`). A program without a topology block has its
+domains from placement (a Ray node is a domain); one with a topology keeps it, each domain
+placed on one node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import ray
+
+from ..errors import LayoutValueError
+from ..integrations.ray import RayWorkers
+from ..lang import load
+from ..model.topology import Topology
+from .apply_job import ApplyOptions, participants_of, run_on
+
+__all__ = ["check_address", "connected", "run_ray"]
+
+#: How long a RAY_ADDRESS may take to accept a connection before it counts as unreachable
+#: (Ray's own client retries for minutes).
+CONNECT_TIMEOUT = 5.0
+
+
+def check_address(address: str) -> None:
+    """Refuse, in one line, a ``RAY_ADDRESS`` that no Ray head answers at (``host:port``, or
+    ``ray://host:port``); ``auto`` is left to Ray (it looks for a cluster on this machine)."""
+    if address == "auto":
+        return
+    where = address.removeprefix("ray://")
+    host, _, port = where.rpartition(":")
+    if not host or not port.isdigit():
+        raise LayoutValueError(f"RAY_ADDRESS={address!r}: expected host:port of the Ray head (or auto)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT):
+            pass
+    except OSError as err:
+        raise LayoutValueError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({err.strerror or err})",
+            hint="start one (ray start --head), fix RAY_ADDRESS, or unset it to let --ray start a local cluster",
+        ) from None
+
+
+@contextlib.contextmanager
+def connected(workers: int) -> Iterator[str]:
+    """Ray, initialized for this job: on the cluster ``RAY_ADDRESS`` names, or on a local one
+    started here (with a CPU per worker at least) and shut down on exit. Yields which."""
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:
+        check_address(address)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                     logging_level=logging.ERROR)
+        except ConnectionError as err:
+            raise LayoutValueError(f"RAY_ADDRESS={address}: {str(err).splitlines()[0]}") from None
+        where = f"the Ray cluster at {address}"
+    else:
+        ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
+                 logging_level=logging.ERROR)
+        where = "a local Ray cluster"
+    try:
+        yield where
+    finally:
+        ray.shutdown()
+
+
+def run_ray(options: ApplyOptions, show_progress: bool) -> tuple[list[dict[str, Any]], str]:
+    """Run the job on Ray actors; every rank's report, and the launcher as the report names it."""
+    participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
+    program = load(options.path, allow_outside_includes=options.allow_outside_includes)
+    # a program that says nothing of its topology has its domains from placement: a Ray node each
+    given = None if program.topology == Topology() else program.topology.domain_size
+    size = len(participants)
+    with (
+        connected(size) as where,
+        RayWorkers(size, ranks=participants, domain_size=given, timeout=options.timeout) as workers,
+    ):
+        if given is None:
+            options = attrs.evolve(options, domain_size=workers.domain_size)
+        reports = run_on(workers, options, participants, show_progress)
+        nodes = len(set(workers.nodes.values()))
+        domains = f"domains of {workers.domain_size} ranks" + ("" if given else " from placement")
+    return reports, f"Ray actors on {nodes} node{'s' if nodes != 1 else ''} of {where}, {domains}"
