@@ -104,7 +104,8 @@ class RayWorkers:
     semantics and exit codes; an actor that dies is reported naming its rank.
 
     ``ranks`` are the program ranks the workers play (worker i plays ``ranks[i]``; default
-    0..size-1); ``domain_size`` is the program's topology's, or None when a Ray node is a
+    0..size-1); ``resources`` what each worker holds (a placement bundle; default one CPU,
+    ``{"GPU": 1}`` for a rank per GPU); ``domain_size`` is the program's topology's, or None when a Ray node is a
     domain (:attr:`domain_size` then says what placement gave). The job's store is served
     by a named rendezvous actor on this node (:mod:`.rendezvous`); this process keeps a
     client of it (:attr:`store`). Call it with Ray initialized.
@@ -120,8 +121,10 @@ class RayWorkers:
         start_timeout: float = 180.0,
         secret: JobSecret | None = None,
         grace: float = FAILURE_GRACE,
+        resources: Mapping[str, float] | None = None,
     ):
         self.size = size
+        self.resources = dict(resources or {"CPU": 1.0})
         self.timeout = timeout
         self.start_timeout = start_timeout
         self.grace = min(grace, timeout + 5)
@@ -140,9 +143,9 @@ class RayWorkers:
     # ------------------------------------------------------------- placement
 
     def _place(self, domain_size: int | None) -> list[PlacementGroupSchedulingStrategy]:
-        """One bundle of one CPU per worker, placed as the module doc says; sets :attr:`domain_size`
-        and :attr:`nodes` (program rank -> Ray node)."""
-        bundle = {"CPU": 1.0}
+        """One bundle of :attr:`resources` per worker, placed as the module doc says; sets
+        :attr:`domain_size` and :attr:`nodes` (program rank -> Ray node)."""
+        bundle = self.resources
         if domain_size is not None:
             domains: dict[int, list[int]] = {}
             for index, rank in enumerate(self.ranks):
@@ -176,11 +179,12 @@ class RayWorkers:
         ready, _ = ray.wait([g.ready() for g in self._groups], num_returns=len(self._groups),
                             timeout=self.start_timeout)
         if len(ready) < len(self._groups):
-            cpus = ray.cluster_resources().get("CPU", 0)
+            total = ray.cluster_resources()
             self._remove_groups()
+            has = ", ".join(f"{total.get(name, 0):g} {name}" for name in self.resources)
             raise LayoutValueError(
-                f"the Ray cluster cannot place {self.size} workers (one CPU each) within {self.start_timeout:g} s: "
-                f"it has {cpus:g} CPUs in all",
+                f"the Ray cluster cannot place {self.size} workers ({self.resources} each) within "
+                f"{self.start_timeout:g} s: it has {has} in all",
                 hint="add nodes or CPUs to the cluster, or free what other jobs hold",
             )
 
@@ -204,7 +208,13 @@ class RayWorkers:
         remember(self.store, self.secret)
         worker = ray.remote(_PoolWorker)
         self.actors = [
-            worker.options(num_cpus=1, max_restarts=0, scheduling_strategy=self._strategies[index]).remote(
+            worker.options(
+                num_cpus=self.resources.get("CPU", 0),
+                num_gpus=self.resources.get("GPU", 0),
+                resources={k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")},
+                max_restarts=0,
+                scheduling_strategy=self._strategies[index],
+            ).remote(
                 self.job, index, self.size, self.timeout
             )
             for index in range(self.size)
