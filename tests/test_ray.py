@@ -26,12 +26,14 @@ import ray_jobs  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from layoutlang._text import human_bytes  # noqa: E402
 from layoutlang.errors import ExitCode  # noqa: E402
 from layoutlang.integrations.ray import RayWorkers, domain_size_of, start_rendezvous  # noqa: E402
 from layoutlang.integrations.workers import WorkerError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
+DOCS = ROOT / "docs" / "snippets"
 SLOT = "layoutlang_test_slot"  # two per node: the pool's workers land two per node
 
 pytestmark = pytest.mark.timeout(150)
@@ -112,6 +114,26 @@ def test_apply_ray_verifies_every_byte_and_reports_as_the_local_launcher(cluster
         # the program's topology (domains of 2) is kept on Ray: the same plan, the same moves
         for key in ("fingerprints", "bytes", "moved_bytes", "messages", "verified_bytes"):
             assert got[key] == run[key], key
+    # the tutorial's example run shows these numbers (its time and bandwidth vary)
+    shown = (DOCS / "ray-apply.out").read_text("utf-8").splitlines()
+    assert shown[1].startswith("refit refit: megatron (4 ranks) -> vllm (8 ranks), 12 processes (Ray actors on ")
+    run = ray_report["runs"]["reshard"]
+    row = shown[-1].split()
+    expected = [human_bytes(run["bytes"]["local"]), human_bytes(run["bytes"]["domain"]),
+                human_bytes(run["bytes"]["network"]), human_bytes(run["moved_bytes"]), f"{run['messages']:,}"]
+    assert " ".join(row[3:12]) == " ".join(expected)
+    assert shown[-1].endswith(f"{human_bytes(run['peak_staging_bytes'])}  ok ({human_bytes(run['verified_bytes'])})")
+
+
+def test_the_tutorials_actor_example_runs(cluster):
+    shown = (DOCS / "ray-refit.out").read_text("utf-8")
+    command, _, expected = shown.partition("\n")
+    assert command == "$ python docs/snippets/ray-refit.py"
+    env = dict(os.environ, RAY_ADDRESS=cluster.address, OMP_NUM_THREADS="1")
+    ran = subprocess.run([sys.executable, "docs/snippets/ray-refit.py"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout == expected
 
 
 def test_workers_find_the_rendezvous_with_no_address_and_each_node_is_a_domain(pool):

@@ -431,6 +431,8 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
                 hint=f"start {processes:,} processes in all: nodes x --nproc-per-node = {processes:,}",
             )
         return
+    if getattr(args, "ray", False):  # the Ray cluster's resources bound it: RayWorkers says so
+        return
     processes += replacements
     if processes > MAX_LOCAL_WORKERS:
         raise LayoutValueError(

@@ -66,11 +66,11 @@ def connected(workers: int) -> Iterator[str]:
                      logging_level=logging.ERROR)
         except ConnectionError as err:
             raise LayoutValueError(f"RAY_ADDRESS={address}: {str(err).splitlines()[0]}") from None
-        where = f"the Ray cluster at {address}"
+        where = "the cluster at RAY_ADDRESS"
     else:
         ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False,
                  logging_level=logging.ERROR)
-        where = "a local Ray cluster"
+        where = "a local cluster"
     try:
         yield where
     finally:
