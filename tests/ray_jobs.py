@@ -8,36 +8,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from layoutlang import lang
 from layoutlang.integrations.ray import LayoutlangRank
 from layoutlang.integrations.workers import worker_context
-from layoutlang.io.weights import fill_synthetic, verify
-from layoutlang.runtime import Resharder
-
-#: A colocated refit on two ranks: each holds half of "w" to train, all of it to serve.
-COLOCATED = """
-mesh train [tp = 2] on ranks 0..1
-mesh infer [dp = 2] on ranks 0..1
-tensor "w" [256, 64] bf16
-layout tp on train { "w": tp = shard(0) }
-layout dp on infer { default: replicate }
-reshard tp -> dp
-"""
 
 
-class RefitRank(LayoutlangRank):
-    """An actor of the user's own (a trainer, an engine) that becomes a layoutlang rank."""
+class JoiningRank(LayoutlangRank):
+    """An actor of the user's own that joins a layoutlang job as one of its ranks."""
 
-    def refit(self, job: str, rank: int, timeout: float = 60.0) -> dict:
+    def join(self, job: str, rank: int, timeout: float) -> int:
         self.join_layoutlang(job, rank, timeout=timeout)
-        program = lang.loads(COLOCATED)
-        resharder = Resharder(program, rank=rank, timeout=timeout)
-        sources = resharder.allocate("source")
-        fill_synthetic(resharder.plan.source, rank, sources)
-        destinations = resharder.run(sources)
-        checked = verify(resharder.plan.destination, rank, destinations)
-        self.leave_layoutlang()
-        return {"rank": rank, "ok": checked.ok, "bytes": checked.bytes}
+        return rank
 
 
 def joined() -> dict:

@@ -431,7 +431,7 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
                 hint=f"start {processes:,} processes in all: nodes x --nproc-per-node = {processes:,}",
             )
         return
-    if getattr(args, "ray", False):  # the Ray cluster's resources bound it: RayWorkers says so
+    if args.ray:  # the Ray cluster's resources bound it: RayWorkers says when they do not suffice
         return
     processes += replacements
     if processes > MAX_LOCAL_WORKERS:
