@@ -123,13 +123,17 @@ def start_rendezvous(job: str, size: int, *, secret: JobSecret | None = None, ti
     return actor
 
 
+#: the ioctl that reads an interface's IPv4 address (Linux, <linux/sockios.h>)
+SIOCGIFADDR = 0x8915
+
+
 def _interface_of(address: str) -> str | None:
-    """The network interface that holds IPv4 ``address`` (SIOCGIFADDR), or None."""
+    """The network interface that holds IPv4 ``address``, or None."""
     with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         for _, name in socket.if_nameindex():
             with contextlib.suppress(OSError):
                 request = struct.pack("256s", name.encode()[:15])
-                if socket.inet_ntoa(fcntl.ioctl(probe.fileno(), 0x8915, request)[20:24]) == address:
+                if socket.inet_ntoa(fcntl.ioctl(probe.fileno(), SIOCGIFADDR, request)[20:24]) == address:
                     return name
     return None
 

@@ -205,7 +205,7 @@ class RayWorkers:
 
         self.store = dist.TCPStore(contact.host, contact.port, is_master=False,
                                    timeout=timedelta(seconds=self.start_timeout))
-        remember(self.store, self.secret)
+        remember(self.store, self.secret)  # what watches this store (an ExitWatcher) signs with the job's secret
         worker = ray.remote(_PoolWorker)
         self.actors = [
             worker.options(
@@ -355,9 +355,10 @@ def _join_problem(started: Any) -> str | None:
 
 
 def _death_text(err: BaseException) -> str:
-    """How an actor died, in one line: Ray's explanation is several paragraphs."""
+    """How an actor died, in a few words: Ray's explanation is several paragraphs."""
     text = " ".join(str(err).split())
-    for known in ("killed by `ray.kill`", "ray.kill", "The actor died unexpectedly", "worker process has died"):
-        if known in text:
-            return f"its Ray actor was killed ({known})" if "kill" in known else f"its Ray actor died ({known})"
+    if "ray.kill" in text:
+        return "its Ray actor was killed with ray.kill"
+    if "worker process has died" in text or "died unexpectedly" in text:
+        return "its Ray actor's process died"
     return f"its Ray actor died: {text[:160]}"
