@@ -192,13 +192,27 @@ def test_a_process_without_the_secret_cannot_join(cluster):
             ray.kill(actor)
 
 
+@pytest.mark.timeout(300)  # 13 Ray actors importing torch on 2 busy cores
+def test_an_elastic_refit_on_ray_survives_a_killed_rank_and_its_replacement_joins(cluster):
+    run = _apply("--ray", "--elastic", "--kill", "6@1", "--replace", "examples/refit.layout", "--json",
+                 ray_address=cluster.address)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)
+    assert summary["ok"] and summary["errors"] == {}
+    assert list(summary["failed"]) == ["6"] and summary["failed"]["6"]["how"] == "kill"
+    assert [s["step"] for s in summary["steps"]] == [0, 1, 2, 3]
+    assert all(not s["mismatches"] for s in summary["steps"])
+    assert summary["joined"]["12"]["ok"]  # the replacement received the last committed weights
+    assert 6 not in summary["members"] and 12 in summary["members"]
+
+
 def test_bad_input_is_one_line_without_a_traceback(tmp_path):
     unreachable = _apply("--ray", "examples/refit.layout", ray_address="127.0.0.1:1")
     assert unreachable.returncode == ExitCode.BAD_INPUT
     assert unreachable.stderr.startswith("error: RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there")
-    elastic = _apply("--ray", "--elastic", "examples/refit.layout", "--json")
+    elastic = _apply("--ray", "--elastic", "--kill", "99@1", "examples/refit.layout", "--json")
     assert elastic.returncode == ExitCode.BAD_INPUT
-    assert "not on Ray yet" in json.loads(elastic.stderr)["message"]
+    assert "rank 99 is in no mesh of the reshard" in json.loads(elastic.stderr)["message"]
     broken = tmp_path / "broken.layout"
     broken.write_text("mesh train [tp = 2] on ranks 0..1\nreshard a -> b\n")
     bad_program = _apply("--ray", str(broken))

@@ -514,16 +514,11 @@ def check_device(args: argparse.Namespace) -> None:
 
 def _check_ray(args: argparse.Namespace) -> None:
     """Refuse ``--ray`` where it cannot run, before anything starts: under torchrun (every
-    process is already a rank), with ``--elastic`` (not on Ray yet), without Ray installed."""
+    process is already a rank), without Ray installed."""
     if environment_is_torchrun():
         raise LayoutValueError(
             "--ray starts the workers as Ray actors, but torchrun already started this process as a rank",
             hint="run `layoutlang apply --ray FILE` alone, or drop --ray under torchrun",
-        )
-    if args.elastic:
-        raise LayoutValueError(
-            "--ray with --elastic: elastic refits run on the local launcher or under torchrun only, not on Ray yet",
-            hint="drop --ray to run the elastic refit on local workers",
         )
     if importlib.util.find_spec("ray") is None:
         raise LayoutValueError("--ray: Ray is not installed", hint="pip install 'layoutlang[ray]'")
@@ -698,6 +693,11 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         if summary is None:
             return ExitCode.OK
         launcher = "torchrun"
+    elif args.ray:
+        # Ray and the Ray actors' pool import torch and ray: only --ray needs them
+        from .ray_job import run_ray_elastic
+
+        summary, launcher = run_ray_elastic(options)
     else:
         summary = job.run_local(options)
         launcher = "local gloo workers"

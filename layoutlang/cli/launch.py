@@ -277,6 +277,14 @@ class LocalWorkers:
             self._start(rank)
         return ranks
 
+    def kill(self, rank: int) -> None:
+        """End worker ``rank`` at once with SIGKILL (a stopped one too: after an elastic job)."""
+        import signal
+
+        process = self.processes[rank]
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGKILL)
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; returns the results by rank.
 

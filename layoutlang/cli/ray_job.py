@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,9 +27,10 @@ from ..errors import LayoutValueError
 from ..integrations.ray import RayWorkers
 from ..lang import load
 from ..model.topology import Topology
+from . import elastic_job
 from .apply_job import ApplyOptions, participants_of, run_on
 
-__all__ = ["check_address", "connected", "run_ray"]
+__all__ = ["check_address", "connected", "run_ray", "run_ray_elastic"]
 
 #: How long a RAY_ADDRESS may take to accept a connection before it counts as unreachable
 #: (Ray's own client retries for minutes).
@@ -61,6 +63,15 @@ def connected(workers: int) -> Iterator[str]:
     address = os.environ.get("RAY_ADDRESS", "").strip()
     if address:
         check_address(address)
+    # Ray's driver prints what its cluster reports (a worker that died, as an injected fault
+    # does) on stdout: into the report, or the --json object. It goes to stderr instead.
+    with contextlib.redirect_stdout(sys.stderr), _initialized(address, workers) as where:
+        yield where
+
+
+@contextlib.contextmanager
+def _initialized(address: str, workers: int) -> Iterator[str]:
+    if address:
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.ERROR)
@@ -77,6 +88,11 @@ def connected(workers: int) -> Iterator[str]:
         ray.shutdown()
 
 
+def _launcher(workers: RayWorkers, where: str, domains: str) -> str:
+    nodes = len(set(workers.nodes.values()))
+    return f"Ray actors on {nodes} node{'s' if nodes != 1 else ''} of {where}, {domains}"
+
+
 def run_ray(options: ApplyOptions, show_progress: bool) -> tuple[list[dict[str, Any]], str]:
     """Run the job on Ray actors; every rank's report, and the launcher as the report names it."""
     participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
@@ -91,6 +107,23 @@ def run_ray(options: ApplyOptions, show_progress: bool) -> tuple[list[dict[str, 
         if given is None:
             options = attrs.evolve(options, domain_size=workers.domain_size)
         reports = run_on(workers, options, participants, show_progress)
-        nodes = len(set(workers.nodes.values()))
         domains = f"domains of {workers.domain_size} ranks" + ("" if given else " from placement")
-    return reports, f"Ray actors on {nodes} node{'s' if nodes != 1 else ''} of {where}, {domains}"
+        launcher = _launcher(workers, where, domains)
+    return reports, launcher
+
+
+def run_ray_elastic(options: elastic_job.ElasticOptions, namespace: str = "apply") -> tuple[dict[str, Any], str]:
+    """Run an elastic job (``--elastic``) on Ray actors, one per rank and per replacement;
+    the summary, and the launcher as the report names it. Its sessions plan with the
+    program's topology: each of its domains is placed on one node, and a program without
+    one keeps every rank its own domain (the session's plans are made in the ranks)."""
+    program = load(options.path)
+    given = None if program.topology == Topology() else program.topology.domain_size
+    size = elastic_job.workers_needed(options)
+    with (
+        connected(size) as where,
+        RayWorkers(size, domain_size=given, timeout=options.timeout) as workers,
+    ):
+        summary = elastic_job.run_on(workers, options, namespace)
+        launcher = _launcher(workers, where, f"domains of {given or 1} rank{'s' if given else ''}")
+    return summary, launcher

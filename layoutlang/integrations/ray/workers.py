@@ -73,7 +73,8 @@ class _PoolWorker(LayoutlangRank):
     def start(self) -> str:
         """Join the job; the Ray node this worker runs on."""
         self.join_layoutlang(self.job, self.rank, timeout=self.timeout)
-        worker_context.update(rank=self.rank, size=self.size, store=self.layoutlang_store)
+        store = self.layoutlang_store
+        worker_context.update(rank=self.rank, size=self.size, store=store, host=store.host, port=store.port)
         return ray.get_runtime_context().get_node_id()
 
     def run(self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[int, bool, Any]:
@@ -95,6 +96,29 @@ def domain_size_of(node_of: Mapping[int, str]) -> int:
         if all(block_node.setdefault(r // d, node_of[r]) == node_of[r] for r in ranks):
             return d
     return 1
+
+
+class _ActorProcess:
+    """A worker's actor as :class:`~elastic.membership.ExitWatcher` watches a process: alive
+    until a call to it fails. The call waits behind the actor's task while it runs; once
+    the actor is dead, it fails at once. Ray does not say with which exit code."""
+
+    exitcode = None
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self._probe = actor.__ray_ready__.remote()
+
+    def is_alive(self) -> bool:
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if not ready:
+            return True
+        try:
+            ray.get(self._probe)
+        except ray.exceptions.RayActorError:
+            return False
+        self._probe = self.actor.__ray_ready__.remote()
+        return True
 
 
 class RayWorkers:
@@ -219,6 +243,8 @@ class RayWorkers:
             )
             for index in range(self.size)
         ]
+        #: each worker's actor as a process that an ExitWatcher watches (``--elastic``)
+        self.processes = [_ActorProcess(actor) for actor in self.actors]
         self._dead, self._pending = {}, {}
         self._await_joined({actor.start.remote(): index for index, actor in enumerate(self.actors)})
 
@@ -246,6 +272,10 @@ class RayWorkers:
         if self.rendezvous is not None:
             ray.kill(self.rendezvous, no_restart=True)
         self.actors, self.rendezvous, self._pending = [], None, {}
+
+    def kill(self, rank: int) -> None:
+        """End worker ``rank`` at once (a stopped or hung one, after an elastic job)."""
+        ray.kill(self.actors[rank], no_restart=True)
 
     def _restart(self) -> None:
         """Replace every worker (and the rendezvous) by fresh ones: after workers were killed
