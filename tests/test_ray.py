@@ -77,7 +77,12 @@ def _start_apply(*args: str, ray_address: str | None = None) -> subprocess.Popen
 
 
 def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    out, err = process.communicate(timeout=140)
+    try:
+        out, err = process.communicate(timeout=280)  # within the slowest test's timeout
+    except subprocess.TimeoutExpired:
+        process.kill()  # its own local cluster, if it started one, goes with it
+        process.communicate()
+        raise
     return subprocess.CompletedProcess(process.args, process.returncode, out, err)
 
 
