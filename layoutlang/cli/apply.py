@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -123,6 +124,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.distributed point-to-point (gloo on CPU, NCCL on GPU), or layoutlang's native NCCL core",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the workers as Ray actors: on the cluster RAY_ADDRESS names, else on a local one started "
+        "(and shut down) here; without a topology block in the program, a Ray node is a domain "
+        "(docs: tutorials/refit-ray)",
+    )
     deltas = parser.add_argument_group(
         "delta refits",
         "With --delta, the refit runs --steps times; before each refit after the first, a synthetic "
@@ -422,6 +430,8 @@ def _check_processes(args: argparse.Namespace, replacements: int = 0) -> None:
                 hint=f"start {processes:,} processes in all: nodes x --nproc-per-node = {processes:,}",
             )
         return
+    if args.ray:  # the Ray cluster's resources bound it: RayWorkers says when they do not suffice
+        return
     processes += replacements
     if processes > MAX_LOCAL_WORKERS:
         raise LayoutValueError(
@@ -501,8 +511,22 @@ def check_device(args: argparse.Namespace) -> None:
         )
 
 
+def _check_ray(args: argparse.Namespace) -> None:
+    """Refuse ``--ray`` where it cannot run, before anything starts: under torchrun (every
+    process is already a rank), without Ray installed."""
+    if environment_is_torchrun():
+        raise LayoutValueError(
+            "--ray starts the workers as Ray actors, but torchrun already started this process as a rank",
+            hint="run `layoutlang apply --ray FILE` alone, or drop --ray under torchrun",
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise LayoutValueError("--ray: Ray is not installed", hint="pip install 'layoutlang[ray]'")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_delta_options(args)
+    if args.ray:
+        _check_ray(args)
     if args.elastic:
         return _apply_elastic(args)
     check_device(args)
@@ -565,8 +589,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         # a bad program fails here, before any process starts
         job.participants_of(args.file, args.reshard, allow_outside_includes=args.allow_outside_includes)
+        show_progress = sys.stdout.isatty() and not args.json
         try:
-            reports = job.run_local(options, show_progress=sys.stdout.isatty() and not args.json)
+            if args.ray:
+                # Ray and the Ray actors' pool import torch and ray: only --ray needs them
+                from .ray_job import run_ray
+
+                reports, launcher = run_ray(options, show_progress)
+            else:
+                reports, launcher = job.run_local(options, show_progress), "local gloo workers"
         except WorkerError as err:
             if err.exit_code == ExitCode.INTERNAL:
                 raise  # a bug: main reports it (exit 3), without a traceback
@@ -577,7 +608,6 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(err.message, file=sys.stderr)
             return err.exit_code
-        launcher = "local gloo workers"
     if args.to_dir:
         record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
@@ -662,6 +692,11 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         if summary is None:
             return ExitCode.OK
         launcher = "torchrun"
+    elif args.ray:
+        # Ray and the Ray actors' pool import torch and ray: only --ray needs them
+        from .ray_job import run_ray_elastic
+
+        summary, launcher = run_ray_elastic(options)
     else:
         summary = job.run_local(options)
         launcher = "local gloo workers"

@@ -48,7 +48,7 @@ from ..runtime.delta import DeltaOptions
 from ..transport.nccl import NcclTransport
 from .launch import LocalWorkers, worker_context
 
-__all__ = ["ApplyOptions", "apply_on_rank", "participants_of", "run_local", "run_torchrun", "summarize"]
+__all__ = ["ApplyOptions", "apply_on_rank", "participants_of", "run_local", "run_on", "run_torchrun", "summarize"]
 
 PROGRESS_KEY = "layoutlang/apply/progress"
 
@@ -80,6 +80,9 @@ class ApplyOptions:
     delta: bool | str | DeltaOptions = False
     steps: int = 1
     change_fraction: float = 0.01
+    #: the domain size placement gave (``--ray``: a Ray node is a domain), in place of the
+    #: program's topology's; None: the program's
+    domain_size: int | None = None
 
 
 #: ``--plan-mode`` as the Resharder's ``per_rank``
@@ -108,6 +111,8 @@ def apply_on_rank(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
     program = load(options.path, allow_outside_includes=options.allow_outside_includes)
+    if options.domain_size is not None:
+        program = attrs.evolve(program, topology=attrs.evolve(program.topology, domain_size=options.domain_size))
     checkpoint = None
     opening: Exception | None = None
     if options.from_dir:
@@ -438,13 +443,19 @@ def run_local(options: ApplyOptions, show_progress: bool) -> list[dict[str, Any]
     """Start one local worker per rank of the reshard, run, and return every rank's report."""
     participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
     with LocalWorkers(len(participants), timeout=options.timeout) as workers:
-        workers.submit(_local_job, options, participants)
-        if show_progress:
-            return _with_progress(workers, options.timeout)
-        return workers.collect(options.timeout * (2 + options.repeat) + 120)
+        return run_on(workers, options, participants, show_progress)
 
 
-def _with_progress(workers: LocalWorkers, timeout: float) -> list[dict[str, Any]]:
+def run_on(workers: Any, options: ApplyOptions, participants: list[int], show_progress: bool) -> list[dict[str, Any]]:
+    """Run the job on a started pool (worker i plays program rank ``participants[i]``): a
+    :class:`LocalWorkers`, or any pool with its interface; every rank's report."""
+    workers.submit(_local_job, options, participants)
+    if show_progress:
+        return _with_progress(workers, options.timeout)
+    return workers.collect(options.timeout * (2 + options.repeat) + 120)
+
+
+def _with_progress(workers: Any, timeout: float) -> list[dict[str, Any]]:
     """Every rank's report, collected while a transient progress bar follows rank 0's steps."""
     results: list[dict[str, Any]] = []
     errors: list[BaseException] = []

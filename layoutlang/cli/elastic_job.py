@@ -52,7 +52,10 @@ from ..runtime.delta import DeltaOptions
 from .apply_job import participants_of
 from .launch import LAUNCHER_GONE, LocalWorkers, worker_context
 
-__all__ = ["FAULTS", "ElasticOptions", "refit_job", "run_local", "run_torchrun", "summarize", "watch_store"]
+__all__ = [
+    "FAULTS", "ElasticOptions", "refit_job", "run_local", "run_on", "run_torchrun", "summarize", "watch_store",
+    "workers_needed",
+]
 
 FAULTS = ("kill", "stop", "on-shrink", "signal")
 
@@ -186,7 +189,7 @@ def refit_job(
     rank: int | None = None,
     store: Any = None,
     port: int | None = None,
-    host: str = "127.0.0.1",
+    host: str | None = None,
     members: Sequence[int] | None = None,
     joiners: Sequence[int] = (),
     faults: Sequence[tuple[int, int, str]] = (),
@@ -209,6 +212,7 @@ def refit_job(
     rank = worker_context["rank"] if rank is None else rank
     store = worker_context["store"] if store is None else store
     port = worker_context["port"] if port is None else port
+    host = worker_context.get("host", "127.0.0.1") if host is None else host
     if rank in idle:
         return {"rank": rank, "idle": True}
     program = lang.load(text_or_path) if os.path.exists(text_or_path) else lang.loads(text_or_path)
@@ -298,30 +302,41 @@ def _failed_times(store: Any, namespace: str, ranks: Sequence[int]) -> dict[int,
     return out
 
 
+def workers_needed(options: ElasticOptions) -> int:
+    """The workers a job needs: ranks 0 to the reshard's highest, and the replacements after them."""
+    participants, joiners = _ranks(options)
+    return max(participants + joiners) + 1
+
+
 def run_local(options: ElasticOptions, namespace: str = "apply") -> dict:
     """Start one local worker per rank (and per replacement), run, and summarize."""
+    with LocalWorkers(workers_needed(options), timeout=options.timeout) as pool:
+        return run_on(pool, options, namespace)
+
+
+def run_on(pool: Any, options: ElasticOptions, namespace: str = "apply") -> dict:
+    """Run the job on a started pool of :func:`workers_needed` workers (a :class:`LocalWorkers`,
+    or any pool with its interface, its ``processes`` and ``kill``), and summarize."""
     participants, joiners = _ranks(options)
-    size = max(participants + joiners) + 1
+    size = pool.size
     idle = [r for r in range(size) if r not in participants and r not in joiners]
     failing = {r for r, _, how in options.faults}
-    with LocalWorkers(size, timeout=options.timeout) as pool:
-        with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace, secret=pool.secret):
-            pool.submit(refit_job, options.path, options.steps, **_job_arguments(options, namespace, joiners, idle))
-            results: dict[int, dict] = {}
-            end = time.monotonic() + options.timeout * (options.steps + 2)
-            expected = set(participants + joiners) - failing
-            while not expected <= set(results) and time.monotonic() < end:
-                result = pool.next_result(0.2)
-                if result is None:
-                    if all(not p.is_alive() for r, p in enumerate(pool.processes) if r in expected - set(results)):
-                        break
-                    continue
-                rank, ok, value = result
-                results[rank] = value if ok else {"rank": rank, "error": value[1], "kind": value[2]}
-            failed = _failed_times(pool.store, namespace, sorted(failing))
-        for rank, process in enumerate(pool.processes):  # a stopped rank is not waited for
-            if rank in failing and process.is_alive() and process.pid is not None:
-                os.kill(process.pid, signal.SIGKILL)
+    with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace, secret=pool.secret):
+        pool.submit(refit_job, options.path, options.steps, **_job_arguments(options, namespace, joiners, idle))
+        results: dict[int, dict] = {}
+        end = time.monotonic() + options.timeout * (options.steps + 2)
+        expected = set(participants + joiners) - failing
+        while not expected <= set(results) and time.monotonic() < end:
+            result = pool.next_result(0.2)
+            if result is None:
+                if all(not p.is_alive() for r, p in enumerate(pool.processes) if r in expected - set(results)):
+                    break
+                continue
+            rank, ok, value = result
+            results[rank] = value if ok else {"rank": rank, "error": value[1], "kind": value[2]}
+        failed = _failed_times(pool.store, namespace, sorted(failing))
+    for rank in sorted(failing):  # a stopped rank is not waited for
+        pool.kill(rank)
     return summarize(options, results, failed, participants, joiners)
 
 

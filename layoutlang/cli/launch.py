@@ -23,63 +23,35 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
-import pickle
-import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from elastic.auth import SECRET_ENV, JobSecret, RecordSigner, remember
+from elastic.auth import SECRET_ENV, JobSecret, remember
 from elastic.store import serve_store
 
-from .._text import rank_ranges
-from ..errors import ExitCode, LayoutError, RuntimeFailure
+from ..errors import ExitCode
+from ..integrations.workers import (
+    FAILURE_GRACE,
+    UNSENDABLE,
+    WorkerError,
+    first_failure,
+    init_default_group,
+    loopback_interface,
+    task_report,
+    unsendable,
+    worker_context,
+)
 
-__all__ = ["LAUNCHER_GONE", "LocalWorkers", "WorkerError", "watch_launcher", "worker_context"]
+__all__ = ["FAILURE_GRACE", "LAUNCHER_GONE", "LocalWorkers", "WorkerError", "watch_launcher", "worker_context"]
 
 #: The exit status of a worker that lost its launcher.
 LAUNCHER_GONE = 75
 #: How often a worker looks for its launcher (seconds).
 WATCH_PERIOD = 0.25
-#: How long the other workers may take to report once one has failed (seconds; their
-#: timeout + 5 s when that is shorter). Failures found before a byte moves stop every rank in
-#: one agreement, and each rank reports within a second of the first; the rest covers a
-#: loaded machine (16 workers on 2 cores). A worker silent past it is stopped or hung.
-FAILURE_GRACE = 8.0
-
-
-class WorkerError(RuntimeError):
-    """A task failed on a worker (or a worker died or hung); the message names the rank.
-
-    ``kind`` is the error's kind when the task failed on a user's mistake (a
-    :class:`~layoutlang.errors.LayoutError`: a bad program, storage or checkpoint) or on a
-    failure at run time (a :class:`~layoutlang.errors.RuntimeFailure`: a peer that died or
-    hung, an agreement that failed); ``died`` for a worker that exited (its exit code, or the
-    signal that killed it), ``hung`` for workers that did not finish in time, ``internal`` for
-    anything else. Once a worker has failed, the others get a short grace
-    (:data:`FAILURE_GRACE`, or their timeout + 5 s when that is shorter): the failure is then
-    reported with the workers that never answered (stopped or hung, and killed), so a
-    stopped peer ends a plain ``apply`` one timeout and a few seconds after it stopped,
-    whatever ``--repeat`` says. ``exit_code`` says who must
-    act (:class:`~layoutlang.errors.ExitCode`); ``message`` is the worker's error text
-    without the rank prefix.
-    """
-
-    def __init__(self, text: str, kind: str = "internal", message: str = "", exit_code: int = ExitCode.INTERNAL):
-        super().__init__(text)
-        self.kind = kind
-        self.message = message or text
-        self.exit_code = ExitCode(exit_code)
-
-
-#: set in each worker: its rank, the world size and the store's port
-worker_context: dict[str, Any] = {}
-
-
 def watch_launcher(launcher: int, rank: int, period: float = WATCH_PERIOD) -> threading.Thread:
     """End this worker when its launcher (its parent, pid ``launcher``) is gone.
 
@@ -107,15 +79,6 @@ def watch_launcher(launcher: int, rank: int, period: float = WATCH_PERIOD) -> th
     return thread
 
 
-def _loopback_interface() -> str | None:
-    """The name of the loopback interface (``lo`` on Linux), or None when there is none."""
-    with contextlib.suppress(OSError):
-        for _, name in socket.if_nameindex():
-            if name == "lo" or name.startswith("lo0"):
-                return name
-    return None
-
-
 def _worker_main(
     rank: int,
     size: int,
@@ -134,7 +97,7 @@ def _worker_main(
         os.environ[SECRET_ENV] = secret
     # Gloo binds the address the host name resolves to unless told otherwise: these workers
     # talk only to each other, so they bind loopback (an operator's choice is kept).
-    interface = _loopback_interface()
+    interface = loopback_interface()
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
 
@@ -147,7 +110,7 @@ def _worker_main(
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
         try:
-            _init_default_group(store, prefix, rank, size, timeout, secret)
+            init_default_group(store, prefix, rank, size, timeout, secret)
         except RuntimeError:
             _await_watch(launcher)  # the store went with the launcher: its watch ends this worker
             raise
@@ -157,22 +120,14 @@ def _worker_main(
         if task is None:
             break
         fn, args, kwargs = task
-        try:
-            report: tuple[int, bool, Any] = (rank, True, fn(*args, **kwargs))
-        except (LayoutError, RuntimeFailure) as err:
-            report = (rank, False, (type(err).__name__, str(err), err.kind, int(err.exit_code)))
-        except BaseException as err:  # report everything: the parent decides what it means
-            failure = (type(err).__name__, f"{err}\n{traceback.format_exc()}", "internal", int(ExitCode.INTERNAL))
-            report = (rank, False, failure)
+        report = task_report(rank, fn, args, kwargs)
         try:
             results.send(report)
         except OSError:  # the pipe's reader is gone (BrokenPipeError): so is the launcher
             _await_watch(launcher)
             raise
-        except (TypeError, AttributeError, pickle.PicklingError) as err:  # a result the parent cannot receive
-            failure = (type(err).__name__, f"the task's result cannot be sent to the launcher: {err}", "internal",
-                       int(ExitCode.INTERNAL))
-            results.send((rank, False, failure))
+        except UNSENDABLE as err:  # a result the parent cannot receive
+            results.send((rank, False, unsendable(err)))
     if default_group:
         dist.destroy_process_group()
 
@@ -186,28 +141,6 @@ def _await_watch(launcher: int | None) -> None:
     end = time.monotonic() + 4 * WATCH_PERIOD
     while time.monotonic() < end:
         time.sleep(WATCH_PERIOD / 4)
-
-
-def _init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: float, secret: str | None) -> None:
-    """The workers' default gloo group under ``prefix`` (each start of the pool's workers has
-    its own). With the job's secret its rendezvous is signed and every worker proves it holds
-    the secret before the group is used (:func:`elastic.groups.prove_group`): a process
-    without it is never one of the pool's ranks."""
-    import torch.distributed as dist
-
-    # elastic.groups imports torch: only the worker (not the launcher's command) needs it
-    from elastic.groups import SignedRendezvous, keep_store, prove_group
-
-    records = RecordSigner(secret, prefix)
-    rendezvous: Any = dist.PrefixStore(prefix, store)
-    if records.authenticated:
-        rendezvous = SignedRendezvous(store, prefix, records, timeout=timeout)
-        keep_store(rendezvous)  # every later group of the workers (new_group) is built on it
-    dist.init_process_group("gloo", store=rendezvous, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
-    if records.authenticated:
-        group = dist.distributed_c10d._get_default_group()
-        prove_group(group, store, records, f"{prefix}/proof", range(size), rank, timeout=timeout,
-                    what="the workers' default group")
 
 
 def _receive(reader: Any) -> tuple[int, bool, Any] | None:
@@ -344,6 +277,14 @@ class LocalWorkers:
             self._start(rank)
         return ranks
 
+    def kill(self, rank: int) -> None:
+        """End worker ``rank`` at once with SIGKILL (a stopped one too: after an elastic job)."""
+        import signal
+
+        process = self.processes[rank]
+        if process.is_alive() and process.pid is not None:
+            os.kill(process.pid, signal.SIGKILL)
+
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every worker; returns the results by rank.
 
@@ -386,22 +327,11 @@ class LocalWorkers:
                 text = f"workers {missing} did not finish in time"
                 raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
         silent = sorted(set(range(self.size)) - set(results))
-        failed = sorted(r for r, (ok, _) in results.items() if not ok)
-        if failed:
-            # Prefer a user's mistake over the runtime failures it caused on other ranks, and
-            # both over a bug: BAD_INPUT (2), then FAILURE (1), then INTERNAL (3).
-            order = {ExitCode.BAD_INPUT: 0, ExitCode.FAILURE: 1}
-            first = min(failed, key=lambda r: (order.get(results[r][1][3], 2), r))
-            name, message, kind, exit_code = results[first][1]
-            note = ""
+        failure = first_failure(results, silent, self.grace)
+        if failure is not None:
             if silent:
                 self._stop(silent)
-                one = len(silent) == 1
-                note = (
-                    f"; {'worker' if one else 'workers'} {rank_ranges(silent)} did not answer within "
-                    f"{self.grace:g} s of it (stopped or hung) and {'was' if one else 'were'} killed"
-                )
-            raise WorkerError(f"rank {first}: {name}: {message}{note}", kind, message + note, exit_code)
+            raise failure
         return [results[r][1] for r in range(self.size)]
 
     def _stop(self, ranks: list[int]) -> None:
