@@ -4,6 +4,7 @@ rank's scales go, and the mistakes refused before any plan is made (issue 16).""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -368,3 +369,25 @@ def test_scales_placed_like_the_weight_are_dtensors_placement_of_the_scale_tenso
         local, offset = _compute_local_shape_and_global_offset(scale.shape, mesh_shape, coords, torch_placements)
         (box,) = layout.scale_boxes("w", rank)
         assert (box.offsets, box.sizes) == (tuple(offset), tuple(local)), (rank, box)
+
+
+def test_replicated_scales_of_a_sharded_weight_are_refused_by_the_plan_with_a_hint_that_works():
+    """The docs' per-channel ``replicate`` beside a row-parallel shard is a storage layout
+    that check reads; a plan refuses it (no rank holds a row whole), and the hint no longer
+    sends the user to a layout that check refuses in turn."""
+    from layoutlang.plan import compile_plan
+
+    snippet = (Path(__file__).resolve().parent.parent / "docs" / "snippets" / "quantize.layout").read_text()
+    text = snippet + (
+        "mesh train [dp = 2] on ranks 2..3\nlayout fsdp on train { default: dp = shard(0) }\nreshard fsdp -> serve\n"
+    )
+    program = layoutlang.loads(text)
+    with pytest.raises(LayoutValueError) as caught:
+        compile_plan(program)
+    err = caught.value
+    assert err.tensor == "model.layers.0.self_attn.o_proj.weight"
+    assert "its scales are replicated in 'serve' but rank 0 holds 131,072 of its 262,144 elements" in err.message
+    assert "not planned yet" in err.hint and "128 x 128" in err.hint
+    # the hint's way works: blocks inside each rank's shard, scales placed like the weight
+    fixed = text.replace("per_channel scale_inv fp32 replicate", "blocks 128 x 128 scale_inv fp32")
+    assert compile_plan(layoutlang.loads(fixed)).quantization is not None

@@ -109,7 +109,9 @@ def check_quantized_plan(
                     f"{held:,} of its {numel:,} elements; a plan fills replicated scales only where every rank "
                     "holding the weight holds all of it (the others would need the amax of blocks they do not hold)",
                     q.rule.span or destination.span,
-                    "place the scales like the weight (drop 'replicate'), with blocks each rank holds whole",
+                    "quantize this tensor with blocks each holder holds whole, its scales placed like the weight "
+                    "(drop 'replicate'; blocks that fit inside each rank's shard, e.g. 128 x 128), or leave it "
+                    "unquantized: replicated scales of a sharded weight are not planned yet",
                     tensor=name,
                     rank=rank,
                 )
