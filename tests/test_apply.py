@@ -413,3 +413,15 @@ def test_apply_cast_sources_needs_a_checkpoint():
     result = run("apply", str(EXAMPLES / "tp_to_dp.layout"), "--cast-sources")
     assert_clean_failure(result, 2)
     assert "--cast-sources converts the tensors of a --from checkpoint; give --from DIR" in result.stderr
+
+
+def test_compare_runs_each_policy_twice_and_zero_network_bytes_read_as_plan_says():
+    """``--compare`` set a cold first reshard against a warm broadcast (it once read "0.1x
+    the time" on a tiny model): each policy now runs at least twice and reports its fastest.
+    No network bytes on either side is 1.0x, as ``plan`` prints it (``apply`` said 0.0x)."""
+    from layoutlang.cli.apply import _times
+    from layoutlang.cli.apply_job import ApplyOptions, _runs
+
+    cases = ((False, 1), (True, 1), (True, 3), (False, 3))
+    assert [_runs(ApplyOptions("x.layout", compare=c, repeat=n)) for c, n in cases] == [1, 2, 3, 3]
+    assert [_times(0, 0), _times(4, 0), _times(6, 3)] == ["1.0x", "infx", "2.0x"]

@@ -54,7 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arguments.add_file(parser)
     arguments.add_reshard(parser)
     arguments.add_policy(parser)
-    parser.add_argument("--compare", action="store_true", help="also run the gather-and-broadcast plan and compare")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="also run the gather-and-broadcast plan and compare (each policy runs at least twice and reports its "
+        "fastest: a first run pays for setting up connections)",
+    )
     parser.add_argument(
         "--plan-mode",
         choices=PLAN_MODES,
@@ -893,7 +898,7 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
         lines.append(
             f"gather-and-broadcast took {b['seconds'] / max(r['seconds'], 1e-9):.1f}x the time of reshard and moved "
             f"{b['moved_bytes'] / max(r['moved_bytes'], 1):.1f}x its bytes "
-            f"({b['bytes']['network'] / max(r['bytes']['network'], 1):.1f}x over the network)"
+            f"({_times(b['bytes']['network'], r['bytes']['network'])} over the network)"
         )
     if any("delta_steps" in run for run in runs.values()):
         lines.append("(time: the fastest delta refit; moved: the plan's bytes, which a dense refit sends)")
@@ -906,3 +911,11 @@ def _apply_report(args: argparse.Namespace, summary: dict, launcher: str) -> lis
     if args.to_dir:
         lines.append(f"destination storages written to {args.to_dir}/rankNNNNN.safetensors")
     return lines
+
+
+def _times(a: int, b: int) -> str:
+    """``a`` as a multiple of ``b`` ("1.0x" when both are 0, "infx" when only ``b`` is, as
+    ``plan`` says it)."""
+    if not b:
+        return "1.0x" if not a else "infx"
+    return f"{a / b:.1f}x"

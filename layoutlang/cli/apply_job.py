@@ -192,7 +192,7 @@ def _run_policy(
         reports.extend(
             _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem,
                       delta=options.delta)
-            for _ in range(1 if options.delta else max(1, options.repeat))
+            for _ in range(1 if options.delta else _runs(options))
         )
         # every step's destinations are verified: a delta is right only if all of them are
         verified, mismatches = _verify(plan, rank, destinations, checkpoint, options.change_fraction, step)
@@ -576,3 +576,10 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     out["peak_rss_growth_bytes"] = max((r.get("peak_rss_growth_bytes", 0) for r in active), default=0)
     out["ok"] = all(not v["mismatches"] for v in out["runs"].values())
     return out
+
+
+def _runs(options: ApplyOptions) -> int:
+    """How many times a policy runs (its fastest is reported): ``--repeat``, and at least twice
+    with ``--compare``, whose ratio of times would otherwise set the first policy's cold run
+    (its connections set up, its arenas touched) against the second's warm one."""
+    return max(1, options.repeat, 2 if options.compare else 1)
