@@ -281,7 +281,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             self.receive_weights(info)
         except Exception as err:  # settled whatever it is: the other workers wait for this one's outcome
             error = err
-            if _store_gone(err):
+            if _store_gone(err, self.session):
                 # the session's store went with the process that served it (a trainer killed
                 # mid-refit): nobody can use the session again, and its heartbeat would retry
                 # the dead store until the next init. The model keeps its weights; the next
@@ -354,16 +354,21 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         self._leave()
 
 
-def _store_gone(error: BaseException) -> bool:
+def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
     """Whether ``error`` (or what caused it) is the session's store going away: torch's
-    ``DistNetworkError`` (connection reset, broken pipe, refused)."""
+    ``DistNetworkError`` (connection reset, broken pipe, refused), and the store no longer
+    answers (a peer's broken connection is not the store's)."""
     import torch.distributed as dist
 
     seen: BaseException | None = error
     for _ in range(8):  # the chain of causes, bounded
-        if seen is None:
+        if seen is None or session is None:
             return False
         if isinstance(seen, dist.DistNetworkError):
-            return True
+            try:
+                session.store.check(["layoutlang-probe"])
+            except RuntimeError:  # DistNetworkError, DistStoreError: nobody serves it now
+                return True
+            return False
         seen = seen.__cause__ or seen.__context__
     return False
