@@ -214,9 +214,17 @@ class Heartbeat:
             time.sleep(self.interval)
 
     def _beat_once(self) -> bool:
-        """One beat; False when the store went away (DistStoreError): the job is over."""
+        """One beat; False when the store could not take it (DistStoreError). A broken
+        connection (DistNetworkError: the process serving the store is gone; a TCPStore client
+        never reconnects) stops the heartbeat: every later beat would fail the same way, each
+        with a warning of torch's."""
+        import torch.distributed as dist
+
         try:
             self._beat()
+        except dist.DistNetworkError:
+            self._stop.set()
+            return False
         except RuntimeError:
             return False
         return True

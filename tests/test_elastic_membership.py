@@ -227,3 +227,31 @@ def test_sigkilled_worker_is_detected_and_survivors_rebuild_at_once(pool):
     assert why == "its process exited (exit code -9)" or "heartbeat" in why, why
     exits = elastic.FailureDetector(pool.store, 0, [victim], namespace=ns, deadline=10)
     assert exits.poll()[victim] == "its process exited (exit code -9)"
+
+
+@pytest.mark.timeout(30)
+def test_a_heartbeat_stops_when_the_process_serving_its_store_is_gone():
+    """A TCPStore client never reconnects: once the process serving the store is gone, every
+    beat would fail (and torch logs a warning for each), so the heartbeat thread ends."""
+    import subprocess
+    import sys
+
+    serve = (
+        "import sys, time, datetime, torch.distributed as dist\n"
+        "s = dist.TCPStore('127.0.0.1', 0, 1, True, datetime.timedelta(seconds=5), wait_for_workers=False)\n"
+        "print(s.port, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        hb = elastic.Heartbeat("127.0.0.1", port, 3, namespace="gone", interval=0.05)
+        time.sleep(0.2)
+        assert hb._thread.is_alive() and hb.beats > 1
+        server.kill()
+        server.wait()
+        hb._thread.join(5)
+        assert not hb._thread.is_alive()
+    finally:
+        server.kill()
+        server.wait()

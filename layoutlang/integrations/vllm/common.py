@@ -3,15 +3,19 @@ the program both compile."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from dataclasses import dataclass, field
+
+from elastic import JobSecret
 
 from ...errors import LayoutValueError
 from ...lang import load, loads
 from ...model import Layout, Program, Reshard
 from ..refit_session import DEFAULT_NAMESPACE, SessionAddress, engines_of
 
-__all__ = ["BACKEND", "MODES", "RefitProgram", "WorkerInitFields", "first_of"]
+__all__ = ["BACKEND", "MODES", "RefitProgram", "WorkerInitFields", "first_of", "secret_fingerprint"]
 
 #: the name layoutlang registers under in vLLM's weight-transfer factories
 BACKEND = "layoutlang"
@@ -41,6 +45,10 @@ class WorkerInitFields:
     namespace: str = DEFAULT_NAMESPACE
     mode: str = "start"
     secret: str = field(default="", repr=False)
+    #: the fingerprint of the trainer's secret (:func:`secret_fingerprint`): a worker given no
+    #: ``secret`` reads its own from ``LAYOUTLANG_JOB_SECRET`` and refuses the init unless the
+    #: fingerprints agree (the secret itself then never travels on the control plane)
+    secret_id: str = ""
     #: the engine's name in the session's records (a re-attaching trainer finds its ranks by it)
     token: str = ""
     timeout: float = 300.0
@@ -96,3 +104,9 @@ def first_of(problems: list[str]) -> str | None:
     if not problems:
         return None
     return problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
+def secret_fingerprint(secret: JobSecret) -> str:
+    """What identifies the job's secret without revealing it: an HMAC-SHA256 of a fixed label
+    keyed with the secret (16 hex digits; no record of the session is signed with this label)."""
+    return hmac.new(secret.key, b"layoutlang-secret-fingerprint\0", hashlib.sha256).hexdigest()[:16]

@@ -38,6 +38,8 @@ is no member: the others still apply it.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import threading
 import time
 import uuid
@@ -71,7 +73,7 @@ from ..refit_session import (
     read_engine_ranks,
     session_exists,
 )
-from .common import BACKEND, RefitProgram, WorkerInitFields, first_of
+from .common import BACKEND, RefitProgram, WorkerInitFields, first_of, secret_fingerprint
 
 __all__ = [
     "Engine",
@@ -140,14 +142,19 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     that outlives the trainer serves it (then a restarted trainer re-attaches to the running
     engines). ``secret`` is the job's secret (default: ``LAYOUTLANG_JOB_SECRET``, else one
     rank 0 generates and broadcasts over the trainer's default process group); it reaches the
-    engines in their init info and is never shown.
+    engines in their init info (or, with ``send_secret=False``, only its fingerprint does: the
+    engines hold it in their own environment, as a ``vllm serve`` server refitted over HTTP
+    does) and is never shown. ``master_port`` 0 (the default): the sender's store takes a free
+    port of ``master_address``, and the engines learn it from their init info.
     """
 
     backend: ClassVar[str] = BACKEND
 
     master_address: str
-    master_port: int
-    program: str
+    #: 0: the sender serves the store on a free port of ``master_address`` and tells the other
+    #: trainer ranks (over the trainer's default process group) and the engines (init info)
+    master_port: int = 0
+    program: str = ""
     program_path: str | None = None
     reshard: str | None = None
     #: first program rank of each engine, in the order of the clients; default: the
@@ -158,6 +165,11 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     deadline: float = 2.0
     namespace: str = DEFAULT_NAMESPACE
     secret: str | None = field(default=None, repr=False)
+    #: False: the engines read the job's secret from their own environment
+    #: (``LAYOUTLANG_JOB_SECRET``, set where ``vllm serve`` starts); their init info carries
+    #: only its fingerprint, so a control plane that is not private (HTTP) never carries it,
+    #: and an engine holding another secret refuses the init
+    send_secret: bool = True
     host_store: bool = True
     memory_budget: int | None = None
     #: the destination mesh's axis that indexes engines (its first axis)
@@ -258,6 +270,21 @@ def _call(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
     return future
 
 
+def _start_update(engine: Engine) -> None:
+    """``start_weight_update`` on an engine. An engine this trainer has not refitted yet may
+    have an update left open by a trainer killed before its ``finish_weight_update`` (vLLM
+    then refuses a new one): it is ended first (its workers, initialized by this trainer, apply
+    nothing at that finish), and the start tried once more."""
+    try:
+        engine.client.start_weight_update()
+    except Exception:
+        if engine.version is not None:
+            raise
+        with contextlib.suppress(Exception):  # an engine with no update open refuses the finish
+            engine.client.finish_weight_update(None)
+        engine.client.start_weight_update()
+
+
 def _outcome(future: concurrent.futures.Future[Any], timeout: float) -> str | None:
     """None when the call succeeded within ``timeout`` seconds, else what went wrong."""
     try:
@@ -329,8 +356,12 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 f"trainer rank {rank} is not in mesh '{refit.source.mesh.name}' of layout '{refit.source.name}' "
                 f"(its ranks: {rank_ranges(refit.source.mesh.ranks)})"
             )
-        address = SessionAddress(init_info.master_address, init_info.master_port, init_info.namespace)
-        store, secret, returning = _open_session(init_info, address)
+        if not init_info.program:
+            raise ValueError("the layoutlang trainer engine needs the refit's program (program=)")
+        store, secret, returning, port = _open_session(init_info)
+        if port != init_info.master_port:  # the free port the sender's store took
+            init_info = dataclasses.replace(init_info, master_port=port)
+        address = SessionAddress(init_info.master_address, port, init_info.namespace)
         engines = [Engine(i, c, state="serving") for i, c in enumerate(clients)]
         calls: list[concurrent.futures.Future[Any]] = []
         if init_info.is_sender:
@@ -434,7 +465,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         failed: dict[int, str] = {}
         updates: dict[int, concurrent.futures.Future[Any]] = {}
         if serving:
-            started = {e.index: _call(e.client.start_weight_update) for e in serving}
+            started = {e.index: _call(_start_update, e) for e in serving}
             for e in serving:
                 error = _outcome(started[e.index], self.info.timeout)
                 if error is not None:
@@ -642,32 +673,42 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             self._end()
 
 
-def _open_session(info: LayoutlangTrainerInitInfo, address: SessionAddress) -> tuple[Any, JobSecret, bool]:
+def _open_session(info: LayoutlangTrainerInitInfo) -> tuple[Any, JobSecret, bool, int]:
     """The session's store (served by the sender unless ``host_store`` is False), the job's
-    secret, and whether the session exists already (a restarted trainer re-attaches). Rank 0
-    decides the last two and tells the other trainer ranks over the trainer's own default
-    process group, so that all of them decide alike."""
+    secret, whether the session exists already (a restarted trainer re-attaches), and the
+    store's port (``master_port``, or the free one the sender's store took when it is 0).
+    Rank 0 decides the last three and tells the other trainer ranks over the trainer's own
+    default process group, so that all of them decide alike."""
     import torch.distributed as dist
 
     rank = info.rank
+    address = SessionAddress(info.master_address, info.master_port, info.namespace)
     store = address.connect(serve=True, timeout=info.timeout) if info.is_sender and info.host_store else None
+    if store is not None:
+        address = SessionAddress(info.master_address, int(store.port), info.namespace)
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    decision: list[Any] = [None, None]
+    decision: list[Any] = [None, None, address.port]
     if info.is_sender:
         secret = job_secret(info.secret, rank=rank, group=False)
         if store is None:
             store = address.connect(serve=False, timeout=info.timeout)
-        decision = [secret.text(), session_exists(store, address, secret)]
+        decision = [secret.text(), session_exists(store, address, secret), address.port]
     if shared:
         dist.broadcast_object_list(decision, src=0)
+    address = SessionAddress(info.master_address, int(decision[2]), info.namespace)
+    if address.port == 0:
+        raise LayoutValueError(
+            f"trainer rank {rank} cannot learn the store's port: give master_port, or a default process group "
+            "over which the sender tells it"
+        )
     if decision[0] is None:  # no default group: every trainer rank has the secret from its environment
         secret = job_secret(info.secret, rank=rank, group=False)
-        decision = [secret.text(), None]
+        decision = [secret.text(), None, address.port]
     if store is None:
         store = address.connect(serve=False, timeout=info.timeout)
     secret = JobSecret.parse(decision[0])
     returning = decision[1] if decision[1] is not None else session_exists(store, address, secret)
-    return store, secret, bool(returning)
+    return store, secret, bool(returning), address.port
 
 
 def _raise_engine_errors(
@@ -695,7 +736,8 @@ def _worker_fields(
     return WorkerInitFields(
         master_address=info.master_address, master_port=info.master_port, program=info.program,
         program_path=info.program_path, reshard=refit.reshard.name, rank_offset=offset, namespace=info.namespace,
-        mode=mode, secret=secret.text(), token=token, timeout=info.timeout, deadline=info.deadline,
+        mode=mode, secret=secret.text() if info.send_secret else "", secret_id=secret_fingerprint(secret),
+        token=token, timeout=info.timeout, deadline=info.deadline,
         memory_budget=info.memory_budget, engine_axis=info.engine_axis, checkpoint_format=info.checkpoint_format,
         # the workers are told what to keep; the trainer's budget and place are its own
         delta=info.delta.keep if isinstance(info.delta, DeltaOptions) else info.delta,

@@ -56,11 +56,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from elastic import ElasticSession, JobSecret
+from elastic.auth import SECRET_ENV
 
 from ..._text import counted
 from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
-from .common import RefitProgram, WorkerInitFields, first_of
+from .common import RefitProgram, WorkerInitFields, first_of, secret_fingerprint
 from .targets import EngineTargets, PreparedRefit
 
 __all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
@@ -175,14 +176,26 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         self._settle(error)
 
     def _init(self, info: LayoutlangInitInfo) -> None:
-        secret = JobSecret.parse(info.secret) if info.secret else None
+        # the trainer's secret, else this process's own (a server started with LAYOUTLANG_JOB_SECRET)
+        secret = JobSecret.parse(info.secret) if info.secret else JobSecret.from_environment()
         if secret is None:
-            raise LayoutValueError("the layoutlang init info carries no job secret: the trainer sends it")
+            raise LayoutValueError(
+                f"the layoutlang init info carries no job secret and this engine has none in {SECRET_ENV}: "
+                "start the engine with the trainer's secret in its environment, or let the trainer send it"
+            )
+        if info.secret_id and secret_fingerprint(secret) != info.secret_id:
+            raise LayoutValueError(
+                f"this engine's job secret ({SECRET_ENV} where the engine started) is not the trainer's "
+                "(their fingerprints differ): give both the same secret"
+            )
         if info.mode == "attach":
             self._attach(info, secret)
             return
         self.rank, tp_rank = self._program_rank(info.rank_offset)
         self._leave()  # an earlier session (another store, or one that failed) is left first
+        # vLLM's update may still be open (a trainer killed between update_weights and
+        # finish_weight_update): the finish that ends it applies nothing
+        self.abandoned = info.mode == "start"
         refit = RefitProgram(info.program, info.program_path, info.reshard, info.engine_axis)
         joining = info.mode == "join"
         position = refit.position_like(tp_rank) if joining else self.rank
@@ -269,6 +282,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             self.receive_weights(info)
         except Exception as err:  # settled whatever it is: the other workers wait for this one's outcome
             error = err
+            if _store_gone(err, self.session):
+                # the session's store went with the process that served it (a trainer killed
+                # mid-refit): nobody can use the session again, and its heartbeat would retry
+                # the dead store until the next init. The model keeps its weights; the next
+                # trainer's init starts a new session.
+                self._close()
         if not self._settle(error):
             # the workers that return keep vLLM's update open: the trainer's finish ends it
             self.prepared, self.abandoned = None, True
@@ -279,7 +298,8 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         if session is None:
             raise ExecutionError(
                 f"rank {self.rank}: the layoutlang weight transfer is not initialized "
-                "(init_weight_transfer_engine failed or was not called)",
+                "(init_weight_transfer_engine failed or was not called, or the session's store went away with "
+                "the process that served it: the trainer calls it again)",
                 rank=self.rank,
             )
         if update_info.step != session.next_step:
@@ -316,6 +336,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             applied, self.version = err, None
         self._settle(applied)
 
+    def _close(self) -> None:
+        """Close the session without leaving it (its store is gone: there is nobody to tell)."""
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+
     def _leave(self) -> None:
         """Leave the session on purpose (the others shrink the engine axis at their next step)."""
         session, self.session = self.session, None
@@ -327,3 +353,23 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
 
     def shutdown(self) -> None:
         self._leave()
+
+
+def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
+    """Whether ``error`` (or what caused it) is the session's store going away: torch's
+    ``DistNetworkError`` (connection reset, broken pipe, refused), and the store no longer
+    answers (a peer's broken connection is not the store's)."""
+    import torch.distributed as dist
+
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain of causes, bounded
+        if seen is None or session is None:
+            return False
+        if isinstance(seen, dist.DistNetworkError):
+            try:
+                session.store.check(["layoutlang-probe"])
+            except RuntimeError:  # DistNetworkError, DistStoreError: nobody serves it now
+                return True
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return False
