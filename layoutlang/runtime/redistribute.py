@@ -181,11 +181,11 @@ def redistribute(
     from torch.distributed.tensor import DTensor
 
     if not isinstance(dtensor, DTensor):
-        where = f"rank {dist.get_rank()}" if dist.is_initialized() else "this rank"
         raise LayoutValueError(
-            f"redistribute takes a DTensor on every rank; {where} passed {type(dtensor).__name__}",
+            f"redistribute takes a DTensor on every rank; this rank passed {type(dtensor).__name__}",
             hint="a rank outside the source mesh passes the source DTensor too, made there without data: "
             "distribute_tensor(torch.empty(shape, dtype=dtype), source_mesh, source_placements, src_data_rank=None)",
+            rank=dist.get_rank() if dist.is_initialized() else None,
         )
     rank = dist.get_rank()
     if len(placements) != device_mesh.ndim:
