@@ -48,9 +48,9 @@ def cluster():
         patch.setenv("OMP_NUM_THREADS", "1")
         nodes = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": 8, "resources": {SLOT: 2}, "include_dashboard": False},
+            head_node_args={"num_cpus": 16, "resources": {SLOT: 2}, "include_dashboard": False},
         )
-        nodes.add_node(num_cpus=8, resources={SLOT: 2})
+        nodes.add_node(num_cpus=16, resources={SLOT: 2})
         ray.init(address=nodes.address, logging_level="ERROR", log_to_driver=False)
         try:
             yield nodes
