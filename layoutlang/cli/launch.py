@@ -26,19 +26,18 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
 from elastic.auth import SECRET_ENV, JobSecret, remember
 from elastic.store import serve_store
 
-from ..errors import ExitCode
 from ..integrations.workers import (
     FAILURE_GRACE,
     UNSENDABLE,
     WorkerError,
-    first_failure,
+    collect_results,
     init_default_group,
     loopback_interface,
     task_report,
@@ -304,35 +303,14 @@ class LocalWorkers:
         with the failure, naming it. The silent workers are killed, and the next task starts
         every worker afresh.
         """
-        deadline = time.monotonic() + (timeout or self.timeout + 60)
-        results: dict[int, tuple[bool, Any]] = {}
-        grace_until: float | None = None
-        while len(results) < self.size:
-            result = self.next_result()
-            if result is not None:
-                rank, ok, value = result
-                results[rank] = (ok, value)
-                if not ok and grace_until is None:
-                    grace_until = min(deadline, time.monotonic() + self.grace)
-                continue
-            dead = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
-            if dead:
-                text = f"worker rank {dead[0]} died ({_exit_text(self.processes[dead[0]].exitcode)})"
-                raise WorkerError(text, "died", f"error: {text}", ExitCode.FAILURE)
-            now = time.monotonic()
-            if grace_until is not None and now > grace_until:
-                break  # the failure is reported below, with the workers that never answered
-            if now > deadline:
-                missing = sorted(set(range(self.size)) - set(results))
-                text = f"workers {missing} did not finish in time"
-                raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
-        silent = sorted(set(range(self.size)) - set(results))
-        failure = first_failure(results, silent, self.grace)
-        if failure is not None:
-            if silent:
-                self._stop(silent)
-            raise failure
-        return [results[r][1] for r in range(self.size)]
+        def dead(results: Mapping[int, Any]) -> tuple[int, str] | None:
+            gone = [i for i, p in enumerate(self.processes) if not p.is_alive() and i not in results]
+            return (gone[0], _exit_text(self.processes[gone[0]].exitcode)) if gone else None
+
+        return collect_results(
+            self.size, deadline=time.monotonic() + (timeout or self.timeout + 60), grace=self.grace,
+            next_result=self.next_result, dead=dead, stop_silent=self._stop,
+        )
 
     def _stop(self, ranks: list[int]) -> None:
         """Kill the workers of ``ranks`` (silent in a task that failed elsewhere): a late result

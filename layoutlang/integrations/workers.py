@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -30,6 +31,7 @@ from ..errors import ExitCode, LayoutError, RuntimeFailure
 __all__ = [
     "FAILURE_GRACE",
     "WorkerError",
+    "collect_results",
     "first_failure",
     "init_default_group",
     "loopback_interface",
@@ -121,6 +123,56 @@ def first_failure(results: Mapping[int, tuple[bool, Any]], silent: Sequence[int]
             f"{grace:g} s of it (stopped or hung) and {'was' if one else 'were'} killed"
         )
     return WorkerError(f"rank {first}: {name}: {message}{note}", kind, message + note, exit_code)
+
+
+def collect_results(
+    size: int,
+    *,
+    deadline: float,
+    grace: float,
+    next_result: Callable[[], tuple[int, bool, Any] | None],
+    dead: Callable[[Mapping[int, Any]], tuple[int, str] | None],
+    stop_silent: Callable[[list[int]], None],
+    abandon: Callable[[], None] = lambda: None,
+) -> list[Any]:
+    """Every worker's result of one task, by rank: the loop both pools share.
+
+    ``next_result()`` gives the next (rank, ok, value) or None; ``dead(results)`` a worker
+    that died before reporting, as (rank, how), or None. Once a worker has failed, the others
+    get ``grace`` seconds to report (a failure found before a byte moves stops every rank at
+    once); the silent ones are then handed to ``stop_silent`` (a late result of theirs would
+    be taken for the next task's) and the first failure is raised (:func:`first_failure`).
+    A death, or the ``deadline`` (``time.monotonic()``) passing, raises at once after
+    ``abandon()``."""
+    results: dict[int, tuple[bool, Any]] = {}
+    grace_until: float | None = None
+    while len(results) < size:
+        result = next_result()
+        if result is not None:
+            rank, ok, value = result
+            results[rank] = (ok, value)
+            if not ok and grace_until is None:
+                grace_until = min(deadline, time.monotonic() + grace)
+            continue
+        died = dead(results)
+        if died is not None:
+            abandon()
+            text = f"worker rank {died[0]} died ({died[1]})"
+            raise WorkerError(text, "died", f"error: {text}", ExitCode.FAILURE)
+        now = time.monotonic()
+        if grace_until is not None and now > grace_until:
+            break  # the failure is reported below, with the workers that never answered
+        if now > deadline:
+            abandon()
+            text = f"workers {sorted(set(range(size)) - set(results))} did not finish in time"
+            raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
+    silent = sorted(set(range(size)) - set(results))
+    failure = first_failure(results, silent, grace)
+    if failure is not None:
+        if silent:
+            stop_silent(silent)
+        raise failure
+    return [results[r][1] for r in range(size)]
 
 
 def loopback_interface() -> str | None:

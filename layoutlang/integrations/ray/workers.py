@@ -24,7 +24,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from elastic.auth import JobSecret, remember
 
 from ...errors import ExitCode, LayoutValueError
-from ..workers import FAILURE_GRACE, UNSENDABLE, WorkerError, first_failure, task_report, unsendable, worker_context
+from ..workers import (
+    FAILURE_GRACE,
+    UNSENDABLE,
+    WorkerError,
+    collect_results,
+    task_report,
+    unsendable,
+    worker_context,
+)
 from .rendezvous import join as join_rendezvous
 from .rendezvous import start_rendezvous
 
@@ -316,39 +324,22 @@ class RayWorkers:
     def collect(self, timeout: float | None = None) -> list[Any]:
         """Every worker's result, by rank; raises :class:`WorkerError` for the first failure,
         as :meth:`LocalWorkers.collect <layoutlang.cli.launch.LocalWorkers.collect>` does."""
-        deadline = time.monotonic() + (timeout or self.timeout + 60)
-        results: dict[int, tuple[bool, Any]] = {}
-        grace_until: float | None = None
-        while len(results) < self.size:
-            result = self.next_result()
-            if result is not None:
-                rank, ok, value = result
-                results[rank] = (ok, value)
-                if not ok and grace_until is None:
-                    grace_until = min(deadline, time.monotonic() + self.grace)
-                continue
-            dead = sorted(r for r in self._dead if r not in results)
-            if dead:
-                text = f"worker rank {dead[0]} died ({self._dead[dead[0]]})"
-                self._stale = True
-                raise WorkerError(text, "died", f"error: {text}", ExitCode.FAILURE)
-            now = time.monotonic()
-            if grace_until is not None and now > grace_until:
-                break
-            if now > deadline:
-                missing = sorted(set(range(self.size)) - set(results))
-                self._stale = True
-                text = f"workers {missing} did not finish in time"
-                raise WorkerError(text, "hung", f"error: {text}", ExitCode.FAILURE)
-        silent = sorted(set(range(self.size)) - set(results))
-        failure = first_failure(results, silent, self.grace)
-        if failure is not None:
-            if silent:
-                for rank in silent:  # a late result of theirs would be taken for the next task's
-                    ray.kill(self.actors[rank], no_restart=True)
-                self._stale = True
-            raise failure
-        return [results[r][1] for r in range(self.size)]
+        def dead(results: Mapping[int, Any]) -> tuple[int, str] | None:
+            gone = sorted(r for r in self._dead if r not in results)
+            return (gone[0], self._dead[gone[0]]) if gone else None
+
+        def stop_silent(ranks: list[int]) -> None:
+            for rank in ranks:
+                ray.kill(self.actors[rank], no_restart=True)
+            self._stale = True
+
+        def abandon() -> None:
+            self._stale = True
+
+        return collect_results(
+            self.size, deadline=time.monotonic() + (timeout or self.timeout + 60), grace=self.grace,
+            next_result=self.next_result, dead=dead, stop_silent=stop_silent, abandon=abandon,
+        )
 
     def results_by_rank(self, timeout: float | None = None) -> dict[int, tuple[bool, Any]]:
         """Every worker's (ok, value) without raising: for tests of failures."""
