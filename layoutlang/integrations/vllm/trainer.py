@@ -18,6 +18,10 @@ anyone calling ``trainer_init`` again:
   for throughput) is admitted at the next step boundary, receives the weights of the step
   just committed from an engine that holds the same boxes, and is applied before
   ``send_weights()`` returns: it serves the others' version;
+- a lost engine that was started again under the same client (a Ray actor restarted by Ray,
+  driven through :class:`~layoutlang.integrations.ray.vllm.RestartAwareRayClient`) asks to
+  join again by itself at the next ``send_weights()``, under the same index, and is admitted
+  as an added engine is;
 - :meth:`~LayoutlangTrainerWeightTransferEngine.remove_engine` leaves on purpose (not a
   failure): the engine axis shrinks at the next step;
 - a trainer rank lost with no replica of its shards stops the refit with
@@ -457,6 +461,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         first = len(session.recoveries)
         sources, not_ready = self._sources()
         if self.is_sender:
+            self._rejoin_restarted()
             self._await_joiners()
             self._drop_failed_joiners()
         # an engine leaving on purpose is a member until the others notice: it is not called
@@ -558,6 +563,10 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         for engine in joined:
             if engine.state == "joining":
                 engine.state = "serving"  # admitted: a member, with its caught-up weights unapplied unless refitted
+        for engine in lost:  # a client that can tell when its engine is back starts watching now
+            restarted = getattr(engine.client, "restarted", None)
+            if restarted is not None:
+                restarted()
         if lost and self.on_engines_lost is not None:
             self.on_engines_lost(lost)
         now_serving = [e for e in joined if e.index in refitted]
@@ -623,14 +632,30 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         engine is started with ``weight_transfer_config={"backend": "layoutlang"}`` like the
         others and the same tensor parallelism; dummy weights are fine."""
         self._sender_only("add an engine")
-        ranks = allocate_engine_ranks(self._store, self._address, self.refit.program, self.refit.reshard.name,
-                                      self.info.engine_axis)
-        engine = Engine(len(self.engines), client, tuple(ranks), state="joining")
-        fields = _worker_fields(self.info, self.refit, self._secret, mode="join", offset=ranks[0], token=engine.token)
-        fields.join_timeout = self.info.join_timeout
-        engine.admission = _call(client.init_weight_transfer_engine, asdict(fields))
+        engine = Engine(len(self.engines), client)
+        self._ask_to_join(engine)
         self.engines.append(engine)
         return engine
+
+    def _ask_to_join(self, engine: Engine) -> None:
+        """Ranks of a new engine position for ``engine``, and its init (in the background):
+        it asks to join, and the next step's boundary admits it."""
+        ranks = allocate_engine_ranks(self._store, self._address, self.refit.program, self.refit.reshard.name,
+                                      self.info.engine_axis)
+        engine.ranks, engine.state, engine.version, engine.error = tuple(ranks), "joining", None, None
+        engine.token = uuid.uuid4().hex
+        fields = _worker_fields(self.info, self.refit, self._secret, mode="join", offset=ranks[0], token=engine.token)
+        fields.join_timeout = self.info.join_timeout
+        engine.admission = _call(engine.client.init_weight_transfer_engine, asdict(fields))
+
+    def _rejoin_restarted(self) -> None:
+        """Lost engines whose client says their engine was started again (a Ray actor that
+        Ray restarted: :class:`~layoutlang.integrations.ray.vllm.RestartAwareRayClient`) ask
+        to join again, under the same index: this step's boundary admits them."""
+        for engine in self.engines:
+            restarted = getattr(engine.client, "restarted", None)
+            if engine.state == "lost" and restarted is not None and restarted():
+                self._ask_to_join(engine)
 
     def remove_engine(self, engine: Engine | int) -> Engine:
         """Take an engine out on purpose (not a failure): its workers leave the session now,
