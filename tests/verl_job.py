@@ -207,7 +207,8 @@ def main() -> int:
         engine_cls = CheckpointEngineRegistry.get("layoutlang")
         for step in range(args.steps):
             # CheckpointEngineManager.build_process_group
-            metadata = workers.call([(i, "prepare", {}) for i in range(total)], limit)
+            # the first call also waits for the workers to start (imports of verl and torch: slow on 2 cores)
+            metadata = workers.call([(i, "prepare", {}) for i in range(total)], limit if step else 240)
             actor_kwargs, rollout_kwargs = engine_cls.build_topology(args.actors, args.rollouts, metadata)
             calls = [(i, "init_process_group", {k: v[i] for k, v in actor_kwargs.items()}) for i in range(args.actors)]
             calls += [(args.actors + j, "init_process_group", {k: v[j] for k, v in rollout_kwargs.items()})
