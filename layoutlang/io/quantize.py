@@ -19,6 +19,7 @@ rule written in torch operations, bit-identical to the C++ core (no custom kerne
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -29,7 +30,19 @@ from ..model.quantization import CONVENTIONS, FORMATS, Quantization, scale_shape
 from .quantize_torch import quantize_into_torch
 from .torch_dtypes import dtype_name, torch_dtype
 
-__all__ = ["quantize", "quantize_into", "quantize_tensors"]
+__all__ = ["quantize", "quantize_into", "quantize_tensors", "quantize_threads"]
+
+
+def quantize_threads() -> int:
+    """The threads the C++ quantizer may use per call: ``LAYOUTLANG_QUANTIZE_THREADS`` when
+    set (1: single-threaded), else 0, which the core reads as the hardware's threads, at most
+    8. A call shares a region's block row strips out when it holds at least 2^18 elements per
+    thread; the bytes never depend on the number."""
+    text = os.environ.get("LAYOUTLANG_QUANTIZE_THREADS", "")
+    try:
+        return max(0, int(text)) if text else 0
+    except ValueError:
+        raise LayoutValueError(f"LAYOUTLANG_QUANTIZE_THREADS must be a number of threads, not '{text}'") from None
 
 
 def _check_view(name: str, tensor: torch.Tensor, device: torch.device) -> None:
@@ -46,11 +59,13 @@ def quantize_into(
     format: str,
     block: Sequence[int],
     convention: str = "scale_inv",
+    threads: int | None = None,
 ) -> None:
     """Quantizes ``source`` into the existing tensors ``values`` (the shape of ``source``,
     ``float8_e4m3fn`` or ``float8_e5m2`` as the format says) and ``scales`` (one per block,
     ``ceil(shape / block)``; float32, or ``float8_e8m0fnu`` for ``mxfp8``). Any strides; all
-    three on one device: the C++ core on the CPU, torch operations elsewhere (the same bytes)."""
+    three on one device: the C++ core on the CPU, torch operations elsewhere (the same bytes).
+    ``threads``: the C++ core's threads (None: :func:`quantize_threads`; the bytes are the same)."""
     if format not in FORMATS:
         raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
     if convention not in CONVENTIONS:
@@ -84,6 +99,7 @@ def quantize_into(
             scales.data_ptr(),
             list(scales.shape),
             list(scales.stride()),
+            quantize_threads() if threads is None else threads,
         )
 
 
