@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <thread>
 
 #include "shard_math.hpp"
 
@@ -308,9 +310,14 @@ void quantize_strips(const QuantView& source, const std::vector<int64_t>& block,
   }
 }
 
+// The least elements a thread of the fast path is given: below it, starting a thread costs
+// more than the share of work it takes (a thread start is some tens of microseconds, a
+// million bf16 elements about a millisecond).
+constexpr int64_t kElementsPerThread = int64_t{1} << 18;
+
 template <QuantSource S, QuantFormat format>
 void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
-                    const QuantView& values, const QuantView& scales) {
+                    const QuantView& values, const QuantView& scales, int threads) {
   const size_t n = source.shape.size();
   const float fmax = quant_fmax(format);
   const int64_t src_last = source.strides[n - 1], val_last = values.strides[n - 1];
@@ -320,9 +327,31 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
   for (size_t d = 0; d < n; ++d)
     if (grid[d] == 0) return;  // an empty tensor has no block
   if (src_last == 1 && val_last == 1) {
-    int64_t strips = 1;
+    int64_t strips = 1, elements = 1;
     for (size_t d = 0; d + 1 < n; ++d) strips *= grid[d];
-    return quantize_strips<S, format>(source, block, convention, values, scales, grid, 0, strips);
+    for (size_t d = 0; d < n; ++d) elements *= source.shape[d];
+    // Block row strips are independent (each writes its own values and scales), so threads
+    // share them out in contiguous ranges: the bytes are those of one thread.
+    const int64_t workers = std::min<int64_t>({static_cast<int64_t>(threads), strips,
+                                               std::max<int64_t>(1, elements / kElementsPerThread)});
+    if (workers <= 1) return quantize_strips<S, format>(source, block, convention, values, scales, grid, 0, strips);
+    std::vector<std::thread> pool;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
+    pool.reserve(static_cast<size_t>(workers));
+    for (int64_t t = 0; t < workers; ++t) {
+      pool.emplace_back([&, t] {
+        try {
+          quantize_strips<S, format>(source, block, convention, values, scales, grid, strips * t / workers,
+                                     strips * (t + 1) / workers);
+        } catch (...) {
+          errors[static_cast<size_t>(t)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& thread : pool) thread.join();
+    for (auto& error : errors)
+      if (error) std::rethrow_exception(error);
+    return;
   }
   BlockExtent extent{std::vector<int64_t>(n), std::vector<int64_t>(n)};
   while (true) {
@@ -387,14 +416,14 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
 
 template <QuantSource S>
 void dispatch_format(const QuantView& source, const std::vector<int64_t>& block, QuantFormat format,
-                     ScaleConvention convention, const QuantView& values, const QuantView& scales) {
+                     ScaleConvention convention, const QuantView& values, const QuantView& scales, int threads) {
   switch (format) {
     case QuantFormat::fp8_e4m3:
-      return quantize_typed<S, QuantFormat::fp8_e4m3>(source, block, convention, values, scales);
+      return quantize_typed<S, QuantFormat::fp8_e4m3>(source, block, convention, values, scales, threads);
     case QuantFormat::fp8_e5m2:
-      return quantize_typed<S, QuantFormat::fp8_e5m2>(source, block, convention, values, scales);
+      return quantize_typed<S, QuantFormat::fp8_e5m2>(source, block, convention, values, scales, threads);
     case QuantFormat::mxfp8:
-      return quantize_typed<S, QuantFormat::mxfp8>(source, block, convention, values, scales);
+      return quantize_typed<S, QuantFormat::mxfp8>(source, block, convention, values, scales, threads);
   }
 }
 
@@ -433,6 +462,11 @@ ScaleConvention scale_convention(const std::string& name) {
   throw CoreValueError("argument", "unknown scale convention '" + name + "' (scale_inv, scale)");
 }
 
+int default_quantize_threads() {
+  const unsigned cores = std::thread::hardware_concurrency();
+  return static_cast<int>(std::clamp(cores, 1u, 8u));
+}
+
 float quant_fmax(QuantFormat format) { return format == QuantFormat::fp8_e5m2 ? 57344.0f : 448.0f; }
 
 uint8_t fp8_encode(float x, QuantFormat format) {
@@ -441,8 +475,10 @@ uint8_t fp8_encode(float x, QuantFormat format) {
 
 void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
                      QuantFormat format, ScaleConvention convention, const QuantView& values,
-                     const QuantView& scales) {
+                     const QuantView& scales, int threads) {
   const size_t n = source.shape.size();
+  if (threads < 0) throw CoreValueError("argument", "threads must be 0 (automatic) or more");
+  if (threads == 0) threads = default_quantize_threads();
   if (n == 0) throw CoreValueError("argument", "a scalar has no blocks: quantize it as a [1] view");
   if (block.size() != n)
     throw CoreValueError("argument", "the block has " + std::to_string(block.size()) + " dims, the source " +
@@ -463,11 +499,11 @@ void quantize_blocks(const QuantView& source, QuantSource source_dtype, const st
   }
   switch (source_dtype) {
     case QuantSource::bf16:
-      return dispatch_format<QuantSource::bf16>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::bf16>(source, block, format, convention, values, scales, threads);
     case QuantSource::fp16:
-      return dispatch_format<QuantSource::fp16>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::fp16>(source, block, format, convention, values, scales, threads);
     case QuantSource::fp32:
-      return dispatch_format<QuantSource::fp32>(source, block, format, convention, values, scales);
+      return dispatch_format<QuantSource::fp32>(source, block, format, convention, values, scales, threads);
   }
 }
 

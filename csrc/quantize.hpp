@@ -49,9 +49,15 @@ float quant_fmax(QuantFormat format);
 // `values` (shape S, one byte per element) and `scales` (shape ceil(S / block); fp32 for
 // fp8, one e8m0 byte for mxfp8). Blocks at the edges are partial: they hold what is left of
 // the dim. Throws CoreValueError (kind "argument") on inconsistent shapes.
+// `threads`: at most that many threads share the block row strips of a view whose last dim is
+// contiguous in the source and the values (0: default_quantize_threads()); each is given at
+// least 2^18 elements, so small views take one. The bytes do not depend on it.
 void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
                      QuantFormat format, ScaleConvention convention, const QuantView& values,
-                     const QuantView& scales);
+                     const QuantView& scales, int threads = 1);
+
+// The threads quantize_blocks uses for `threads = 0`: the hardware's, at most 8.
+int default_quantize_threads();
 
 // The byte of one fp8 element: `x` rounded to nearest, ties to even; |x| must not exceed
 // the format's fmax (callers clamp), NaN gives 0x7F with x's sign.

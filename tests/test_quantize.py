@@ -188,3 +188,27 @@ def test_bad_arguments() -> None:
         quantize_into(x, torch.empty(4, 4, dtype=torch.float8_e4m3fn), torch.empty(2, 1), "fp8_e4m3", (2, 2))
     with pytest.raises(LayoutValueError, match="block has 1 dims"):
         quantize(x, "fp8_e4m3", (2,))
+
+
+@pytest.mark.parametrize("fmt, block", [("fp8_e4m3", (128, 128)), ("mxfp8", (1, 32)), ("fp8_e5m2", (1, 200))])
+def test_threads_give_the_same_bytes(fmt: str, block: tuple[int, ...]) -> None:
+    """The C++ core shares block row strips out over threads (at least 2^18 elements each):
+    1, 2, 3 (strips not a multiple) and 8 threads write the bytes of the reference."""
+    x = spread((1000, 2100), torch.bfloat16, seed=12)  # 2.1 M elements: up to 8 threads
+    want_values, want_scales = reference(x, fmt, block, "scale_inv")
+    for threads in (1, 2, 3, 8, 0):
+        values = torch.empty(x.shape, dtype=want_values.dtype)
+        scales = torch.empty(want_scales.shape, dtype=want_scales.dtype)
+        quantize_into(x, values, scales, fmt, block, threads=threads)
+        assert same_bytes(values, want_values), threads
+        assert same_bytes(scales, want_scales), threads
+    experts = spread((3, 700, 400), torch.float32, seed=13)  # a 3-D view: strips over two dims
+    want = reference(experts, "fp8_e4m3", (1, 128, 128), "scale")
+    for threads in (1, 4):
+        values = torch.empty(experts.shape, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(want[1].shape, dtype=torch.float32)
+        quantize_into(experts, values, scales, "fp8_e4m3", (1, 128, 128), "scale", threads=threads)
+        assert same_bytes(values, want[0]) and same_bytes(scales, want[1])
+    values, scales = quantize(x, fmt, block)
+    with pytest.raises(LayoutValueError, match="threads"):
+        quantize_into(x, values, scales, fmt, block, threads=-1)

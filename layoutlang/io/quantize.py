@@ -11,12 +11,15 @@ tensor (``tests/test_quantize.py`` checks it against such a reference).
 Here, in :mod:`layoutlang.io` beside the dtypes and the safetensors writer, because it is
 the lowest layer that may import torch: the runtime's executor (which quantizes whole blocks
 while packing an FP8 refit's buffers, and a destination's split blocks after their last
-write) and the FP8 checkpoint writers of ``layoutlang apply --to`` both sit above it. CPU
-tensors only: a GPU region is quantized on the host it is staged through.
+write) and the FP8 checkpoint writers of ``layoutlang apply --to`` both sit above it. Tensors on the CPU
+go to the C++ core (multi-threaded over block strips for large regions); tensors on any other
+device (CUDA included) are quantized there by :mod:`layoutlang.io.quantize_torch`, the same
+rule written in torch operations, bit-identical to the C++ core (no custom kernel).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,14 +27,27 @@ import torch
 from ..core import _core
 from ..errors import LayoutValueError, core_errors
 from ..model.quantization import CONVENTIONS, FORMATS, Quantization, scale_shape
+from .quantize_torch import quantize_into_torch
 from .torch_dtypes import dtype_name, torch_dtype
 
-__all__ = ["quantize", "quantize_into", "quantize_tensors"]
+__all__ = ["quantize", "quantize_into", "quantize_tensors", "quantize_threads"]
 
 
-def _check_cpu(name: str, tensor: torch.Tensor) -> None:
-    if tensor.device.type != "cpu":
-        raise LayoutValueError(f"quantize: {name} is on {tensor.device}; the quantizer runs on CPU tensors")
+def quantize_threads() -> int:
+    """The threads the C++ quantizer may use per call: ``LAYOUTLANG_QUANTIZE_THREADS`` when
+    set (1: single-threaded), else 0, which the core reads as the hardware's threads, at most
+    8. A call shares a region's block row strips out when it holds at least 2^18 elements per
+    thread; the bytes never depend on the number."""
+    text = os.environ.get("LAYOUTLANG_QUANTIZE_THREADS", "")
+    try:
+        return max(0, int(text)) if text else 0
+    except ValueError:
+        raise LayoutValueError(f"LAYOUTLANG_QUANTIZE_THREADS must be a number of threads, not '{text}'") from None
+
+
+def _check_view(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    if tensor.device != device:
+        raise LayoutValueError(f"quantize: {name} is on {tensor.device}, the source on {device}: one device for all")
     if any(s < 0 for s in tensor.stride()):
         raise LayoutValueError(f"quantize: {name} has a negative stride")
 
@@ -43,10 +59,13 @@ def quantize_into(
     format: str,
     block: Sequence[int],
     convention: str = "scale_inv",
+    threads: int | None = None,
 ) -> None:
     """Quantizes ``source`` into the existing tensors ``values`` (the shape of ``source``,
     ``float8_e4m3fn`` or ``float8_e5m2`` as the format says) and ``scales`` (one per block,
-    ``ceil(shape / block)``; float32, or ``float8_e8m0fnu`` for ``mxfp8``). Any strides."""
+    ``ceil(shape / block)``; float32, or ``float8_e8m0fnu`` for ``mxfp8``). Any strides; all
+    three on one device: the C++ core on the CPU, torch operations elsewhere (the same bytes).
+    ``threads``: the C++ core's threads (None: :func:`quantize_threads`; the bytes are the same)."""
     if format not in FORMATS:
         raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
     if convention not in CONVENTIONS:
@@ -62,7 +81,10 @@ def quantize_into(
     if scales.dtype != scale_dtype or tuple(scales.shape) != expected:
         raise LayoutValueError(f"quantize: scales must be {scale_dtype} of shape {list(expected)}")
     for name, tensor in (("the source", source), ("values", values), ("scales", scales)):
-        _check_cpu(name, tensor)
+        _check_view(name, tensor, source.device)
+    if source.device.type != "cpu":
+        quantize_into_torch(source, values, scales, format, block, convention)
+        return
     with core_errors():
         _core.quantize_blocks(
             source.data_ptr(),
@@ -77,13 +99,15 @@ def quantize_into(
             scales.data_ptr(),
             list(scales.shape),
             list(scales.stride()),
+            quantize_threads() if threads is None else threads,
         )
 
 
 def quantize(
     source: torch.Tensor, format: str, block: Sequence[int], convention: str = "scale_inv"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(values, scales)``: ``source`` quantized block by block into new contiguous tensors.
+    """``(values, scales)``: ``source`` quantized block by block into new contiguous tensors
+    on its device.
 
     >>> w = torch.tensor([[1.0, -2.0], [0.5, 448.0]], dtype=torch.bfloat16)
     >>> values, scale_inv = quantize(w, "fp8_e4m3", (2, 2))
@@ -92,9 +116,11 @@ def quantize(
     """
     if format not in FORMATS:
         raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
-    values = torch.empty(source.shape, dtype=torch_dtype(FORMATS[format].values))
+    values = torch.empty(source.shape, dtype=torch_dtype(FORMATS[format].values), device=source.device)
     scales = torch.empty(
-        scale_shape(tuple(source.shape), tuple(block)), dtype=torch_dtype(FORMATS[format].scale_dtypes[0])
+        scale_shape(tuple(source.shape), tuple(block)),
+        dtype=torch_dtype(FORMATS[format].scale_dtypes[0]),
+        device=source.device,
     )
     quantize_into(source, values, scales, format, block, convention)
     return values, scales

@@ -4,7 +4,8 @@
 #   2. pytest -m gpu tests/gpu: pitched box copies against torch, NCCL self send/receive on
 #      the caller's stream, CPU buffers staged through the device, the executor on CUDA
 #      tensors over NcclTransport (a one-rank colocated plan), revoke, abort of a receive
-#      that never completes;
+#      that never completes; the torch-ops FP8/MXFP8 quantizer on CUDA against the C++ core,
+#      byte for byte (test_gpu_quantize.py);
 #   3. tests/gpu/bench_pack.py: pack/unpack bandwidth of three methods against the device's
 #      own copy bandwidth (see docs/reference/transports.rst for how to read it).
 # On a machine without CUDA it prints why and exits 0. Usage: tests/gpu/run_gpu_checks.sh
