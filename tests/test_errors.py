@@ -1125,3 +1125,71 @@ def test_a_preset_extending_an_unincluded_one_names_the_preset_to_include(tmp_pa
     ep = 'include "preset:qwen3_moe/vllm_fused_ep"'
     path.write_text(path.read_text().replace(ep, 'include "preset:qwen3_moe/vllm_fused"\n' + ep))
     assert "vllm_fused_ep" in layoutlang.load(path).layouts
+
+
+def test_a_mesh_axis_a_preset_reads_is_hinted_as_an_axis_of_the_mesh(tmp_path):
+    """A preset reading 'infer.dp' of a mesh without that axis: the fix is the axis in the
+    mesh's own declaration, not the preset's near name 'infer.tp'."""
+    path = tmp_path / "refit.layout"
+    path.write_text('include "preset:qwen3_30b_a3b"\nlet num_experts = cfg.num_experts\n'
+                    'mesh infer [ep = 2, tp = 2] on ranks 0..3\ninclude "preset:qwen3_moe/vllm_fused"\n'
+                    'include "preset:qwen3_moe/vllm_fused_ep"\n')
+    with pytest.raises(LayoutNameError) as caught:
+        layoutlang.load(path)
+    err = caught.value
+    assert err.message == "unknown name 'infer.dp' ('infer.' names: infer.ep, infer.tp)"
+    assert err.hint == (
+        "the included file reads the size of axis 'dp' of mesh 'infer': give the mesh that axis (of size 1 if "
+        f"it does not split) where it is declared, before the include at {path}:5:1"
+    )
+    # declared after the include: the hint says to declare it first
+    path.write_text('include "preset:qwen3_30b_a3b"\nlet num_experts = cfg.num_experts\n'
+                    'include "preset:qwen3_moe/vllm_fused_ep"\nmesh infer [dp = 1, tp = 2] on ranks 0..1\n')
+    with pytest.raises(LayoutNameError) as caught:
+        layoutlang.load(path)
+    assert caught.value.hint == (
+        f"the included file reads 'infer.dp': declare mesh 'infer' with axis 'dp' before the include at {path}:3:1"
+    )
+
+
+def test_a_config_key_a_preset_reads_is_hinted_as_missing_from_the_config(tmp_path):
+    """Not the near key of the config ('num_key_value_head'): the preset's name is right."""
+    config = {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_head": 2, "vocab_size": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "refit.layout"
+    path.write_text(f'tensors from hf "{tmp_path / "config.json"}" as cfg\nmesh infer [tp = 2] on ranks 0..1\n'
+                    'include "preset:llama/vllm_fused"\n')
+    with pytest.raises(LayoutError) as caught:
+        layoutlang.load(path)
+    assert caught.value.hint == (
+        "the model description 'cfg' has no 'num_key_value_heads', which the included file reads: "
+        'add "num_key_value_heads" to its config.json'
+    )
+
+
+def test_another_size_of_a_preset_model_is_not_suggested():
+    """'llama3_8b' is not 'llama3_70b': the hint says how to describe the model instead."""
+    with pytest.raises(LayoutIncludeError) as caught:
+        layoutlang.loads('include "preset:llama3_8b"')
+    assert caught.value.hint == (
+        "there is no preset of the model 'llama3_8b': describe it from its own config "
+        '(tensors from hf "PATH/config.json" as cfg) and include its family\'s layouts ("preset:llama/...")'
+    )
+    with pytest.raises(LayoutIncludeError) as caught:  # a typo of that very model is still suggested
+        layoutlang.loads('include "preset:llama3-70b"')
+    assert caught.value.hint == "did you mean 'llama3_70b'?"
+
+
+def test_a_fused_storage_split_inside_a_block_is_hinted_as_too_many_ranks():
+    """Megatron's linear_qkv is cut by query group: tp 4 on 2 groups splits one."""
+    text = (
+        'include "preset:llama3_70b"\nmesh train [pp = 1, tp = 16] on ranks 0..15\n'
+        'include "preset:llama/megatron_core"\n'
+    )
+    with pytest.raises(LayoutValueError) as caught:
+        layoutlang.loads(text).layout("megatron_core").check()
+    assert "not a multiple of its block size" in caught.value.message
+    assert caught.value.hint is not None and "use fewer ranks on that axis" in caught.value.hint

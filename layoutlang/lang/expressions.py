@@ -53,6 +53,10 @@ def _unknown_name(expr: ast.Name | ast.Attr, known: Collection[str], extra: str 
             message += f" ('{expr.obj}.' names: {shown})"
     near = closest_name(expr.name, known)
     hint = None if near is None else f"did you mean '{near}'?"
+    if isinstance(expr, ast.Attr) and expr.span is not None and expr.span.included_from:
+        # A preset reads a mesh's axis or a config's key that its includer must provide: a
+        # near name of the preset's own is not the fix
+        return LayoutNameError(message + extra, expr.span, _included_attr_hint(expr, known, siblings=bool(siblings)))
     included = isinstance(expr, ast.Name) and expr.span is not None and expr.span.included_from
     if included and (near is None or "." in near):
         # An included file (a preset) reads a constant its includer must define: a near
@@ -60,6 +64,35 @@ def _unknown_name(expr: ast.Name | ast.Attr, known: Collection[str], extra: str 
         assert expr.span is not None
         hint = f"define it before the include at {expr.span.included_from[0]}: let {expr.name} = ..."
     return LayoutNameError(message + extra, expr.span, hint)
+
+
+def _included_attr_hint(expr: ast.Attr, known: Collection[str], *, siblings: bool) -> str:
+    """What the includer of a file that reads ``expr`` (``infer.dp``, ``cfg.num_experts``) must
+    declare before the include. ``known`` may know which of its prefixes are meshes
+    (:class:`~layoutlang.lang.scope.Constants`)."""
+    assert expr.span is not None and expr.span.included_from
+    where = expr.span.included_from[0]
+    axis = expr.name.partition(".")[2]
+    if expr.obj in getattr(known, "mesh_names", ()):
+        return (
+            f"the included file reads the size of axis '{axis}' of mesh '{expr.obj}': give the mesh that axis "
+            f"(of size 1 if it does not split) where it is declared, before the include at {where}"
+        )
+    if siblings:
+        return (
+            f"the model description '{expr.obj}' has no '{axis}', which the included file reads: add "
+            f"\"{axis}\" to its config.json"
+        )
+    if expr.obj == "cfg":  # the presets' name for the model description
+        return (
+            f"the included file reads '{expr.name}': import the model's config before the include at {where}: "
+            'tensors from hf "PATH/config.json" as cfg'
+        )
+    return (
+        f"the included file reads '{expr.name}': declare mesh '{expr.obj}' with axis '{axis}' before the include "
+        f"at {where}"
+    )
+
 
 
 def _check_call(node: ast.Call) -> Callable[..., int]:

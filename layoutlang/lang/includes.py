@@ -30,7 +30,15 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import LayoutError, LayoutFileError, LayoutIncludeError, LayoutSyntaxError, Span, did_you_mean
+from ..errors import (
+    LayoutError,
+    LayoutFileError,
+    LayoutIncludeError,
+    LayoutSyntaxError,
+    Span,
+    closest_name,
+    did_you_mean,
+)
 from ..io._files import read_limited
 from . import ast
 from .limits import MAX_INCLUDE_DEPTH, MAX_PROGRAM_BYTES
@@ -107,7 +115,30 @@ def preset_file(name: str, span: Span) -> str:
         str(file.relative_to(_PRESETS).with_suffix("").as_posix()).removesuffix("/model")
         for file in _PRESETS.rglob("*.layout")
     )
-    raise LayoutIncludeError(f"unknown preset '{name}' (presets: {', '.join(known)})", span, did_you_mean(name, known))
+    raise LayoutIncludeError(f"unknown preset '{name}' (presets: {', '.join(known)})", span, _preset_hint(name, known))
+
+
+def _model_family(name: str) -> str:
+    """The letters a model's name starts with: 'llama' of 'llama3_8b', 'qwen' of 'qwen3_14b'."""
+    return re.match(r"[a-z]*", name.lower()).group(0)  # type: ignore[union-attr]  # matches always
+
+
+def _preset_hint(name: str, known: list[str]) -> str | None:
+    """A near preset, unless it is another model of the same family (a 'llama3_8b' that is
+    not 'llama3_70b'): then how to describe the model from its own config instead."""
+    near = did_you_mean(name, known)
+    closest = closest_name(name, known)
+    models = [k for k in known if "/" not in k]
+    if "/" in name or not any(_model_family(m) == _model_family(name) for m in models):
+        return near
+    if closest is not None and re.findall(r"\d+", closest) == re.findall(r"\d+", name):
+        return near  # a typo of that very model ('llama3-70b')
+    families = sorted({k.split("/")[0] for k in known if "/" in k and k.startswith(_model_family(name))})
+    shown = ", ".join(f'"preset:{f}/..."' for f in families) or "a family's layouts"
+    return (
+        f"there is no preset of the model '{name}': describe it from its own config "
+        f'(tensors from hf "PATH/config.json" as cfg) and include its family\'s layouts ({shown})'
+    )
 
 
 def is_preset(path: str) -> bool:

@@ -69,6 +69,11 @@ class Constants(Declarations[int]):
             )
         super().define(name, value)
 
+    @property
+    def mesh_names(self) -> frozenset[str]:
+        """The meshes whose axes' sizes these constants name (``infer`` of ``infer.tp``)."""
+        return frozenset(self._meshes)
+
     def define_mesh(self, mesh: Mesh, span: Span) -> None:
         """``MESH.AXIS`` for every axis: its size."""
         taken = sorted(n for n in self if n.startswith(f"{mesh.name}."))

@@ -708,9 +708,19 @@ class Layout:
         if problems:
             problem = problems[0]
             storage = resolved.storages[problem.storage]
+            hint = None
+            if problem.kind == "storage-blocks" and "not a multiple of its block size" in problem.message:
+                # a fused storage cut in blocks (heads, query groups): the axis that shards it
+                # splits a block between ranks
+                hint = (
+                    "the ranks that shard this storage split one of its blocks (a head or a query group): use "
+                    "fewer ranks on that axis, so that it divides the parts' number of blocks (e.g. tp dividing "
+                    "the number of key-value heads)"
+                )
             raise LayoutValueError(
                 f"storage '{storage.name}' of layout '{self.name}' on rank {problem.rank}: {problem.message}",
                 storage.span,
+                hint,
             )
         self._check_views()
         self._check_empty_stacks()
