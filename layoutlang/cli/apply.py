@@ -527,6 +527,12 @@ def _check_ray(args: argparse.Namespace) -> None:
         )
     if importlib.util.find_spec("ray") is None:
         raise LayoutValueError("--ray: Ray is not installed", hint="pip install 'layoutlang[ray]'")
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:  # refused in one line before the progress display's header
+        # ray_job imports ray and torch: only --ray needs them
+        from .ray_job import check_address
+
+        check_address(address)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -100,11 +100,14 @@ class Display:
             self._thread = threading.Thread(target=self._redraw, name="layoutlang-apply-display", daemon=True)
             self._thread.start()
 
-    def say(self, text: str) -> None:
-        """A lasting line: ``layoutlang apply: TEXT`` (above the status line, in live mode)."""
+    def say(self, text: str, status: str | None = None) -> None:
+        """A lasting line: ``layoutlang apply: TEXT`` (above the status line, in live mode),
+        and the status that follows it, if it changes."""
         if self.mode == "off":
             return
         with self._lock:
+            if status is not None:
+                self._status = status
             clear = "\r\x1b[2K" if self.mode == "live" else ""
             self._write(f"{clear}{PREFIX}: {text}\n")
             if self.mode == "live":
@@ -247,7 +250,8 @@ class _WorkersStarting:
         ready = self.reader.count(ready_key)
         if ready >= self.size:
             self.ready = True
-            self.display.say(f"workers ready ({self.size}/{self.size}) in {self.display.lap():.0f} s")
+            self.display.say(f"workers ready ({self.size}/{self.size}) in {self.display.lap():.0f} s",
+                             "compiling and agreeing on the plan")
             return True
         connected = max(self.reader.count(connected_key), ready)
         self.display.status(f"starting workers: {connected}/{self.size} connected, {ready}/{self.size} ready")
@@ -283,23 +287,24 @@ class ApplyWatch:
             moves = event.get("moves", 0)
             self.display.say(
                 f"{policy}: {event.get('mode', '?')} plan compiled and agreed by every rank "
-                f"({moves:,} moves, fingerprint {str(event.get('fingerprint', ''))[:12]}) in {self.display.lap():.0f} s"
+                f"({moves:,} moves, fingerprint {str(event.get('fingerprint', ''))[:12]}) "
+                f"in {self.display.lap():.0f} s",
+                f"{policy}: moving",
             )
             self._run = f"{policy}: moving"
-            self.display.status(self._run)
         elif kind == "run":
             what = "delta refit" if event.get("delta") else "run"
             done, total = event.get("run", 0), event.get("runs", 0)
             self.display.lap()
-            self.display.say(f"{policy}: {what} {done}/{total} done (rank 0 in {event.get('seconds', 0.0):.3f} s)")
             self._run = f"{policy}: {what} {done + 1}/{total}" if done < total else ""
-            self.display.status(self._run or f"{policy}: verifying every destination byte")
+            self.display.say(f"{policy}: {what} {done}/{total} done (rank 0 in {event.get('seconds', 0.0):.3f} s)",
+                             self._run or f"{policy}: verifying every destination byte")
 
     def finished(self) -> None:
         """Every rank reported."""
         self.poll()
-        self.display.say(f"every rank reported ({self.size}/{self.size}) in {self.display.elapsed():.0f} s")
-        self.display.status("stopping the workers")
+        self.display.say(f"every rank reported ({self.size}/{self.size}) in {self.display.elapsed():.0f} s",
+                         "stopping the workers")
 
 
 class ElasticWatch:
@@ -362,8 +367,8 @@ class ElasticWatch:
 
     def finished(self, reported: int) -> None:
         self.poll()
-        self.display.say(f"{_plural(reported, 'rank')} reported in {self.display.elapsed():.0f} s")
-        self.display.status("stopping the workers")
+        self.display.say(f"{_plural(reported, 'rank')} reported in {self.display.elapsed():.0f} s",
+                         "stopping the workers")
 
 
 def _at(record: dict[str, Any]) -> float:
