@@ -22,6 +22,7 @@ from ..lang import load
 from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from . import arguments
+from .apply_progress import Display
 from .doctor import missing_for_run
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
@@ -526,6 +527,12 @@ def _check_ray(args: argparse.Namespace) -> None:
         )
     if importlib.util.find_spec("ray") is None:
         raise LayoutValueError("--ray: Ray is not installed", hint="pip install 'layoutlang[ray]'")
+    address = os.environ.get("RAY_ADDRESS", "").strip()
+    if address:  # refused in one line before the progress display's header
+        # ray_job imports ray and torch: only --ray needs them
+        from .ray_job import check_address
+
+        check_address(address)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -562,6 +569,18 @@ def run(args: argparse.Namespace) -> int:
             will_write = bytes_to_write(program, args.reshard, args.cast, _this_nodes_ranks())
             prepare_output_folder(args.to_dir, overwrite=args.overwrite, from_dir=args.from_dir, will_write=will_write)
 
+    # On a terminal, the header and a status line from the first second (before torch is
+    # imported here and the workers start); plain lines otherwise; nothing with --json.
+    display = Display("off") if environment_is_torchrun() else Display.for_command(args.json)
+    if display.active:
+        display.start(_progress_header(args, "Ray actors" if args.ray else "local gloo workers"), "starting workers")
+    try:
+        return _apply_plain(args, display)
+    finally:
+        display.close()
+
+
+def _apply_plain(args: argparse.Namespace, display: Display) -> int:
     # The jobs import torch: here, so that the other commands start without it.
     from . import apply_job as job
     from .launch import WorkerError
@@ -594,16 +613,16 @@ def run(args: argparse.Namespace) -> int:
     else:
         # a bad program fails here, before any process starts
         job.participants_of(args.file, args.reshard, allow_outside_includes=args.allow_outside_includes)
-        show_progress = sys.stdout.isatty() and not args.json
         try:
             if args.ray:
                 # Ray and the Ray actors' pool import torch and ray: only --ray needs them
                 from .ray_job import run_ray
 
-                reports, launcher = run_ray(options, show_progress)
+                reports, launcher = run_ray(options, display)
             else:
-                reports, launcher = job.run_local(options, show_progress), "local gloo workers"
+                reports, launcher = job.run_local(options, display), "local gloo workers"
         except WorkerError as err:
+            display.close()  # the status line goes before the error is printed
             if err.exit_code == ExitCode.INTERNAL:
                 raise  # a bug: main reports it (exit 3), without a traceback
             # A user's mistake (exit 2) or a failure at run time (exit 1) found on a worker:
@@ -613,6 +632,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(err.message, file=sys.stderr)
             return err.exit_code
+    display.close()
     if args.to_dir:
         record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
@@ -637,12 +657,23 @@ def plan_modes_shown(args: argparse.Namespace, summary: dict[str, Any]) -> dict[
     return summary | {"runs": plain}
 
 
-def _apply_elastic(args: argparse.Namespace) -> int:
-    _check_processes(args, len(args.kill) + len(args.stop) if args.replace else 0)
-    # The jobs import torch: here, so that the other commands start without it.
-    from . import elastic_job as job
-    from .apply_job import participants_of
+def _progress_header(args: argparse.Namespace, launcher: str, replacements: int = 0) -> str:
+    """The first line of the progress display: the reshard, and the workers starting."""
+    statement, source, destination = _reshard_of(args)
+    ranks = {*source.mesh.ranks, *destination.mesh.ranks}
+    # plain: one worker per rank of the reshard; elastic: ranks 0 to its highest, and the replacements
+    workers = max(ranks) + 1 + replacements if args.elastic else len(ranks)
+    kind = f"elastic refit {statement.name}" if args.elastic else f"refit {statement.name}"
+    steps = f", {args.steps} steps" if args.elastic else ""
+    return (
+        f"{kind}: {source.name} ({source.mesh.size} ranks) -> {destination.name} ({destination.mesh.size} ranks)"
+        f"{steps}; starting {workers} {launcher}"
+    )
 
+
+def _apply_elastic(args: argparse.Namespace) -> int:
+    replacements = len(args.kill) + len(args.stop) if args.replace else 0
+    _check_processes(args, replacements)
     refused = [
         flag
         for flag, given in (
@@ -665,7 +696,8 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     ]
     if refused:
         raise LayoutValueError(f"--elastic runs repeated verified refits; it does not take {', '.join(refused)}")
-    participants = participants_of(args.file, args.reshard)  # a bad program fails here, before any process starts
+    _, source, destination = _reshard_of(args)  # a bad program failed in _check_processes, before any process
+    participants = sorted({*source.mesh.ranks, *destination.mesh.ranks})
     _check_remesh_axes(args)
     faults = [(r, s, "kill") for r, s in args.kill] + [(r, s, "stop") for r, s in args.stop]
     for rank, step, how in faults:
@@ -676,6 +708,20 @@ def _apply_elastic(args: argparse.Namespace) -> int:
             )
         if step >= args.steps:
             raise LayoutValueError(f"--{how} {rank}@{step}: there are only {args.steps} steps (0..{args.steps - 1})")
+    display = Display("off") if environment_is_torchrun() else Display.for_command(args.json)
+    if display.active:
+        launcher = "Ray actors" if args.ray else "local gloo workers"
+        display.start(_progress_header(args, launcher, replacements), "starting workers")
+    try:
+        return _run_elastic(args, faults, display)
+    finally:
+        display.close()
+
+
+def _run_elastic(args: argparse.Namespace, faults: list[tuple[int, int, str]], display: Display) -> int:
+    # The jobs import torch: here, so that the other commands start without it.
+    from . import elastic_job as job
+
     options = job.ElasticOptions(
         path=args.file,
         steps=args.steps,
@@ -701,10 +747,11 @@ def _apply_elastic(args: argparse.Namespace) -> int:
         # Ray and the Ray actors' pool import torch and ray: only --ray needs them
         from .ray_job import run_ray_elastic
 
-        summary, launcher = run_ray_elastic(options)
+        summary, launcher = run_ray_elastic(options, display=display)
     else:
-        summary = job.run_local(options)
+        summary = job.run_local(options, display=display)
         launcher = "local gloo workers"
+    display.close()
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

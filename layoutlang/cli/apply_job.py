@@ -12,6 +12,7 @@ command reshards checkpoints offline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -24,7 +25,6 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from ..errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..io.quantize import quantize
@@ -46,11 +46,13 @@ from ..runtime import Resharder, RunReport
 from ..runtime.agreement import raise_stopped
 from ..runtime.delta import DeltaOptions
 from ..transport.nccl import NcclTransport
+from .apply_progress import STEP_KEY, ApplyWatch, Display, publisher
 from .launch import LocalWorkers, worker_context
 
 __all__ = ["ApplyOptions", "apply_on_rank", "participants_of", "run_local", "run_on", "run_torchrun", "summarize"]
 
-PROGRESS_KEY = "layoutlang/apply/progress"
+#: ``events(kind, **fields)``: what rank 0 says of each phase, for the launcher's display
+Events = Callable[..., None]
 
 #: ``truth(tensor, index, box)``: the values a destination box must hold
 Truth = Callable[[str, int, Box], torch.Tensor]
@@ -105,8 +107,10 @@ def apply_on_rank(
     rank_map: dict[int, int] | None,
     progress: Callable[[str, int, int], None] | None = None,
     device: str = "cpu",
+    events: Events | None = None,
 ) -> dict[str, Any]:
-    """One rank's part of ``apply``: every requested policy, timed, verified."""
+    """One rank's part of ``apply``: every requested policy, timed, verified. ``progress``
+    hears of each executor step, ``events`` of each phase (the plan agreed, each run done)."""
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -144,8 +148,14 @@ def apply_on_rank(
             )
         except AgreementError as stopped:
             raise_stopped(stopped, opening)
+        plan = resharder.plan
+        if events is not None:
+            mode = "per-rank" if plan.rank is not None else plan.mode
+            events("plan", policy=policy, mode=mode, moves=plan.num_moves, fingerprint=plan.fingerprint)
         notify = (lambda n, total, p=policy: progress(p, n, total)) if progress else None
-        report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0)
+        said = (lambda kind, p=policy, **fields: events(kind, policy=p, **fields)) if events else None
+        report["runs"][policy] = _run_policy(options, resharder, checkpoint, device, notify, write=index == 0,
+                                             events=said)
     report["peak_rss_growth_bytes"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) * 1024
     return report
 
@@ -157,9 +167,11 @@ def _run_policy(
     device: str,
     progress: Callable[[int, int], None] | None,
     write: bool,
+    events: Events | None = None,
 ) -> dict[str, Any]:
     """Fill the sources, run the plan ``options.repeat`` times (``options.steps`` delta refits,
-    each after a synthetic training step), verify (and write) the destinations."""
+    each after a synthetic training step), verify (and write) the destinations; ``events``
+    hears of each run done."""
     plan, rank = resharder.plan, resharder.rank
     dtype = getattr(torch, options.cast) if options.cast else None
     sources: dict[str, torch.Tensor] = {}
@@ -185,15 +197,19 @@ def _run_policy(
     reports: list[RunReport] = []
     steps: list[dict[str, Any]] = []
     result: dict[str, Any] = {"verified_bytes": 0, "mismatches": []}
-    for step in range(options.steps if options.delta else 1):
+    steps_run = options.steps if options.delta else 1
+    runs = steps_run if options.delta else _runs(options)
+    for step in range(steps_run):
         changed = 0
         if step and problem is None and rank in plan.source.mesh:  # a synthetic training step
             changed = change_synthetic(plan.source, rank, sources, options.change_fraction, step)
-        reports.extend(
-            _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress, problem,
-                      delta=options.delta)
-            for _ in range(1 if options.delta else _runs(options))
-        )
+        for _ in range(1 if options.delta else runs):
+            reports.append(
+                _run_once(resharder, sources, destinations, dtype is not None, options.cast_sources, progress,
+                          problem, delta=options.delta)
+            )
+            if events is not None:
+                events("run", run=len(reports), runs=runs, seconds=reports[-1].seconds, delta=bool(options.delta))
         # every step's destinations are verified: a delta is right only if all of them are
         verified, mismatches = _verify(plan, rank, destinations, checkpoint, options.change_fraction, step)
         result["verified_bytes"] += verified
@@ -426,77 +442,65 @@ def _transport(options: ApplyOptions, program: Program, rank: int) -> NcclTransp
 
 
 def _local_job(options: ApplyOptions, participants: list[int]) -> dict[str, Any]:
-    """What each local worker runs (worker i plays program rank participants[i])."""
+    """What each local worker runs (worker i plays program rank participants[i]); rank 0
+    tells the launcher's display of its executor steps and phases through the store."""
     index = dist.get_rank()
     rank = participants[index]
     store = worker_context.get("store")
-    progress = None
+    progress = events = None
     if store is not None and index == 0:
+        events = publisher(store)
 
         def progress(policy: str, n: int, total: int) -> None:
-            store.set(PROGRESS_KEY, f"{policy} {n} {total}")
+            with contextlib.suppress(Exception):  # only the display reads it
+                store.set(STEP_KEY, f"{policy} {n} {total}")
 
-    return apply_on_rank(options, rank, {p: i for i, p in enumerate(participants)}, progress)
+    return apply_on_rank(options, rank, {p: i for i, p in enumerate(participants)}, progress, events=events)
 
 
-def run_local(options: ApplyOptions, show_progress: bool) -> list[dict[str, Any]]:
+def run_local(options: ApplyOptions, display: Display | None = None) -> list[dict[str, Any]]:
     """Start one local worker per rank of the reshard, run, and return every rank's report."""
     participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
     with LocalWorkers(len(participants), timeout=options.timeout) as workers:
-        return run_on(workers, options, participants, show_progress)
+        return run_on(workers, options, participants, display)
 
 
-def run_on(workers: Any, options: ApplyOptions, participants: list[int], show_progress: bool) -> list[dict[str, Any]]:
+def run_on(
+    workers: Any, options: ApplyOptions, participants: list[int], display: Display | None = None
+) -> list[dict[str, Any]]:
     """Run the job on a started pool (worker i plays program rank ``participants[i]``): a
-    :class:`LocalWorkers`, or any pool with its interface; every rank's report."""
+    :class:`LocalWorkers`, or any pool with its interface; every rank's report. An active
+    ``display`` follows the workers' start and rank 0's phases meanwhile."""
     workers.submit(_local_job, options, participants)
-    if show_progress:
-        return _with_progress(workers, options.timeout)
-    return workers.collect(options.timeout * (2 + options.repeat) + 120)
-
-
-def _with_progress(workers: Any, timeout: float) -> list[dict[str, Any]]:
-    """Every rank's report, collected while a transient progress bar follows rank 0's steps."""
+    timeout = options.timeout * (2 + options.repeat) + 120
+    if display is None or not display.active:
+        return workers.collect(timeout)
+    watch = ApplyWatch(display, (workers.store.host, workers.store.port), workers.size)
     results: list[dict[str, Any]] = []
     errors: list[BaseException] = []
     done = threading.Event()
 
     def collect() -> None:
         try:
-            results.extend(workers.collect(timeout * 4 + 120))
+            results.extend(workers.collect(timeout))
         except BaseException as err:  # raised again on the main thread
             errors.append(err)
         finally:
             done.set()
 
-    thread = threading.Thread(target=collect, daemon=True)
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, transient=True) as bar:
-        tasks: dict[str, TaskID] = {}
-        thread.start()
-        while not done.wait(0.1):
-            step = _progress_of(workers.store)
-            if step is None:
-                continue
-            policy, n, total = step
-            if policy not in tasks:
-                tasks[policy] = bar.add_task(f"{policy}: steps", total=total)
-            bar.update(tasks[policy], completed=n)
-        thread.join()
+    thread = threading.Thread(target=collect, name="layoutlang-apply-collect", daemon=True)
+    thread.start()
+    while not done.wait(POLL):
+        watch.poll()
+    thread.join()
     if errors:
         raise errors[0]
+    watch.finished()
     return results
 
 
-def _progress_of(store: Any) -> tuple[str, int, int] | None:
-    """Rank 0's latest (policy, steps done, steps), or None when it has not reported yet."""
-    try:
-        if not store.check([PROGRESS_KEY]):
-            return None
-        policy, n, total = store.get(PROGRESS_KEY).decode().split()
-        return policy, int(n), int(total)
-    except Exception:  # the store is only a progress channel here
-        return None
+#: seconds between two looks of the launcher's display at the store
+POLL = 0.25
 
 
 def run_torchrun(options: ApplyOptions, device: str = "cpu") -> list[dict[str, Any]] | None:

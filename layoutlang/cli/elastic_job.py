@@ -27,6 +27,7 @@ gives it to every agent's environment).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,7 @@ from ..io.torch_dtypes import torch_dtype
 from ..io.weights import change_synthetic, changed_truth, fill_synthetic, verify
 from ..runtime.delta import DeltaOptions
 from .apply_job import participants_of
+from .apply_progress import Display, ElasticWatch, elastic_keys
 from .launch import LAUNCHER_GONE, LocalWorkers, worker_context
 
 __all__ = [
@@ -159,6 +161,9 @@ class _Seen:
     committed step, verified where this rank holds destination storages."""
 
     rank: int
+    #: where the launcher's display reads of each committed step and new generation
+    #: (:func:`~layoutlang.cli.apply_progress.elastic_keys`); None: nobody reads
+    progress: Any = None
     shrinks: list[int] = attrs.Factory(list)
     grows: list[int] = attrs.Factory(list)
     checked: list[dict] = attrs.Factory(list)
@@ -171,9 +176,16 @@ class _Seen:
         truth = changed_truth(session.destination, None, self.change_fraction, step)
         return verify(session.destination, self.rank, session.destinations, truth=truth)
 
+    def tell(self, key: str, **fields: Any) -> None:
+        """Tell the launcher's display (every rank writes the same value; a failure loses it only)."""
+        if self.progress is not None:
+            with contextlib.suppress(Exception):
+                self.progress.set(key, json.dumps(fields | {"at": time.time()}))
+
     def on_step(self, step: int, session: ElasticSession) -> None:
         committed = session.last_report  # the generation the step committed in (a grow may follow)
         assert committed is not None  # on_step runs after the step's refit committed
+        self.tell(f"step/{step}", step=step, generation=committed.generation)
         result = {"step": step, "generation": committed.generation, "destination": committed.destination}
         if self.rank in session.destination.mesh:
             v = self.verify(session, step)
@@ -218,19 +230,28 @@ def refit_job(
     program = lang.load(text_or_path) if os.path.exists(text_or_path) else lang.loads(text_or_path)
     injected = _Faults(rank, faults, trigger, dist.PrefixStore(f"{namespace}-ctl", store))
     injected.watch_for_signal(namespace, host, port)
-    seen = _Seen(rank, change_fraction=change_fraction)
+    seen = _Seen(rank, dist.PrefixStore(elastic_keys(namespace), store), change_fraction=change_fraction)
     step_fn = synthetic_sources if change_fraction is None else trained_sources(change_fraction)
 
+    def told(change: Change) -> None:
+        seen.tell(f"generation/{change.generation}", generation=change.generation, lost=list(change.lost),
+                  joined=list(change.joined), members=list(change.members))
+
     def on_shrink(change: Change) -> None:
+        told(change)
         seen.shrinks.append(change.generation)
         injected.in_shrink()
+
+    def on_grow(change: Change) -> None:
+        told(change)
+        seen.grows.append(change.generation)
 
     base = {"rank": rank, "checked": seen.checked}
     try:
         session = ElasticSession(
             program, rank=rank, store=store, port=port, host=host, members=members, join=rank in joiners,
             namespace=namespace, deadline=deadline, timeout=timeout, memory_budget=memory_budget,
-            on_shrink=on_shrink, on_grow=lambda change: seen.grows.append(change.generation), **options,
+            on_shrink=on_shrink, on_grow=on_grow, **options,
         )
     except (LayoutError, RuntimeFailure) as err:  # a bad option, or no first generation
         return base | {"error": str(err), "kind": err.kind}
@@ -308,19 +329,24 @@ def workers_needed(options: ElasticOptions) -> int:
     return max(participants + joiners) + 1
 
 
-def run_local(options: ElasticOptions, namespace: str = "apply") -> dict:
+def run_local(options: ElasticOptions, namespace: str = "apply", display: Display | None = None) -> dict:
     """Start one local worker per rank (and per replacement), run, and summarize."""
     with LocalWorkers(workers_needed(options), timeout=options.timeout) as pool:
-        return run_on(pool, options, namespace)
+        return run_on(pool, options, namespace, display)
 
 
-def run_on(pool: Any, options: ElasticOptions, namespace: str = "apply") -> dict:
+def run_on(pool: Any, options: ElasticOptions, namespace: str = "apply", display: Display | None = None) -> dict:
     """Run the job on a started pool of :func:`workers_needed` workers (a :class:`LocalWorkers`,
-    or any pool with its interface, its ``processes`` and ``kill``), and summarize."""
+    or any pool with its interface, its ``processes`` and ``kill``), and summarize. An active
+    ``display`` follows the workers' start, each step, fault and recovery meanwhile."""
     participants, joiners = _ranks(options)
     size = pool.size
     idle = [r for r in range(size) if r not in participants and r not in joiners]
     failing = {r for r, _, how in options.faults}
+    watch = None
+    if display is not None and display.active:
+        watch = ElasticWatch(display, (pool.store.host, pool.store.port), size, namespace, options.steps,
+                             options.faults)
     with ExitWatcher(pool.store, dict(enumerate(pool.processes)), namespace=namespace, secret=pool.secret):
         pool.submit(refit_job, options.path, options.steps, **_job_arguments(options, namespace, joiners, idle))
         results: dict[int, dict] = {}
@@ -328,6 +354,8 @@ def run_on(pool: Any, options: ElasticOptions, namespace: str = "apply") -> dict
         expected = set(participants + joiners) - failing
         while not expected <= set(results) and time.monotonic() < end:
             result = pool.next_result(0.2)
+            if watch is not None:
+                watch.poll()
             if result is None:
                 if all(not p.is_alive() for r, p in enumerate(pool.processes) if r in expected - set(results)):
                     break
@@ -335,6 +363,8 @@ def run_on(pool: Any, options: ElasticOptions, namespace: str = "apply") -> dict
             rank, ok, value = result
             results[rank] = value if ok else {"rank": rank, "error": value[1], "kind": value[2]}
         failed = _failed_times(pool.store, namespace, sorted(failing))
+    if watch is not None:
+        watch.finished(len(results))
     for rank in sorted(failing):  # a stopped rank is not waited for
         pool.kill(rank)
     return summarize(options, results, failed, participants, joiners)

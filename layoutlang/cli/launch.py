@@ -34,6 +34,7 @@ from elastic.auth import SECRET_ENV, JobSecret, remember
 from elastic.store import serve_store
 
 from ..integrations.workers import (
+    CONNECTED_KEY,
     FAILURE_GRACE,
     UNSENDABLE,
     WorkerError,
@@ -107,6 +108,8 @@ def _worker_main(
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     store = dist.TCPStore("127.0.0.1", port, size + 1, is_master=False, timeout=timedelta(seconds=timeout))
+    with contextlib.suppress(RuntimeError):  # for the launcher's progress display only
+        store.add(CONNECTED_KEY, 1)
     if default_group:  # a respawned worker cannot rejoin the first one: its peers built it long ago
         try:
             init_default_group(store, prefix, rank, size, timeout, secret)

@@ -29,6 +29,7 @@ from ..lang import load
 from ..model.topology import Topology
 from . import elastic_job
 from .apply_job import ApplyOptions, participants_of, run_on
+from .apply_progress import Display
 
 __all__ = ["check_address", "connected", "run_ray", "run_ray_elastic"]
 
@@ -93,7 +94,7 @@ def _launcher(workers: RayWorkers, where: str, domains: str) -> str:
     return f"Ray actors on {nodes} node{'s' if nodes != 1 else ''} of {where}, {domains}"
 
 
-def run_ray(options: ApplyOptions, show_progress: bool) -> tuple[list[dict[str, Any]], str]:
+def run_ray(options: ApplyOptions, display: Display | None = None) -> tuple[list[dict[str, Any]], str]:
     """Run the job on Ray actors; every rank's report, and the launcher as the report names it."""
     participants = participants_of(options.path, options.reshard, allow_outside_includes=options.allow_outside_includes)
     program = load(options.path, allow_outside_includes=options.allow_outside_includes)
@@ -106,13 +107,15 @@ def run_ray(options: ApplyOptions, show_progress: bool) -> tuple[list[dict[str, 
     ):
         if given is None:
             options = attrs.evolve(options, domain_size=workers.domain_size)
-        reports = run_on(workers, options, participants, show_progress)
+        reports = run_on(workers, options, participants, display)
         domains = f"domains of {workers.domain_size} ranks" + ("" if given else " from placement")
         launcher = _launcher(workers, where, domains)
     return reports, launcher
 
 
-def run_ray_elastic(options: elastic_job.ElasticOptions, namespace: str = "apply") -> tuple[dict[str, Any], str]:
+def run_ray_elastic(
+    options: elastic_job.ElasticOptions, namespace: str = "apply", display: Display | None = None
+) -> tuple[dict[str, Any], str]:
     """Run an elastic job (``--elastic``) on Ray actors, one per rank and per replacement;
     the summary, and the launcher as the report names it. Its sessions plan with the
     program's topology: each of its domains is placed on one node, and a program without
@@ -124,6 +127,6 @@ def run_ray_elastic(options: elastic_job.ElasticOptions, namespace: str = "apply
         connected(size) as where,
         RayWorkers(size, domain_size=given, timeout=options.timeout) as workers,
     ):
-        summary = elastic_job.run_on(workers, options, namespace)
+        summary = elastic_job.run_on(workers, options, namespace, display)
         launcher = _launcher(workers, where, f"domains of {given or 1} rank{'s' if given else ''}")
     return summary, launcher

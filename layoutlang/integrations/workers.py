@@ -29,7 +29,9 @@ from .._text import rank_ranges
 from ..errors import ExitCode, LayoutError, RuntimeFailure
 
 __all__ = [
+    "CONNECTED_KEY",
     "FAILURE_GRACE",
+    "READY_KEY",
     "WorkerError",
     "collect_results",
     "first_failure",
@@ -44,6 +46,12 @@ __all__ = [
 #: one agreement, and each rank reports within a second of the first; the rest covers a
 #: loaded machine (16 workers on 2 cores). A worker silent past it is stopped or hung.
 FAILURE_GRACE = 8.0
+
+#: Counters in the job's store that a launcher's progress display reads
+#: (:mod:`layoutlang.cli.apply_progress`): workers connected to the store, and workers whose
+#: default group is built (:func:`init_default_group`). One ``add`` per worker each.
+CONNECTED_KEY = "layoutlang/workers/connected"
+READY_KEY = "layoutlang/workers/ready"
 
 
 class WorkerError(RuntimeError):
@@ -206,3 +214,5 @@ def init_default_group(store: Any, prefix: str, rank: int, size: int, timeout: f
         group = dist.distributed_c10d._get_default_group()
         prove_group(group, store, records, f"{prefix}/proof", range(size), rank, timeout=timeout,
                     what="the workers' default group")
+    with contextlib.suppress(Exception):  # only a display reads it: never a reason to fail
+        store.add(READY_KEY, 1)
