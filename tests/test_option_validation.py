@@ -232,3 +232,34 @@ def test_plan_out_that_cannot_be_written_is_a_path_mistake_before_compiling(caps
     err = capsys.readouterr().err
     assert f"error: --out {out}: " in err and "internal error" not in err
     assert ("is a folder" if where == "a-folder" else "does not exist") in err
+
+
+QUANTIZED = """
+mesh train [dp = 2]
+mesh infer [tp = 2] on ranks 2..3
+tensor "w" [256, 256] bf16
+layout fsdp on train { default: dp = shard(0) }
+layout serve on infer {
+    "w": tp = shard(0)
+    quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: fsdp -> serve
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("option", [["--compare"], ["--policy", "broadcast"]])
+def test_gather_and_broadcast_into_a_quantized_destination_is_refused_before_any_worker(tmp_path, option):
+    """It would gather and broadcast bf16 that nothing quantizes: refused in the program's
+    words, before a worker starts (no 'rank 0 is not ready' after the start-up)."""
+    path = tmp_path / "fp8.layout"
+    path.write_text(QUANTIZED)
+    result = cli("apply", str(path), *option)
+    assert result.returncode == ExitCode.BAD_INPUT, result.stderr
+    flag = " ".join(option)
+    assert result.stderr.splitlines()[0] == (
+        f"error: {flag} runs gather-and-broadcast, which cannot refit layout 'serve': it stores 1 tensor "
+        "quantized ('w', ...), which only the reshard policy refits"
+    )
+    assert f"hint: run without {flag}" in result.stderr
+    assert "ready" not in result.stderr and "workers" not in result.stderr

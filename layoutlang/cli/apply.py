@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .._text import human_bytes, rank_ranges, rank_span, table
+from .._text import counted, human_bytes, rank_ranges, rank_span, table
 from ..errors import ExitCode, LayoutValueError, ModelDescriptionError, did_you_mean
 from ..io.output import MANIFEST, WrittenFile, check_room, read_manifest, why_not_removable, write_manifest
 from ..io.safetensors import checkpoint_file, checkpoint_mismatches, tensors_from_safetensors
@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compare",
         action="store_true",
         help="also run the gather-and-broadcast plan and compare (each policy runs at least twice and reports its "
-        "fastest: a first run pays for setting up connections)",
+        "fastest: a first run pays for setting up connections); refused into a destination that stores tensors "
+        "quantized, which only the reshard policy refits",
     )
     parser.add_argument(
         "--plan-mode",
@@ -535,6 +536,23 @@ def _check_ray(args: argparse.Namespace) -> None:
         check_address(address)
 
 
+def _check_broadcast_baseline(args: argparse.Namespace) -> None:
+    """Refuse, before any worker starts, a gather-and-broadcast run (``--compare`` or
+    ``--policy broadcast``) into a destination that stores tensors quantized: it gathers and
+    broadcasts them in bf16, and nothing would quantize them."""
+    _, _, destination = _reshard_of(args, checked=True)
+    quantized = destination.quantized()
+    if not quantized:
+        return
+    flag = "--compare" if args.compare else "--policy broadcast"
+    first = next(iter(quantized))
+    raise LayoutValueError(
+        f"{flag} runs gather-and-broadcast, which cannot refit layout '{destination.name}': it stores "
+        f"{counted(len(quantized), 'tensor')} quantized ('{first}', ...), which only the reshard policy refits",
+        hint="run without " + flag + "; `layoutlang simulate` prices both, quantized and not",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     _check_delta_options(args)
     if args.ray:
@@ -551,6 +569,8 @@ def run(args: argparse.Namespace) -> int:
         raise LayoutValueError("--allow-outside-paths is about the index of a --from checkpoint; give --from DIR")
     if args.overwrite and not args.to_dir:
         raise LayoutValueError("--overwrite replaces the files of a --to folder; give --to DIR")
+    if args.compare or args.policy == "broadcast":
+        _check_broadcast_baseline(args)
     if args.plan_mode == "per-rank":
         # before any worker starts: every rank would fail to compile its part, in the agreement
         program = load(args.file, allow_outside_includes=args.allow_outside_includes)
