@@ -677,3 +677,31 @@ def test_a_quantized_destination_is_priced_at_its_wire_bytes(capsys):
 
     (line,) = [line for line in simulation_report(sim) if line.startswith("quantized destination")]
     assert f"({sim.quantized_ratio():.2f}x)" in line
+
+
+def test_the_comparison_reads_right_both_ways():
+    """'0.5x faster' meant twice as slow: a slower reshard says so, and a quantized
+    destination's baseline says it moves bf16."""
+    from layoutlang.cli.simulate import _comparison
+
+    assert _comparison(1.8, quantized=False) == "reshard is 1.8x faster than gather-and-broadcast"
+    assert _comparison(0.5, quantized=False) == "reshard is 2.0x slower than gather-and-broadcast"
+    assert _comparison(1.0, quantized=False) == "reshard takes about as long as gather-and-broadcast"
+    assert _comparison(2.5, quantized=True) == (
+        "reshard is 2.5x faster than gather-and-broadcast of bf16 (it cannot refit the quantized tensors)"
+    )
+
+
+def test_a_refit_into_a_quantized_destination_names_its_bf16_baseline(tmp_path):
+    path = tmp_path / "fp8.layout"
+    path.write_text(
+        "mesh train [dp = 2]\nmesh infer [tp = 2] on ranks 2..3\ntensor \"w\" [4096, 4096] bf16\n"
+        "layout fsdp on train { default: dp = shard(0) }\n"
+        'layout serve on infer {\n    "w": tp = shard(0)\n'
+        '    quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32\n}\n'
+        "reshard refit: fsdp -> serve\n"
+    )
+    status, text = run_command([str(path)])
+    assert status == 0
+    assert "gather-and-broadcast of bf16 (it cannot refit the quantized tensors)" in text
+    assert "quantized destination:" in text
