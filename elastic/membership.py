@@ -97,14 +97,16 @@ class ExcludedError(MembershipError):
 
 
 class MemberFailure(ExecutionError):
-    """Members of the current generation failed (``failures``: rank -> reason)."""
+    """Members of the current generation failed (``failures``: rank -> reason). ``message``
+    replaces the default one ("generation g lost members (...)"), e.g. for members of the
+    first generation that never joined it."""
 
     kind = "member-failure"
 
-    def __init__(self, rank: int, generation: int, failures: Mapping[int, str]):
+    def __init__(self, rank: int, generation: int, failures: Mapping[int, str], *, message: str | None = None):
         self.failures = dict(failures)
         described = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
-        super().__init__(f"rank {rank}: generation {generation} lost members ({described})", rank=rank)
+        super().__init__(message or f"rank {rank}: generation {generation} lost members ({described})", rank=rank)
 
 
 class GenerationChanged(ExecutionError):
@@ -513,6 +515,12 @@ class Membership:
                     f"rank {self.rank}: generation {generation} was not agreed within {timeout:g} s"
                 )
             time.sleep(period)
+
+    def never_heard(self, generation: int, ranks: Iterable[int]) -> list[int]:
+        """Those of ``ranks`` whose heartbeat never appeared under ``generation`` (an
+        authentic one): ranks that never joined it, e.g. a member of the first generation
+        whose process did not start its session."""
+        return [r for r in sorted({int(r) for r in ranks}) if beats(self.store, self.records, generation, r) == 0]
 
     def latest(self, start: int = 0) -> int | None:
         """The highest agreed generation at or after ``start`` (None when none is)."""

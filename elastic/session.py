@@ -63,7 +63,15 @@ from layoutlang.runtime.delta import DeltaOptions, DeltaReport
 from .auth import JobSecret, establish_job
 from .commit import COMMITTED, step_record
 from .groups import GlooGenerations
-from .membership import ASKING, DEFAULT_DEADLINE, DEFAULT_INTERVAL, GenerationChanged, Heartbeat, Membership
+from .membership import (
+    ASKING,
+    DEFAULT_DEADLINE,
+    DEFAULT_INTERVAL,
+    GenerationChanged,
+    Heartbeat,
+    MemberFailure,
+    Membership,
+)
 from .recovery import Change, GroupBuilder, Recoverer, Recovery, RefitSpec, recoverable
 
 __all__ = ["ElasticSession", "StepFn", "StepReport"]
@@ -109,8 +117,10 @@ class ElasticSession:
     destination the inference side. ``rank`` is this process's job rank; ``store`` is a
     torch.distributed Store hosted by a process that outlives the workers, also reachable
     as a TCPStore at ``host:port`` (the heartbeat thread opens its own client). The first
-    generation's members are ``members`` (default: every rank of both meshes); a
-    replacement rank passes ``join=True`` and waits until admitted.
+    generation's members are ``members`` (default: every rank of both meshes); one that never
+    starts its session stops the others after ``timeout`` with
+    :class:`~elastic.MemberFailure` naming it ("rank 3 never joined generation 0 within 8 s
+    ..."). A replacement rank passes ``join=True`` and waits until admitted.
 
     ``source_policy`` / ``destination_policy`` (and ``source_axis`` / ``destination_axis``)
     are the remesh policies applied when ranks are lost; ``deadline`` is how long a member
@@ -264,12 +274,39 @@ class ElasticSession:
             )
         self.membership.agree(0, initial)
         self.membership.set_record(0, "program", self.digest.encode())  # what joiners compare with
-        self._recoverer.enter(self._recoverer.committed, noticed=time.time(), reasons={}, first=True)
+        try:
+            self._recoverer.enter(self._recoverer.committed, noticed=time.time(), reasons={}, first=True)
+        except ExecutionError as err:
+            # a member that never started its session is why the first generation could not
+            # form (its group waits for every member): name it, whichever wait ran out first
+            absent = [r for r in self.membership.never_heard(0, initial) if r != self.rank]
+            if not absent:
+                raise
+            raise self._never_joined(absent, err) from err
         plan = self._recoverer.plan
         assert plan is not None  # entering compiles the generation's plan
         agree(
             self._recoverer.transport, self.rank, self.members, plan.fingerprint, problem, self.timeout,
             failure="could not start the session", ready=problem is None,
+        )
+
+    def _never_joined(self, absent: list[int], err: ExecutionError) -> MemberFailure:
+        """The failure of a first generation that the members ``absent`` never joined (no
+        heartbeat of theirs ever appeared; ``err``: the failure they caused here)."""
+        known = err.failures if isinstance(err, MemberFailure) else {}
+        whys = {
+            r: known[r] if known.get(r, "").startswith("its process exited")
+            else "no heartbeat: the process did not start its session, or cannot reach the store"
+            for r in absent
+        }
+        if len(set(whys.values())) == 1:
+            detail = next(iter(whys.values()))
+        else:
+            detail = "; ".join(f"rank {r}: {why}" for r, why in whys.items())
+        who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {', '.join(map(str, absent))}"
+        return MemberFailure(
+            self.rank, 0, {r: f"never joined generation 0 ({why})" for r, why in whys.items()},
+            message=f"rank {self.rank}: {who} never joined generation 0 within {self.timeout:g} s ({detail})",
         )
 
     def _check_program(self) -> None:

@@ -66,9 +66,12 @@ def drain(pool, wait: float = 1.0) -> None:
         pool.next_result(0.1)
 
 
-def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, **options):
+def run(pool, *, expect, kills=(), stopped=(), text=PROGRAM, timeout=90.0, session_timeout=None, **options):
     """Run the refit job on every worker; returns the results of the ranks in ``expect``
-    (which must all report), and checks that they are the processes that started."""
+    (which must all report), and checks that they are the processes that started.
+    ``session_timeout``: the sessions' own (default: the job's)."""
+    if session_timeout is not None:
+        options["timeout"] = session_timeout
     pool.respawn()
     pool.run(os.getpid)  # every worker is up (a respawned one imports torch first)
     pids = {r: p.pid for r, p in enumerate(pool.processes)}
@@ -142,6 +145,18 @@ def test_a_refit_without_failures_commits_every_step(pool):
     check_refits(results, destination_ranks=range(4, 8), members=range(8), destination="serve", source="fsdp")
     # no failure, no recovery: nothing but the first generation
     assert all(r["recoveries"] == [] and r["generation"] == 0 for r in results.values())
+
+
+def test_a_member_that_never_starts_its_session_is_named_by_every_other_member(pool):
+    """Rank 7 (an inference rank) never starts its session: the first generation's group
+    cannot form without it, and after the timeout every other member stops naming it."""
+    results = run(pool, expect=range(7), idle=(7, 8), session_timeout=5.0)
+    for rank, result in results.items():
+        assert result["kind"] == "member-failure", result
+        assert result["error"].startswith(
+            f"error: rank {rank}: rank 7 never joined generation 0 within 5 s (no heartbeat: "
+        ), result
+        assert result["checked"] == []  # nothing was refit
 
 
 def test_sigkill_of_an_inference_rank_mid_transfer(pool):
