@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import re
@@ -23,6 +22,7 @@ from ..model import Layout, Program, Reshard
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from . import arguments
 from .doctor import missing_for_run
+from .json_output import emit, error_json
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
 
@@ -609,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
             # A user's mistake (exit 2) or a failure at run time (exit 1) found on a worker:
             # its message already has its place and caret.
             if args.json:
-                print(json.dumps({"error": err.kind, "message": err.message}), file=sys.stderr)
+                return emit("apply", None, err.exit_code, [error_json(err.kind, err.message)])
             else:
                 print(err.message, file=sys.stderr)
             return err.exit_code
@@ -617,7 +617,7 @@ def run(args: argparse.Namespace) -> int:
         record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        return emit("apply", summary, ExitCode.OK if summary["ok"] else ExitCode.FAILURE, job.failures(summary))
     else:
         print("\n".join(_apply_report(args, summary, launcher)))
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
@@ -705,13 +705,14 @@ def _apply_elastic(args: argparse.Namespace) -> int:
     else:
         summary = job.run_local(options)
         launcher = "local gloo workers"
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print("\n".join(_elastic_report(args, summary, launcher)))
     if any(e["kind"] == "internal" for e in summary["errors"].values()):
-        return ExitCode.INTERNAL
-    return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+        status = ExitCode.INTERNAL
+    else:
+        status = ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+    if args.json:
+        return emit("apply", summary, status, job.failures(summary, args.steps) if status else [])
+    print("\n".join(_elastic_report(args, summary, launcher)))
+    return status
 
 
 def _check_remesh_axes(args: argparse.Namespace) -> None:
