@@ -302,6 +302,7 @@ def test_without_json_a_usage_error_is_argparse_text(capsys):
     [
         (ExecutionError("rank 3: a peer died", rank=3, peers=[1]), ExitCode.FAILURE, "execution"),
         (RuntimeError("simulated bug"), ExitCode.INTERNAL, "internal"),
+        (KeyboardInterrupt(), ExitCode.FAILURE, "interrupted"),
     ],
 )
 def test_a_failure_at_run_time_and_a_bug_are_the_envelope_too(capsys, monkeypatch, raised, code, kind):

@@ -109,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `layoutlang show ... | head`
         return ExitCode.OK
     except KeyboardInterrupt:
+        if as_json:
+            return emit(args.command, None, ExitCode.FAILURE, [error_json("interrupted", "interrupted (SIGINT)")])
         return ExitCode.FAILURE
     except Exception as err:  # a bug in layoutlang, not the user's mistake: still no traceback
         log.debug("internal error", exc_info=True)
