@@ -223,7 +223,8 @@ def test_bad_input_is_one_line_without_a_traceback(tmp_path):
     bad_program = _apply("--ray", str(broken))
     assert bad_program.returncode == ExitCode.BAD_INPUT
     for run in (unreachable, elastic, bad_program):
-        assert "Traceback" not in run.stderr and run.stdout == ""
+        assert "Traceback" not in run.stderr
+    assert unreachable.stdout == bad_program.stdout == "" and elastic.stderr == ""  # --json: all on stdout
 
 
 def test_a_killed_worker_actor_is_reported_naming_its_rank(pool):
