@@ -33,7 +33,7 @@ def run(*args: str, cwd: Path = ROOT, env: dict | None = None) -> subprocess.Com
 def test_apply_alone_runs_local_workers_and_verifies_every_byte():
     result = run("apply", str(EXAMPLES / "tp_to_dp.layout"), "--compare", "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = json.loads(result.stdout)["result"]
     assert report["ok"] and report["ranks"] == 6
     reshard, broadcast = report["runs"]["reshard"], report["runs"]["broadcast"]
     plan = layoutlang.compile_plan(layoutlang.load(EXAMPLES / "tp_to_dp.layout"))
@@ -100,7 +100,7 @@ def test_apply_under_torchrun_joins_the_job():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=280, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     start = result.stdout.index("{")
-    report = json.loads(result.stdout[start:])
+    report = json.loads(result.stdout[start:])["result"]
     assert report["ok"] and report["ranks"] == 4
     assert report["runs"]["reshard"]["bytes"]["local"] > 0  # colocated: part of the refit is a local copy
 
@@ -209,7 +209,7 @@ def test_apply_exits_1_when_ranks_compile_different_plans(tmp_path):
     result = run_with_fault(tmp_path, "disagree", "--json")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
-    error = json.loads(result.stderr)
+    (error,) = json.loads(result.stdout)["errors"]
     assert error["error"] == "agreement"
     assert "rank 0 compiled a different plan from the others (rank 0 compiled plan " in error["message"]
     assert "; ranks 1..3 compiled plan " in error["message"]
@@ -270,7 +270,7 @@ def test_apply_from_reports_every_mismatch_at_once_before_any_worker_starts(tmp_
     )
     result, processes = run_probed(tmp_path, "--from", str(checkpoint), "--json")
     assert result.returncode == 2, result.stdout + result.stderr
-    error = json.loads(result.stderr)
+    (error,) = json.loads(result.stdout)["errors"]
     assert error["error"] == "model"
     assert error["message"].splitlines()[1:] == [
         "  'w' is fp32 [64, 32], declared fp32 [64, 64]",
@@ -381,7 +381,7 @@ def test_apply_from_refuses_another_dtype_and_says_how_to_cast_it(tmp_path):
     program, checkpoint, _ = fp32_master_weights(tmp_path)
     result = run("apply", str(program), "--from", str(checkpoint), "--json")
     assert result.returncode == 2, result.stdout + result.stderr
-    error = json.loads(result.stderr)
+    (error,) = json.loads(result.stdout)["errors"]
     assert error["message"].splitlines()[1:] == ["  'w' is fp32 [64, 64], declared bf16 [64, 64]"]
     assert error["hint"] == (
         "pass --cast-sources to convert the 1 tensor stored in another dtype to the layout's while packing"

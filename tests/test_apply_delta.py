@@ -27,7 +27,7 @@ def cli(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def test_delta_steps_move_a_fraction_of_the_dense_bytes_and_verify_every_byte():
     result = cli("apply", REFIT, "--delta", "--steps", "3", "--change-fraction", "0.001", "--json")
     assert result.returncode == 0, result.stderr
-    summary = json.loads(result.stdout)
+    summary = json.loads(result.stdout)["result"]
     assert summary["ok"]
     steps = summary["runs"]["reshard"]["delta_steps"]
     assert [s["step"] for s in steps] == [0, 1, 2]
@@ -48,7 +48,7 @@ def test_elastic_delta_refits_are_dense_after_a_recovery_then_deltas_again():
     result = cli("apply", REFIT, "--elastic", "--delta", "--steps", "4", "--kill", "6@1", "--change-fraction", "0.001",
                  "--json")
     assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads(result.stdout)
+    summary = json.loads(result.stdout)["result"]
     assert summary["ok"] and [s["step"] for s in summary["steps"]] == [0, 1, 2, 3]
     by_generation: dict[int, list[dict]] = {}
     for step in summary["steps"]:

@@ -380,7 +380,7 @@ def test_a_message_quoting_megabytes_of_input_is_bounded(tmp_path):
     result, seconds = cli("check", str(program))
     assert_refused(result, seconds, "unknown mesh 'mmmm", "...")
     as_json, _ = cli("check", "--json", str(program))
-    error = json.loads(as_json.stderr.splitlines()[0])
+    (error,) = json.loads(as_json.stdout)["errors"]
     assert error["error"] == "name" and len(error["message"]) <= MESSAGE_LIMIT and error["line"] == 3
 
 

@@ -2,8 +2,8 @@
 
 Besides the expected output for good input, the contract under test is that a user's
 mistake is reported on stderr as ``file:line:col: error: ...`` with the source line and a
-caret (or one JSON object with ``--json``), the exit status is 2, and no traceback is ever
-shown. The fuzz tests hold every example to that contract under truncation and mutation.
+caret (with ``--json``, in the errors of the one JSON envelope on stdout), the exit status
+is 2, and no traceback is ever shown. The fuzz tests hold every example to that contract under truncation and mutation.
 """
 
 from __future__ import annotations
@@ -40,6 +40,14 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def envelope(out: str, command: str, code: int) -> dict:
+    """The ``--json`` envelope printed on stdout, checked against the exit status ``code``."""
+    data = json.loads(out)
+    assert (data["command"], data["ok"], data["exit_code"]) == (command, code == 0, code)
+    assert bool(data["errors"]) == (code != 0)
+    return data
 
 
 def rows(out: str) -> list[list[str]]:
@@ -87,7 +95,7 @@ def test_check_several_files_prints_one_line_each(capsys):
 def test_check_json_on_every_example_parses(capsys):
     code, out, err = run(capsys, "check", "--json", *PROGRAMS)
     assert code == ExitCode.OK, err
-    results = json.loads(out)
+    results = envelope(out, "check", code)["result"]["files"]
     assert [r["file"] for r in results] == [str(p) for p in PROGRAMS]
     assert all(r["ok"] for r in results)
     vllm = next(r for r in results if r["file"].endswith("vllm_tp.layout"))
@@ -201,7 +209,7 @@ def test_show_rank_without_layout_skips_layouts_whose_mesh_lacks_it(capsys, tiny
 def test_show_json_boxes(capsys, tiny):
     code, out, _ = run(capsys, "show", tiny, "--layout", "dp", "--rank", "7", "--json")
     assert code == ExitCode.OK
-    assert json.loads(out) == [
+    assert envelope(out, "show", code)["result"]["layouts"] == [
         {
             "layout": "dp",
             "mesh": "m",
@@ -255,7 +263,7 @@ def test_show_summary_json_for_one_rank(capsys, tiny):
     code, out, _ = run(capsys, "show", tiny, "--layout", "dp", "--summary", "--rank", "4", "--json")
     assert code == ExitCode.OK
     # w: 1 row of 6 fp32 (24 B), b: 3 fp32 (12 B), gate and up: 2x2 bf16 each (8 B)
-    assert json.loads(out) == [
+    assert envelope(out, "show", code)["result"]["layouts"] == [
         {
             "layout": "dp",
             "mesh": "m",
@@ -304,12 +312,12 @@ def test_check_goes_on_after_a_bad_file_and_fails_overall(capsys, broken):
     assert out.startswith(f"{good}: ok (")
 
 
-def test_check_json_error_is_one_object_on_stderr(capsys, broken):
+def test_check_json_error_is_in_the_envelope_on_stdout(capsys, broken):
     code, out, err = run(capsys, "check", "--json", broken)
     assert code == ExitCode.BAD_INPUT
-    lines = err.splitlines()
-    assert len(lines) == 1
-    error = json.loads(lines[0])
+    assert err == ""
+    data = envelope(out, "check", code)
+    (error,) = data["errors"]
     assert {k: error[k] for k in ("error", "file", "line", "column", "end_column", "hint")} == {
         "error": "name",
         "file": str(broken),
@@ -319,17 +327,19 @@ def test_check_json_error_is_one_object_on_stderr(capsys, broken):
         "hint": "did you mean 'tp'?",
     }
     assert "unknown axis 'tpp'" in error["message"]
-    (result,) = json.loads(out)
+    (result,) = data["result"]["files"]
     assert result["ok"] is False and result["file"] == str(broken) and result["line"] == 4
 
 
-def test_show_json_error_is_one_object_on_stderr(capsys, tmp_path):
+def test_show_json_error_is_in_the_envelope_on_stdout(capsys, tmp_path):
     path = tmp_path / "syntax.layout"
     path.write_text("let a = 1\nlet b = a / 2\n")
     code, out, err = run(capsys, "show", path, "--json")
     assert code == ExitCode.BAD_INPUT
-    assert out == ""
-    error = json.loads(err)
+    assert err == ""
+    data = envelope(out, "show", code)
+    assert data["result"] is None
+    (error,) = data["errors"]
     assert (error["error"], error["file"], error["line"], error["column"]) == (
         "syntax",
         str(path),
@@ -363,12 +373,12 @@ def test_show_unknown_layout(capsys, tiny):
 
 
 def test_show_unknown_layout_as_json(capsys, tiny):
-    code, _, err = run(capsys, "show", tiny, "--layout", "nope", "--json")
+    code, out, _ = run(capsys, "show", tiny, "--layout", "nope", "--json")
     assert code == ExitCode.BAD_INPUT
-    assert json.loads(err) == {
+    assert envelope(out, "show", code)["errors"] == [{
         "error": "name",
         "message": "unknown layout 'nope' (layouts: tp, dp, single)",
-    }
+    }]
 
 
 def test_show_rank_in_no_mesh(capsys, tiny):
@@ -413,7 +423,7 @@ def test_a_file_that_cannot_be_read_is_a_file_error_in_json(capsys, tmp_path, ma
         path.mkdir()
     code, out, _ = run(capsys, "check", path, "--json")
     assert code == ExitCode.BAD_INPUT
-    (entry,) = json.loads(out)
+    (entry,) = envelope(out, "check", code)["result"]["files"]
     assert (entry["ok"], entry["error"]) == (False, "file")  # not a syntax error: there is no text
 
 
@@ -451,9 +461,9 @@ def test_unexpected_exception_is_an_internal_error_without_traceback(capsys, tin
     assert err.startswith("layoutlang: internal error: RuntimeError: simulated bug")
     assert "Traceback" not in err
 
-    code, _, err = run(capsys, "check", "--json", tiny)
-    assert code == ExitCode.INTERNAL
-    assert json.loads(err) == {"error": "internal", "message": "RuntimeError: simulated bug"}
+    code, out, err = run(capsys, "check", "--json", tiny)
+    assert code == ExitCode.INTERNAL and err == ""
+    assert envelope(out, "check", code)["errors"] == [{"error": "internal", "message": "RuntimeError: simulated bug"}]
 
 
 def test_a_runtime_failure_exits_1_without_traceback(capsys, tiny, monkeypatch):
@@ -466,14 +476,16 @@ def test_a_runtime_failure_exits_1_without_traceback(capsys, tiny, monkeypatch):
     assert out == ""
     assert err == "error: rank 3: receiving 64 bytes from rank 1 did not complete\n"
 
-    code, _, err = run(capsys, "check", "--json", tiny)
+    code, out, _ = run(capsys, "check", "--json", tiny)
     assert code == ExitCode.FAILURE
-    assert json.loads(err) == {
-        "error": "execution",
-        "message": "rank 3: receiving 64 bytes from rank 1 did not complete",
-        "rank": 3,
-        "peers": [1],
-    }
+    assert envelope(out, "check", code)["errors"] == [
+        {
+            "error": "execution",
+            "message": "rank 3: receiving 64 bytes from rank 1 did not complete",
+            "rank": 3,
+            "peers": [1],
+        }
+    ]
 
 
 # ====================================================================== fuzz
@@ -652,11 +664,11 @@ def test_plan_json_gives_statistics_and_the_tensors_on_request(capsys):
     path = str(EXAMPLES / "refit.layout")
     program = layoutlang.load(path)
     code, out, _ = run(capsys, "plan", path, "--json")
-    short = json.loads(out)
+    short = envelope(out, "plan", code)["result"]
     assert code == 0 and "tensors" not in short and "per_rank" not in short["stats"]
     assert short["tensor_count"] == len(program.tensors) and short["broadcast_tensor_count"] == 0
     code, out, _ = run(capsys, "plan", path, "--json", "--tensors", "--per-rank")
-    full = json.loads(out)
+    full = envelope(out, "plan", code)["result"]
     assert [t[0] for t in full["tensors"]] == list(program.tensors)
     layouts = (program.layout("megatron"), program.layout("vllm"))
     assert set(full["stats"]["per_rank"]) == {str(r) for layout in layouts for r in layout.mesh.ranks}

@@ -79,7 +79,7 @@ def program(tmp_path):
 def test_a_killed_rank_is_replaced_and_every_refit_is_verified(program):
     result = run("apply", str(program), "--elastic", "--steps", "3", "--kill", "5@1", "--replace", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(result.stdout)
+    summary = json.loads(result.stdout)["result"]
     assert summary["ok"] and not summary["errors"]
     assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
     assert all(not s["mismatches"] and s["verified_bytes"] > 0 for s in summary["steps"])
@@ -108,7 +108,7 @@ def test_every_replica_losing_a_rank_is_refilled_by_spares_from_the_training_sid
     result = run("apply", str(program), "--elastic", "--steps", "3", "--kill", "5@1", "--kill", "7@1",
                  "--replace", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads(result.stdout)
+    summary = json.loads(result.stdout)["result"]
     assert summary["ok"] and not summary["errors"]
     assert [s["step"] for s in summary["steps"]] == [0, 1, 2]
     assert all(not s["mismatches"] and s["verified_bytes"] > 0 for s in summary["steps"])
@@ -210,7 +210,7 @@ def test_under_torchrun_agents_the_survivors_recover_without_a_restart(tmp_path)
                     log.seek(0)
                     text = log.read()
                     if '"ok"' in text and text.rstrip().endswith("}"):
-                        summary = json.loads(text[text.index("{\n") :])
+                        summary = json.loads(text[text.index("{\n") :])["result"]
             assert summary is not None, "\n".join(Path(log.name).read_text()[-2000:] for log in logs)
             assert summary["ok"], summary
             assert [s["step"] for s in summary["steps"]] == [0, 1, 2]

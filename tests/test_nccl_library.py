@@ -112,7 +112,7 @@ def test_without_a_cuda_driver_init_fails_with_an_error_naming_the_call():
 def test_the_doctor_reports_the_library_and_its_failure_functions(monkeypatch, capsys):
     monkeypatch.setenv(LIBRARY_ENV, LIBRARY)
     assert doctor.main(["--json"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)["result"]
     assert report["nccl"]["version"] == WHEEL_VERSION
     assert {name: v["available"] for name, v in report["nccl"]["features"].items()} == dict.fromkeys(FEATURES, True)
     assert doctor.main([]) == 0

@@ -846,7 +846,7 @@ def test_the_doctor_reports_a_missing_library_and_strict_mode_fails(capsys, tmp_
     assert doctor.main(["--nccl-library", missing, "--json"]) == 0
     import json
 
-    report = json.loads(capsys.readouterr().out)
+    report = json.loads(capsys.readouterr().out)["result"]
     assert report["nccl"]["found"] is False and "no NCCL library" in report["problems"][0]
     assert report["torch"]["version"] == torch.__version__
     assert report["torch"]["cuda_available"] == torch.cuda.is_available()

@@ -347,7 +347,7 @@ def test_the_cli_prints_one_ranks_part(capsys):
 
     path = EXAMPLES / "refit.layout"
     assert main(["plan", str(path), "--rank", "2", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)["result"]
     whole = compile_plan(program_of("refit"), mode="pairwise")
     mine = [m for m in whole.moves() if 2 in (m.src, m.dst)]
     assert out["mode"] == "pairwise" and out["rank"] == 2

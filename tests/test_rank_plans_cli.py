@@ -172,7 +172,7 @@ def test_apply_runs_per_rank_plans_on_local_workers_and_verifies_every_byte():
     program = layoutlang.load(path)
     result = run_cli("apply", str(path), "--plan-mode", "per-rank", "--compare", "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    report = json.loads(result.stdout)["result"]
     assert report["ok"] and report["ranks"] == len(participants(program))
     reshard, broadcast = report["runs"]["reshard"], report["runs"]["broadcast"]
     whole = compile_plan(program, mode="pairwise")
@@ -262,7 +262,7 @@ def test_apply_refuses_per_rank_plans_of_what_is_gathered_and_broadcast(tmp_path
     assert main(["apply", str(EXAMPLES / "tp_to_dp.layout"), "--elastic", "--plan-mode", "fleet"]) == 2
     assert "does not take --plan-mode fleet" in capsys.readouterr().err
     assert main(["apply", str(path), "--plan-mode", "per-rank", "--json"]) == 2
-    record = json.loads(capsys.readouterr().err)
+    (record,) = json.loads(capsys.readouterr().out)["errors"]
     assert record["error"] == "value" and "no per-rank plan" in record["message"]
 
 
@@ -273,7 +273,7 @@ def test_simulate_estimates_the_whole_pairwise_plan(capsys):
     path = EXAMPLES / "refit.layout"
     program = layoutlang.load(path)
     assert main(["simulate", str(path), "--mode", "pairwise", "--bucket-size", "64KiB", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)["result"]
     rows = {row["policy"]: row for row in out["policies"]}
     assert list(rows) == ["reshard", "pairwise reshard", "gather-and-broadcast"]
     pairwise = rows["pairwise reshard"]
@@ -297,7 +297,7 @@ def test_simulate_compiles_the_pairwise_plan_for_the_topologys_domains(capsys):
     path = EXAMPLES / "refit.layout"
     program = layoutlang.load(path)
     assert main(["simulate", str(path), "--mode", "pairwise", "--topology", "gb200_nvl72", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = json.loads(capsys.readouterr().out)["result"]
     row = next(r for r in out["policies"] if r["policy"] == "pairwise reshard")
     statement = program.reshard()
     from layoutlang.plan import plan_layouts
@@ -315,9 +315,9 @@ def test_simulate_compiles_the_pairwise_plan_for_the_topologys_domains(capsys):
 def test_simulate_without_mode_is_unchanged(capsys):
     path = str(EXAMPLES / "refit.layout")
     assert main(["simulate", path, "--json"]) == 0
-    plain = json.loads(capsys.readouterr().out)
+    plain = json.loads(capsys.readouterr().out)["result"]
     assert main(["simulate", path, "--mode", "fleet", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == plain
+    assert json.loads(capsys.readouterr().out)["result"] == plain
     assert [r["policy"] for r in plain["policies"]] == ["reshard", "gather-and-broadcast"]
 
 

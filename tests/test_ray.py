@@ -111,7 +111,7 @@ def test_apply_ray_verifies_every_byte_and_reports_as_the_local_launcher(cluster
     on_ray, local = (_finished(p) for p in started)
     assert on_ray.returncode == 0, on_ray.stderr
     assert local.returncode == 0, local.stderr
-    ray_report, local_report = json.loads(on_ray.stdout), json.loads(local.stdout)
+    ray_report, local_report = json.loads(on_ray.stdout)["result"], json.loads(local.stdout)["result"]
     assert _shape(ray_report) == _shape(local_report)
     assert ray_report["ok"] and ray_report["ranks"] == local_report["ranks"] == 12
     for policy, run in local_report["runs"].items():
@@ -202,7 +202,7 @@ def test_an_elastic_refit_on_ray_survives_a_killed_rank_and_its_replacement_join
     run = _apply("--ray", "--elastic", "--kill", "6@1", "--replace", "examples/refit.layout", "--json",
                  ray_address=cluster.address)
     assert run.returncode == 0, run.stderr
-    summary = json.loads(run.stdout)
+    summary = json.loads(run.stdout)["result"]
     assert summary["ok"] and summary["errors"] == {}
     assert list(summary["failed"]) == ["6"] and summary["failed"]["6"]["how"] == "kill"
     assert [s["step"] for s in summary["steps"]] == [0, 1, 2, 3]
@@ -217,13 +217,14 @@ def test_bad_input_is_one_line_without_a_traceback(tmp_path):
     assert unreachable.stderr.startswith("error: RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there")
     elastic = _apply("--ray", "--elastic", "--kill", "99@1", "examples/refit.layout", "--json")
     assert elastic.returncode == ExitCode.BAD_INPUT
-    assert "rank 99 is in no mesh of the reshard" in json.loads(elastic.stderr)["message"]
+    assert "rank 99 is in no mesh of the reshard" in json.loads(elastic.stdout)["errors"][0]["message"]
     broken = tmp_path / "broken.layout"
     broken.write_text("mesh train [tp = 2] on ranks 0..1\nreshard a -> b\n")
     bad_program = _apply("--ray", str(broken))
     assert bad_program.returncode == ExitCode.BAD_INPUT
     for run in (unreachable, elastic, bad_program):
-        assert "Traceback" not in run.stderr and run.stdout == ""
+        assert "Traceback" not in run.stderr
+    assert unreachable.stdout == bad_program.stdout == "" and elastic.stderr == ""  # --json: all on stdout
 
 
 def test_a_killed_worker_actor_is_reported_naming_its_rank(pool):

@@ -447,7 +447,7 @@ def test_a_nan_checkpoint_refits_verified_into_a_folder_of_an_earlier_run_with_o
     assert sorted(os.listdir(out)) == before  # untouched
     result = run("apply", str(program), "--from", "ckpt", "--to", "out", "--overwrite", "--json", cwd=tmp_path)
     assert result.returncode == ExitCode.OK, result.stdout + result.stderr
-    report = json.loads(result.stdout)
+    report = json.loads(result.stdout)["result"]
     assert report["ok"] and report["runs"]["reshard"]["verified_bytes"] == 48
     # the earlier run's files are gone, not left beside this run's one; other files stay
     assert sorted(os.listdir(out)) == [".layoutlang-manifest.json", "README", "rank00002.safetensors"]

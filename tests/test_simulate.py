@@ -511,7 +511,7 @@ def test_command_table_and_json():
     assert "reshard" in text and "gather-and-broadcast" in text and "lower bound" in text
     assert "reshard is 1.8x faster than gather-and-broadcast" in text
     status, text = run_command([str(EXAMPLES / "tp_to_dp.layout"), "--json", "--sequential", "--topology", "dgx_h100"])
-    data = json.loads(text)
+    data = json.loads(text)["result"]
     assert data["topology"]["domain_size"] == 8
     assert [p["policy"] for p in data["policies"]] == ["reshard", "gather-and-broadcast"]
     for p in data["policies"]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import re
@@ -24,6 +23,7 @@ from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from . import arguments
 from .apply_progress import Display
 from .doctor import missing_for_run
+from .json_output import emit, error_json
 from .report import plan_mode_line
 from .torchrun import environment_is_torchrun
 
@@ -648,7 +648,7 @@ def _apply_plain(args: argparse.Namespace, display: Display) -> int:
             # A user's mistake (exit 2) or a failure at run time (exit 1) found on a worker:
             # its message already has its place and caret.
             if args.json:
-                print(json.dumps({"error": err.kind, "message": err.message}), file=sys.stderr)
+                return emit("apply", None, err.exit_code, [error_json(err.kind, err.message)])
             else:
                 print(err.message, file=sys.stderr)
             return err.exit_code
@@ -657,7 +657,7 @@ def _apply_plain(args: argparse.Namespace, display: Display) -> int:
         record_output(args.to_dir, reports)
     summary = plan_modes_shown(args, job.summarize(reports))
     if args.json:
-        print(json.dumps(summary, indent=2))
+        return emit("apply", summary, ExitCode.OK if summary["ok"] else ExitCode.FAILURE, job.failures(summary))
     else:
         print("\n".join(_apply_report(args, summary, launcher)))
     return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
@@ -772,13 +772,14 @@ def _run_elastic(args: argparse.Namespace, faults: list[tuple[int, int, str]], d
         summary = job.run_local(options, display=display)
         launcher = "local gloo workers"
     display.close()
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    else:
-        print("\n".join(_elastic_report(args, summary, launcher)))
     if any(e["kind"] == "internal" for e in summary["errors"].values()):
-        return ExitCode.INTERNAL
-    return ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+        status = ExitCode.INTERNAL
+    else:
+        status = ExitCode.OK if summary["ok"] else ExitCode.FAILURE
+    if args.json:
+        return emit("apply", summary, status, job.failures(summary, args.steps) if status else [])
+    print("\n".join(_elastic_report(args, summary, launcher)))
+    return status
 
 
 def _check_remesh_axes(args: argparse.Namespace) -> None:

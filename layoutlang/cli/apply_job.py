@@ -582,6 +582,20 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def failures(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Why a summary is not ok, as errors of the ``--json`` envelope: a ``mismatch`` per run
+    whose verification found wrong bytes (its first mismatches quoted)."""
+    out = []
+    for policy, run in summary["runs"].items():
+        if run["mismatches"]:
+            n = len(run["mismatches"])
+            shown = "; ".join(run["mismatches"][:3]) + ("; ..." if n > 3 else "")
+            out.append({"error": "mismatch", "message": f"{policy}: {n} mismatches: {shown}", "run": policy})
+    if not summary["ok"] and not out:
+        out.append({"error": "failure", "message": "the refit did not complete"})
+    return out
+
+
 def _runs(options: ApplyOptions) -> int:
     """How many times a policy runs (its fastest is reported): ``--repeat``, and at least twice
     with ``--compare``, whose ratio of times would otherwise set the first policy's cold run

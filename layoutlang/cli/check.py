@@ -8,11 +8,11 @@ hundred thousand tensors, meshes of a million ranks) is named on stderr while it
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..errors import ExitCode, LayoutError
 from ..lang import load
 from .arguments import add_allow_outside_includes
+from .json_output import emit
 from .progress import Progress
 from .report import print_error
 
@@ -26,12 +26,13 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``layoutlang check``."""
     parser.add_argument("files", nargs="+", metavar="FILE", help=".layout files")
-    parser.add_argument("--json", action="store_true", help="print results (stdout) and errors (stderr) as JSON")
+    parser.add_argument("--json", action="store_true", help="print the verdicts and errors as one JSON object")
     add_allow_outside_includes(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     results = []
+    errors: list[LayoutError] = []
     status = ExitCode.OK
     progress = Progress("check", args.json)
     for path in args.files:
@@ -42,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
                 program.check()
         except LayoutError as err:
             status = ExitCode.BAD_INPUT
-            print_error(err, args.json)
+            errors.append(err)
+            if not args.json:
+                print_error(err)
             results.append({"file": path, "ok": False, **err.to_json()})
             continue
         counts = {
@@ -57,5 +60,5 @@ def run(args: argparse.Namespace) -> int:
             described = ", ".join(f"{v} {k if v != 1 else singular[k]}" for k, v in counts.items())
             print(f"{path}: ok ({described})")
     if args.json:
-        print(json.dumps(results, indent=2))
+        return emit("check", {"files": results}, status, errors)
     return status

@@ -15,7 +15,6 @@ NCCL, one of those functions, or a CUDA device is missing.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -24,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import __version__
-from ..errors import CudaError
+from ..errors import CudaError, ExitCode
+from .json_output import emit, error_json
 
 __all__ = ["add_arguments", "facts", "main", "missing_for_run", "render", "run"]
 
@@ -197,13 +197,15 @@ def run(args: argparse.Namespace) -> int:
     """Run the doctor with parsed arguments; returns the exit status."""
     f = facts(getattr(args, "nccl_library", None))
     problems = _problems(f)
+    failed = bool(getattr(args, "strict", False) and problems)
+    status = ExitCode.FAILURE if failed else ExitCode.OK
     if getattr(args, "json", False):
-        print(json.dumps({**f, "problems": problems}, indent=2))
-    else:
-        print(render(f))
-        if problems:
-            print("\nmissing for the NCCL transport: " + "; ".join(problems))
-    return 1 if getattr(args, "strict", False) and problems else 0
+        errors = [error_json("missing", problem) for problem in problems] if failed else []
+        return emit("doctor", {**f, "problems": problems}, status, errors)
+    print(render(f))
+    if problems:
+        print("\nmissing for the NCCL transport: " + "; ".join(problems))
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

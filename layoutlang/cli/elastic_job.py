@@ -473,6 +473,30 @@ def summarize(
     }
 
 
+def failures(summary: dict, steps: int) -> list[dict]:
+    """Why a summary is not ok, as errors of the ``--json`` envelope: each rank's error (its
+    kind, message and rank), each step whose verification found wrong bytes, a replacement
+    that received wrong bytes, or else the refits that were not committed."""
+    out: list[dict] = [
+        {"error": e["kind"] or "failure", "message": e["message"], "rank": int(rank)}
+        for rank, e in summary["errors"].items()
+    ]
+    out += [
+        {"error": "mismatch", "message": f"step {s['step']}: {len(s['mismatches'])} mismatches", "step": s["step"]}
+        for s in summary["steps"]
+        if s["mismatches"]
+    ]
+    out += [
+        {"error": "mismatch", "message": f"replacement rank {rank} received wrong bytes", "rank": int(rank)}
+        for rank, joined in summary["joined"].items()
+        if not joined["ok"]
+    ]
+    if not summary["ok"] and not out:
+        done = max((s["step"] for s in summary["steps"]), default=-1) + 1
+        out.append({"error": "failure", "message": f"{done} of {steps} refits were committed"})
+    return out
+
+
 def _steps(results: dict[int, dict]) -> dict[int, dict]:
     """Step -> its generation, destination and the bytes the ranks verified."""
     steps: dict[int, dict] = {}

@@ -18,6 +18,7 @@ from ..model import Program
 from ..plan import Move, Plan, compile_plan
 from ..plan.data import PLAN_MODES
 from . import arguments
+from .json_output import emit
 from .progress import Progress
 from .report import plan_report
 
@@ -166,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
                 out["gather_and_broadcast"].pop("per_rank")
         if args.explain:
             out["moves"] = [_explained(plan, m) for m in explained]
-        print(json.dumps(out, indent=2))
-        return ExitCode.OK
+        return emit("plan", out)
     with progress.step("computing the statistics"):
         lines = plan_report(plan, baseline, per_rank=args.per_rank)
     if plan.rank is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from .._text import human_bytes, table
@@ -12,12 +11,10 @@ from ..plan import KINDS, Plan, PlanStats
 __all__ = ["plan_mode_line", "plan_report", "print_error"]
 
 
-def print_error(err: LayoutError | RuntimeFailure, as_json: bool) -> None:
-    """An error on stderr: its text with place and caret, or one JSON object."""
-    if as_json:
-        print(json.dumps(err.to_json()), file=sys.stderr)
-    else:
-        print(err, file=sys.stderr)
+def print_error(err: LayoutError | RuntimeFailure) -> None:
+    """An error on stderr: its text with place and caret (with ``--json``, errors are in the
+    envelope of :mod:`.json_output` instead)."""
+    print(err, file=sys.stderr)
 
 
 def _ratio(a: float, b: float) -> str:

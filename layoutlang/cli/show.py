@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 from .._text import rank_span, region, table
@@ -11,6 +10,7 @@ from ..errors import ExitCode, LayoutNameError, did_you_mean
 from ..lang import load
 from ..model import Box, Layout, Program, compile_pattern
 from . import arguments
+from .json_output import emit
 
 HELP = "print which boxes each rank holds"
 DESCRIPTION = (
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None and not out:
         raise LayoutNameError(f"rank {args.rank} belongs to no mesh of any layout in {program.path}")
     if args.json:
-        print(json.dumps(out, indent=2))
+        return emit("show", {"layouts": out})
     else:
         print("\n".join(lines).rstrip())
     return ExitCode.OK

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import attrs
@@ -17,6 +16,7 @@ from ..plan import plan_layouts
 from ..plan.data import PLAN_MODES
 from ..plan.simulate import Simulation, estimate, simulate
 from . import arguments
+from .json_output import emit
 from .plan import check_plan_size
 
 __all__ = ["add_arguments", "run", "simulation_report"]
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     if args.mode == "pairwise":
         sim = with_pairwise(sim, program, args.reshard, args.sequential)
     if args.json:
-        print(json.dumps(sim.to_json(), indent=2))
+        return emit("simulate", sim.to_json())
     else:
         print("\n".join(simulation_report(sim)))
     return 0
