@@ -677,3 +677,20 @@ def test_plan_json_gives_statistics_and_the_tensors_on_request(capsys):
     )
     code, _, err = run(capsys, "plan", path, "--tensors")
     assert code == ExitCode.BAD_INPUT and "--tensors lists the tensors in the JSON output: add --json" in err
+
+
+def test_a_mistyped_explain_pattern_is_named_before_the_plan_compiles(capsys, monkeypatch):
+    """As show --tensor does: at once, with the nearest tensor, and nothing compiled."""
+    import layoutlang.cli.plan as plan_command
+
+    def never(*args, **kwargs):
+        raise AssertionError("the plan was compiled for a pattern that matches no tensor")
+
+    monkeypatch.setattr(plan_command, "compile_plan", never)
+    typo = "model.layers.{l}.self_attn.q_prj.weight"
+    code, _, err = run(capsys, "plan", EXAMPLES / "refit.layout", "--explain", typo)
+    assert code == ExitCode.BAD_INPUT
+    assert err.splitlines()[0] == (
+        f"error: no tensor matches 'model.layers.{{l}}.self_attn.q_prj.weight' in {EXAMPLES / 'refit.layout'}"
+    )
+    assert "hint: did you mean 'model.layers." in err and "self_attn.q_proj.weight'?" in err

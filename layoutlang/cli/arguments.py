@@ -7,8 +7,8 @@ import math
 from collections.abc import Callable
 
 from .._text import parse_size, rank_ranges
-from ..errors import LayoutValueError, did_you_mean
-from ..model import Program
+from ..errors import LayoutNameError, LayoutValueError, did_you_mean
+from ..model import Program, compile_pattern
 from ..plan import DEFAULT_BUCKET_BYTES, POLICIES
 
 __all__ = [
@@ -197,3 +197,20 @@ def check_per_rank(
                 f"tensor{'s' if len(broadcast) != 1 else ''} ({shown}), which has no per-rank plan",
                 hint="pass --policy reshard to reshard every tensor, or use the whole fleet's plan",
             )
+
+
+def tensors_matching(program: Program, pattern: str | None) -> list[str]:
+    """The tensors of ``program`` that ``pattern`` (a name, or a pattern such as
+    ``"model.layers.{l}.*"``) names, all of them for None; none is a mistake, named at once
+    with the nearest tensor (``show --tensor``, ``plan --explain``: before anything compiles)."""
+    if pattern is None:
+        return list(program.tensors)
+    if pattern in program.tensors:
+        return [pattern]
+    regex = compile_pattern(pattern)
+    found = [t for t in program.tensors if regex.fullmatch(t)]
+    if not found:
+        raise LayoutNameError(
+            f"no tensor matches '{pattern}' in {program.path}", hint=did_you_mean(pattern, program.tensors)
+        )
+    return found

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         results.append({"file": path, "ok": True, **counts})
         if not args.json:
             singular = {"meshes": "mesh", "tensors": "tensor", "layouts": "layout", "reshards": "reshard"}
-            described = ", ".join(f"{v} {k if v != 1 else singular[k]}" for k, v in counts.items())
+            described = ", ".join(f"{v:,} {k if v != 1 else singular[k]}" for k, v in counts.items())
             print(f"{path}: ok ({described})")
     if args.json:
         return emit("check", {"files": results}, status, errors)

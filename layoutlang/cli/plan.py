@@ -136,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
                 hint="drop --mode fleet (per-rank plans are pairwise), or drop --rank for the whole fleet's plan",
             )
         arguments.check_per_rank(program, args.reshard, args.policy, f"--rank {args.rank}", rank=args.rank)
+    if args.explain:  # a mistyped pattern is named now, not after minutes of compiling
+        arguments.tensors_matching(program, args.explain)
     with progress.step("checking the layouts"):
         program.check()
     with progress.step("compiling the plan" if args.rank is None else f"compiling rank {args.rank}'s plan"):

@@ -6,9 +6,9 @@ import argparse
 from typing import Any
 
 from .._text import rank_span, region, table
-from ..errors import ExitCode, LayoutNameError, did_you_mean
+from ..errors import ExitCode, LayoutNameError
 from ..lang import load
-from ..model import Box, Layout, Program, compile_pattern
+from ..model import Box, Layout
 from . import arguments
 from .json_output import emit
 
@@ -35,20 +35,6 @@ def _mesh_line(layout: Layout) -> str:
     mesh = layout.mesh
     axes = ", ".join(f"{a}={s}" for a, s in mesh.axes)
     return f"layout {layout.name} on mesh {mesh.name} [{axes}] (ranks {rank_span(mesh.ranks)})"
-
-
-def _selected_tensors(program: Program, pattern: str | None) -> list[str]:
-    if pattern is None:
-        return list(program.tensors)
-    if pattern in program.tensors:
-        return [pattern]
-    regex = compile_pattern(pattern)
-    found = [t for t in program.tensors if regex.fullmatch(t)]
-    if not found:
-        raise LayoutNameError(
-            f"no tensor matches '{pattern}' in {program.path}", hint=did_you_mean(pattern, program.tensors)
-        )
-    return found
 
 
 def _selected_ranks(layout: Layout, rank: int | None, named: bool) -> list[int]:
@@ -121,7 +107,7 @@ def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[s
 def run(args: argparse.Namespace) -> int:
     program = load(args.file, allow_outside_includes=args.allow_outside_includes)
     layouts = [program.layout(args.layout)] if args.layout else list(program.layouts.values())
-    tensors = _selected_tensors(program, args.tensor)
+    tensors = arguments.tensors_matching(program, args.tensor)
     out: list[dict[str, Any]] = []
     lines: list[str] = []
     for layout in layouts:
