@@ -694,3 +694,36 @@ def test_a_mistyped_explain_pattern_is_named_before_the_plan_compiles(capsys, mo
         f"error: no tensor matches 'model.layers.{{l}}.self_attn.q_prj.weight' in {EXAMPLES / 'refit.layout'}"
     )
     assert "hint: did you mean 'model.layers." in err and "self_attn.q_proj.weight'?" in err
+
+
+FP8 = """
+mesh infer [tp = 2] on ranks 0..1
+tensor "w" [256, 256] bf16
+tensor "norm" [256] bf16
+layout serve on infer {
+    "w": tp = shard(0)
+    default: replicate
+    quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+"""
+
+
+def test_show_says_what_a_quantized_layout_stores(capsys, tmp_path):
+    """The stored dtype of each box, the scale boxes beside their weight's, and the bytes as
+    stored: rank 1 holds rows 128:256 of w as fp8 (128 x 256 x 1 byte) and its 1 x 2 blocks'
+    fp32 scales, and the bf16 norm whole."""
+    path = tmp_path / "fp8.layout"
+    path.write_text(FP8)
+    code, out, _ = run(capsys, "show", path, "--rank", "1")
+    assert code == 0
+    table_rows = {row[1]: row for row in rows(out) if row[0] == "1"}
+    assert table_rows["w"][2:] == ["[128:256, 0:256]", "w", "[0:128, 0:256]", "128x256", "fp8_e4m3"]
+    assert table_rows["w_scale_inv"][2:] == ["[1:2, 0:2]", "w_scale_inv", "[0:1, 0:2]", "1x2", "fp32"]
+    assert table_rows["norm"][-1] == "bf16"
+    code, out, _ = run(capsys, "show", path, "--summary")
+    summary = {row[0]: row for row in rows(out) if row[0].isdigit()}
+    assert summary["1"][-2:] == [str(128 * 256 * 2 + 256 * 2), str(128 * 256 * 1 + 2 * 4 + 256 * 2)]
+    code, out, _ = run(capsys, "show", path, "--rank", "1", "--json")
+    boxes = json.loads(out)["result"]["layouts"][0]["boxes"]
+    scale = next(b for b in boxes if b.get("scale_of") == "w")
+    assert scale["stored_dtype"] == "fp32" and scale["offsets"] == [1, 0] and scale["sizes"] == [1, 2]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from .._text import rank_span, region, table
 from ..errors import ExitCode, LayoutNameError
 from ..lang import load
 from ..model import Box, Layout
+from ..model.dtypes import itemsize
 from . import arguments
 from .json_output import emit
 
@@ -53,11 +55,32 @@ def _selected_ranks(layout: Layout, rank: int | None, named: bool) -> list[int]:
 
 
 def _summary(layout: Layout, ranks: list[int]) -> tuple[dict[str, Any], list[str]]:
-    """Per-rank totals: the JSON record and the table."""
+    """Per-rank totals: the JSON record and the table. Where the layout stores tensors
+    quantized, ``stored bytes`` counts what the rank holds: quantized values at their dtype,
+    their scales, the other tensors at theirs (``bytes`` counts every tensor at its own dtype)."""
     totals = [r for r in layout.summary() if r["rank"] in ranks]
-    cells = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"]] for r in totals]
-    lines = table(cells, ["rank", "tensors", "boxes", "elements", "bytes"], {0, 1, 2, 3, 4})
+    header = ["rank", "tensors", "boxes", "elements", "bytes"]
+    if layout.quantized():
+        for total in totals:
+            total["stored_bytes"] = _stored_bytes(layout, total["rank"])
+        header.append("stored bytes")
+    cells = [[r["rank"], r["tensors"], r["boxes"], r["elements"], r["bytes"], *([r["stored_bytes"]] if
+             "stored_bytes" in r else [])] for r in totals]
+    lines = table(cells, header, set(range(len(header))))
     return {"layout": layout.name, "mesh": layout.mesh.name, "summary": totals}, lines
+
+
+def _stored_bytes(layout: Layout, rank: int) -> int:
+    """What ``rank`` holds of ``layout`` as stored: quantized values and their scales included."""
+    total = 0
+    for name, tensor in layout.tensors.items():
+        q = layout.quantization(name)
+        size = itemsize(q.values if q is not None else tensor.dtype)
+        boxes = layout.boxes(name, rank)
+        total += sum(math.prod(box.sizes) for box in boxes) * size
+        if q is not None and boxes:
+            total += sum(math.prod(box.sizes) for box in layout.scale_boxes(name, rank)) * itemsize(q.scale.dtype)
+    return total
 
 
 def _place(box: Box) -> str:
@@ -68,39 +91,49 @@ def _place(box: Box) -> str:
 
 
 def _boxes(layout: Layout, ranks: list[int], tensors: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """Every box of ``tensors`` on ``ranks``, with its place in its storage: the JSON record and the table."""
+    """Every box of ``tensors`` on ``ranks``, with its place in its storage: the JSON record and
+    the table. Where the layout stores tensors quantized, a ``stored as`` column gives each
+    box's stored dtype, and each quantized tensor's scale boxes follow it (``scale of``)."""
+    quantized = layout.quantized()
     cells: list[list[object]] = []
     records: list[dict[str, Any]] = []
+
+    def add(rank: int, tensor: str, box: Box, stored: str, scale_of: str | None = None) -> None:
+        shape = layout.storage_shape(box.storage, rank) if box.storage is not None and scale_of is None else None
+        if scale_of is not None:
+            shape = layout.scale_storages_on(rank).get(box.storage or "")
+        cells.append(
+            [rank, tensor, region(box.offsets, box.sizes), box.storage, _place(box), "x".join(map(str, shape or ())),
+             *([stored] if quantized else [])]
+        )
+        record = {
+            "rank": rank,
+            "tensor": tensor,
+            "offsets": list(box.offsets),
+            "sizes": list(box.sizes),
+            "storage": box.storage,
+            "storage_offsets": list(box.storage_offsets),
+        }
+        storage_sizes = [s.stop - s.start for s in box.storage_slices()]
+        if box.transposed or storage_sizes != list(box.sizes):  # a stacked or transposed place
+            record |= {"storage_sizes": storage_sizes, "transposed": box.transposed}
+        if quantized:
+            record["stored_dtype"] = stored
+        if scale_of is not None:
+            record["scale_of"] = scale_of
+        records.append(record)
+
     for rank in ranks:
         for tensor in tensors:
-            for box in layout.boxes(tensor, rank):
-                shape = layout.storage_shape(box.storage, rank) if box.storage is not None else None
-                cells.append(
-                    [
-                        rank,
-                        tensor,
-                        region(box.offsets, box.sizes),
-                        box.storage,
-                        _place(box),
-                        "x".join(map(str, shape or ())),
-                    ]
-                )
-                record = {
-                    "rank": rank,
-                    "tensor": tensor,
-                    "offsets": list(box.offsets),
-                    "sizes": list(box.sizes),
-                    "storage": box.storage,
-                    "storage_offsets": list(box.storage_offsets),
-                }
-                storage_sizes = [s.stop - s.start for s in box.storage_slices()]
-                if box.transposed or storage_sizes != list(box.sizes):  # a stacked or transposed place
-                    record |= {"storage_sizes": storage_sizes, "transposed": box.transposed}
-                records.append(record)
-    if cells:
-        lines = table(cells, ["rank", "tensor", "region", "storage", "place", "storage shape"], {0})
-    else:
-        lines = ["(no boxes)"]
+            q = quantized.get(tensor)
+            boxes = layout.boxes(tensor, rank)
+            for box in boxes:
+                add(rank, tensor, box, q.values if q is not None else layout.tensors[tensor].dtype)
+            if q is not None and boxes:
+                for box in layout.scale_boxes(tensor, rank):
+                    add(rank, q.scale.name, box, q.scale.dtype, scale_of=tensor)
+    header = ["rank", "tensor", "region", "storage", "place", "storage shape", *(["stored as"] if quantized else [])]
+    lines = table(cells, header, {0}) if cells else ["(no boxes)"]
     return {"layout": layout.name, "mesh": layout.mesh.name, "boxes": records}, lines
 
 
