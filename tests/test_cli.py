@@ -727,3 +727,18 @@ def test_show_says_what_a_quantized_layout_stores(capsys, tmp_path):
     boxes = json.loads(out)["result"]["layouts"][0]["boxes"]
     scale = next(b for b in boxes if b.get("scale_of") == "w")
     assert scale["stored_dtype"] == "fp32" and scale["offsets"] == [1, 0] and scale["sizes"] == [1, 2]
+
+
+def test_plan_explain_gives_the_places_in_fused_storages(capsys):
+    """examples/refit.layout: k of layer 0 lies at rows 128:160 of Megatron's linear_qkv on
+    rank 0 (after its 4 query heads of 32 rows) and at rows 64:96 of vLLM's qkv_proj (after
+    the 2 query heads a tp rank keeps)."""
+    code, out, _ = run(capsys, "plan", EXAMPLES / "refit.layout", "--no-compare", "--explain",
+                       "model.layers.0.self_attn.k_proj.weight", "--limit", "100")
+    assert code == 0
+    first = next(line.strip() for line in out.splitlines() if " r0 -> r4 " in line)
+    assert first == (
+        "model.layers.0.self_attn.k_proj.weight[0:32, 0:256] r0 -> r4 network (bucket 0, stage 0) "
+        "from decoder.layers.0.self_attention.linear_qkv.weight[128:160, 0:256] "
+        "into model.layers.0.self_attn.qkv_proj.weight[64:96, 0:256]"
+    )

@@ -190,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _explained(plan: Plan, move: Move) -> str:
-    """A move's line; where it reads from or writes into a stacked or transposed storage,
-    with its places there (``w13_weight[2, 6:12, 0:16]``; ``.T``: the region transposed),
-    since those differ from the region's own coordinates."""
+    """A move's line; where it reads from or writes into a fused, stacked or transposed
+    storage, with its places there (``qkv_proj.weight[64:96, 0:256]``,
+    ``w13_weight[2, 6:12, 0:16]``; ``.T``: the region transposed), since those differ from
+    the region's own coordinates."""
     places = []
     # a relay reads from a destination storage: the side, not the space, says from or into
     for side, space, place in zip(("from", "into"), (move.src_space, move.dst_space), plan.place(move)):
@@ -200,7 +201,7 @@ def _explained(plan: Plan, move: Move) -> str:
             continue
         layout = plan.sources[move.source] if space == "source" else plan.destination
         storage = layout.storage_of(move.tensor)
-        if not storage.stacked and not storage.is_transposed(move.tensor):
+        if not storage.stacked and not storage.is_transposed(move.tensor) and len(storage.parts) < 2:
             continue
         sizes = list(move.sizes)
         if storage.is_transposed(move.tensor):
