@@ -742,3 +742,22 @@ def test_plan_explain_gives_the_places_in_fused_storages(capsys):
         "from decoder.layers.0.self_attention.linear_qkv.weight[128:160, 0:256] "
         "into model.layers.0.self_attn.qkv_proj.weight[64:96, 0:256]"
     )
+
+
+def test_check_refuses_a_reshard_that_plan_would_refuse(capsys, tmp_path):
+    """Replicated per-channel scales of a TP-sharded weight: not planned, and check says so
+    (it used to pass the program that plan then refused)."""
+    path = tmp_path / "fp8.layout"
+    path.write_text(
+        "mesh train [dp = 2]\nmesh infer [tp = 2] on ranks 2..3\ntensor \"o\" [512, 512] bf16\n"
+        "layout fsdp on train { default: dp = shard(0) }\n"
+        'layout serve on infer {\n    "o": tp = shard(1)\n'
+        '    quantize "o" as fp8_e4m3 blocks 1 x 512 scale_inv fp32 replicate\n}\n'
+        "reshard refit: fsdp -> serve\n"
+    )
+    code, _, err = run(capsys, "check", path)
+    assert code == ExitCode.BAD_INPUT
+    assert f"{path}:7:5: error: tensor 'o': its scales are replicated in 'serve' but rank 2 holds 131,072" in err
+    # without the reshard statement the layout itself is fine
+    path.write_text(path.read_text().replace("reshard refit: fsdp -> serve\n", ""))
+    assert run(capsys, "check", path)[0] == ExitCode.OK

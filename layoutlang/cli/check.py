@@ -11,6 +11,7 @@ import argparse
 
 from ..errors import ExitCode, LayoutError
 from ..lang import load
+from ..plan.quantized import check_quantized_plan
 from .arguments import add_allow_outside_includes
 from .json_output import emit
 from .progress import Progress
@@ -41,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
                 program = load(path, allow_outside_includes=args.allow_outside_includes)
             with progress.step(f"checking {path}"):
                 program.check()
+                for statement in program.reshards.values():
+                    # what plan would refuse of a quantized destination, named now
+                    check_quantized_plan([program.layout(statement.source)], program.layout(statement.destination))
         except LayoutError as err:
             status = ExitCode.BAD_INPUT
             errors.append(err)
