@@ -7,9 +7,11 @@ one elastic refit session whose store outlives the trainer. The oracles are outs
 layoutlang:
 
 (a) a fresh vLLM engine, configured identically and loaded from a safetensors checkpoint of the
-    trainer's weights of that step (``save_pretrained``), must generate the same greedy tokens
-    (same kernels, so exactly), and the tokens must change from step to step (so the check can
-    fail); the same checkpoint reloaded through vLLM's own ``load_weights`` gives the very
+    trainer's weights (``save_pretrained``) of the first and of the last step, and the steps
+    between through vLLM's own reload of their checkpoint into that engine (``load_weights``,
+    which gives a fresh engine's very tokens at the first and last step: checked), must
+    generate the same greedy tokens (same kernels, so exactly), and the tokens must change
+    from step to step (so the check can fail); the reloaded checkpoint gives the very
     logprobs of the refitted engines;
 (b) transformers' forward pass with the trainer's weights gives the log-probability of every
     generated token: the engines' must match within 1e-4.
@@ -112,6 +114,17 @@ def test_refits_are_deltas_dense_where_a_generation_starts(job):
             deltas += 1
     # steps 3, 7 and 8 follow a step of their generation unless a recovery came between
     assert deltas >= 1, [(n, step(job, n)["report"]["generation"]) for n in range(1, 9)]
+
+
+def test_vllms_own_reload_gives_a_fresh_engines_tokens(job):
+    """What makes the reload an oracle for the steps between: at the first and the last step
+    a fresh engine and the same checkpoint reloaded into an engine agree."""
+    fresh_steps = [n for n, record in job["oracle"].items() if record["loaded"] == "fresh"]
+    assert sorted(fresh_steps, key=int) == ["1", "8"]
+    for n in fresh_steps:
+        record = job["oracle"][n]
+        assert record["fresh"]["tokens"] == record["fresh_reloaded"]["tokens"], n
+        assert record["fresh"]["logprobs"] == record["fresh_reloaded"]["logprobs"], n
 
 
 def test_every_refit_changes_the_tokens(job):
