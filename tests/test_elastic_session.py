@@ -250,6 +250,44 @@ def test_a_replacement_rank_joins_and_receives_its_shards_from_replicas(pool):
         assert all(rec["recovered_bytes"] == 0 for rec in results[rank]["recoveries"])
 
 
+def test_a_recovery_with_per_rank_plans_moves_what_the_whole_fleets_plans_move(pool):
+    """The replacement above, once with the whole fleet's plans and once with per-rank ones
+    (each member compiles its own part of every generation's refit plan): every destination
+    byte of every step verified in both, the same bytes recovered from the same sides, and
+    every member's part bears the fingerprint of one whole program."""
+    runs = {}
+    for per_rank in (False, True):
+        results = run(
+            pool, expect=[0, 1, 2, 3, 4, 6, 7, 8], kills=((5, 1, "kill"),), joiners=(8,), per_rank=per_rank
+        )
+        check_refits(
+            results, destination_ranks=[4, 6, 7, 8], members=[0, 1, 2, 3, 4, 6, 7, 8],
+            destination=r"serve_gen\d+", source="fsdp", joiners=(8,),
+        )
+        runs[per_rank] = results
+    for per_rank, results in runs.items():
+        plans = {rank: result["plan"] for rank, result in results.items()}
+        assert len({p["fingerprint"] for p in plans.values()}) == 1, plans  # one program on every member
+        if per_rank:
+            assert all(p["mode"] == "pairwise" and p["rank"] == rank for rank, p in plans.items()), plans
+        else:
+            assert all(p["mode"] == "fleet" and p["rank"] is None for p in plans.values()), plans
+    whole, own = runs[False], runs[True]
+    assert sum(own[r]["plan"]["moves"] for r in own) >= own[8]["plan"]["moves"] > 0
+    assert all(own[r]["plan"]["moves"] < whole[r]["plan"]["moves"] for r in own)
+    # the joiner's recovery: the same bytes, from the same side, verified
+    for results in (whole, own):
+        assert results[8]["joined"]["ok"] and results[8]["joined"]["bytes"] > 0
+    assert own[8]["joined"]["bytes"] == whole[8]["joined"]["bytes"]
+
+    def grown(results, rank):
+        (grow,) = [r for r in results[rank]["recoveries"] if 8 in r["joined"]]
+        return grow["recovered_from"], grow["recovered_bytes"]
+
+    for rank in own:
+        assert grown(own, rank) == grown(whole, rank), rank
+
+
 def test_a_failure_that_leaves_no_copy_is_a_clear_error(pool):
     results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), text=NO_REPLICA, idle=(8,))
     for result in results.values():
