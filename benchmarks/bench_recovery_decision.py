@@ -41,7 +41,9 @@ compiled before) and once with the survivor's own part of the pairwise plan
 in a subprocess of its own pinned like this one, so that its peak RSS is its own. Target:
 from agreement to the new plan in at most 1 s of one core on 256 + 256 ranks, 2 s and 1 GiB
 on 4096 + 4096 (``--layout benchmarks/deepseek_v3_refit_4096.layout --no-whole``: the whole
-fleet's plan there is 19 s and 6 GiB, docs/guides/performance.rst).
+fleet's plan there is 19 s and 6 GiB, docs/guides/performance.rst). ``to new plan`` is the
+decision, the new layouts and the refit plan; ``to first byte`` adds the executors (their
+schedules: Python, per move of the rank's parts, so they grow with what the rank moves).
 
     python benchmarks/bench_recovery_decision.py             # a few minutes
     python benchmarks/bench_recovery_decision.py --victims 256,300,511,0,255 --json out.json
@@ -168,9 +170,10 @@ def run_case(
         Executor(plan, survivor, None)  # type: ignore[arg-type]
 
     _, out["executors"] = best(repeats, executors, "executors")
-    first = ("loss check", "new layouts", "changed ranks", "recovery plan", "refit plan", "executors")
-    out["to first byte"] = sum(out[p] for p in first)
-    CPU["to first byte"] = sum(CPU[p] for p in first)
+    planned = ("loss check", "new layouts", "changed ranks", "recovery plan", "refit plan")
+    for total, parts in (("to new plan", planned), ("to first byte", (*planned, "executors"))):
+        out[total] = sum(out[p] for p in parts)
+        CPU[total] = sum(CPU[p] for p in parts)
     out["cpu"] = dict(CPU)
     out["peak_rss"] = _rss()
     return out
@@ -203,7 +206,10 @@ def child(args: argparse.Namespace, per_rank: bool) -> list[dict[str, Any]]:
             r["rss_loaded"] = rss_loaded
             r["ranks"] = len(set(source.mesh.ranks) | set(destination.mesh.ranks))
             results.append(r)
-            print(f"  lose rank {victim}, {policy}: {r['cpu']['to first byte']:.3f} s CPU", file=sys.stderr)
+            print(
+                f"  lose rank {victim}, {policy}: {r['cpu']['to new plan']:.3f} s CPU to the new plan, "
+                f"{r['cpu']['to first byte']:.3f} s to the first byte", file=sys.stderr,
+            )
     return results
 
 
@@ -249,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"  {'part (CPU seconds)':<26}{'before (issue 14)':>18}" + "".join(f"{MODES[m]:>13}" for m in modes))
         parts = ("loss check", "changed ranks", "recovery plan", "decision", "new layouts", "refit plan",
-                 "executors", "to first byte")
+                 "to new plan", "executors", "to first byte")
         for part in parts:
             was = f"{before[part]:.0f} s" if part in before else "-"
             print(f"  {part:<26}{was:>18}" + "".join(f"{cases[m]['cpu'][part]:>12.3f}s" for m in modes))
@@ -261,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  target: decision <= {TARGET_SECONDS:g} s of one core: {'met' if met else 'MISSED'}")
         seconds, memory = FIRST_BYTE_TARGETS.get(r["ranks"], (None, None))
         if seconds is not None:
-            ok = r["cpu"]["to first byte"] <= seconds and (memory is None or r["peak_rss"] <= memory)
+            ok = r["cpu"]["to new plan"] <= seconds and (memory is None or r["peak_rss"] <= memory)
             missed += not ok
             limit = f"{seconds:g} s" + (f" and {_gib(memory)}" if memory else "")
-            print(f"  target: per rank, agreement to first byte <= {limit} of one core: {'met' if ok else 'MISSED'}")
+            print(f"  target: per rank, agreement to new plan <= {limit} of one core: {'met' if ok else 'MISSED'}")
         whole = cases.get("whole", {})
         if "whole-destination plan" in whole:
             print(
