@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     missed = 0
     for i, r in enumerate(runs["per-rank"]):
         cases = {mode: runs[mode][i] for mode in modes}
-        before = BEFORE.get(r["policy"], {}) if r["side"] == "inference" else {}
+        # issue 14's figures are of the 256 + 256 program
+        before = BEFORE.get(r["policy"], {}) if r["side"] == "inference" and r["ranks"] == 512 else {}
         print(
             f"\nlose {r['side']} rank {r['victim']}, {r['policy']}: "
             f"{len(r['changed'])} rank(s) changed {r['changed'][:4]}, {r['moves']:,} recovery moves; "
