@@ -169,12 +169,18 @@ def test_sigkill_of_a_training_rank_whose_shards_have_a_replica(pool):
     assert all(recovered(r) == [1] for r in results.values())
 
 
-def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["whole-fleet-plans", "per-rank-plans"])
+def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool, per_rank):
     """The same kill in a delta session whose training steps change 2% of the elements:
     every committed step verified byte for byte against the trained weights; the first refit
-    of each generation moves dense (nothing is kept yet), the later ones a fraction of it."""
+    of each generation moves dense (nothing is kept yet), the later ones a fraction of it.
+    With per-rank plans, rank 0 (its training replica dropped: in no layout) holds an empty
+    part of the new generation's plan."""
     results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), idle=(8,), delta=True,
-                  change_fraction=0.02)
+                  change_fraction=0.02, per_rank=per_rank)
+    if per_rank:
+        assert results[0]["plan"]["moves"] == 0 and results[0]["plan"]["rank"] == 0
+        assert len({result["plan"]["fingerprint"] for result in results.values()}) == 1
     check_refits(
         results, destination_ranks=range(4, 8), members=[0, 2, 3, 4, 5, 6, 7], destination="serve",
         source=r"fsdp_gen\d+",
