@@ -451,3 +451,48 @@ reshard refit: fsdp -> serve
     for ranks, expected in ((PER_RANK_SESSION_RANKS - 1, False), (PER_RANK_SESSION_RANKS, True)):
         p = program(ranks)
         assert per_rank_plans(p.layouts["fsdp"], p.layouts["serve"]) is expected
+
+
+WIDE = """
+topology { domain_size = 4 }
+mesh train [tp = 4]
+mesh infer [dp = 2, tp = 8] on ranks 4..19
+tensor "w" [24, 10] fp32
+tensor "v" [7, 9] fp32
+tensor "b" [10] fp32
+layout fsdp on train {
+    "w": tp = shard(0)
+    "v": tp = shard(1)
+    "b": tp = shard(0)
+}
+layout serve on infer {
+    "w": tp = shard(1)
+    "v": tp = shard(0)
+    "b": replicate
+}
+reshard refit: fsdp -> serve
+"""
+
+
+@pytest.mark.parametrize("lost", [[9], [4, 12], [5, 13], [19]], ids=str)
+def test_a_few_spares_of_a_wide_destination_are_filled_exactly(lost):
+    """A few ranks to fill among many (at most one in eight: the core then looks each of
+    them up in the replica groups instead of scanning every group's ranks): the plan
+    validates, rebuilds the new destination with the kept storages, and has the moves into
+    the spares that the plan of the whole destination has, from the surviving replica or,
+    where both replicas of a shard are lost, the training side."""
+    program = layoutlang.loads(WIDE)
+    source, old = program.layouts["fsdp"], program.layouts["serve"]
+    spares = list(range(20, 20 + len(lost)))
+    new = remesh(old, set(lost), "fill-spares", spares=spares)
+    ranks = list(new.mesh.ranks)
+    changed = [r for r, same in zip(ranks, same_holdings(old, new, ranks)) if not same]
+    assert changed == spares
+    plan = plan_refill([old, source], new, lost, changed, domain_size=4, bucket_bytes=64)
+    plan.validate()
+    execute_refill(plan, old)
+    full = plan_recovery([old, source], new, lost, domain_size=4, bucket_bytes=64)
+    assert plan.num_moves == sum(1 for m in full.moves() if m.dst in plan.filled)
+    from_training = {m.source for m in plan.moves() if m.src_space == "source"}
+    assert from_training == ({0, 1} if lost in ([4, 12], [5, 13]) else {0})
+    assert int(plan.arrays.lower_bound_bytes) > 0
