@@ -60,6 +60,15 @@ class Builder {
     root_load_.assign(n, 0);
     src_group_of_rank_.assign(srcs_.size(), std::vector<int64_t>(n, -1));
     recovery_ = srcs_.size() > 1 || !lost.empty() || fill.has_value();
+    // A few ranks to fill (a spare in a lost rank's place): looked up in each replica group
+    // instead of scanning every group's ranks, so the plan's time follows the ranks it fills,
+    // not the fleet.
+    if (fill.has_value() && fill->size() * 8 <= dst_.ranks().size()) {
+      fill_list_ = *fill;
+      std::sort(fill_list_.begin(), fill_list_.end());
+      fill_list_.erase(std::unique(fill_list_.begin(), fill_list_.end()), fill_list_.end());
+      sparse_fill_ = true;
+    }
     if (srcs_.size() > 255) throw CoreValueError("argument", "a plan reads from at most 255 source layouts");
     if (options_.domain_size < 1) throw CoreValueError("argument", "domain size must be at least 1");
     if (options_.bucket_bytes < 1) throw CoreValueError("argument", "bucket size must be at least 1 byte");
@@ -102,9 +111,8 @@ class Builder {
         }
       }
       for (const HoldingGroup& g : dst_groups_.groups(tid)) {
-        expected_moves += static_cast<std::size_t>(std::count_if(g.ranks.begin(), g.ranks.end(), [&](int64_t r) {
-          return fill_[static_cast<std::size_t>(r)] != 0;
-        }));
+        filled_among(g.ranks, needy_);
+        expected_moves += needy_.size();
         expected_regions += 1;
       }
       expected_dims += src_.tensor(tid).shape.size() * dst_groups_.groups(tid).size();
@@ -305,6 +313,29 @@ class Builder {
     return best;
   }
 
+  // The ranks of `ranks` (ascending) that the plan fills, ascending, into `out`.
+  void filled_among(const std::vector<int64_t>& ranks, std::vector<int64_t>& out) const {
+    out.clear();
+    if (sparse_fill_ && fill_list_.size() < ranks.size()) {
+      for (int64_t r : fill_list_) {
+        if (std::binary_search(ranks.begin(), ranks.end(), r)) out.push_back(r);
+      }
+      return;
+    }
+    for (int64_t r : ranks) {
+      if (fill_[static_cast<std::size_t>(r)]) out.push_back(r);
+    }
+  }
+
+  // The replica group of `tensor` in source k that holds `rank` (-1: none), by search.
+  int64_t group_of(std::size_t k, int32_t tensor, int64_t rank) {
+    const std::vector<HoldingGroup>& groups = src_groups_[k].groups(tensor);
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      if (std::binary_search(groups[g].ranks.begin(), groups[g].ranks.end(), rank)) return static_cast<int64_t>(g);
+    }
+    return -1;
+  }
+
   // ---------------------------------------------------------------- tensors
   void plan_tensor(int32_t tensor) {
     const std::vector<HoldingGroup>& dgroups = dst_groups_.groups(tensor);
@@ -323,6 +354,7 @@ class Builder {
                                              std::to_string(numel) + " elements",
                              tensor);
       }
+      if (sparse_fill_) continue;  // add_lower_bound looks the few filled ranks up instead
       for (std::size_t gi = 0; gi < sgroups.size(); ++gi) {
         for (int64_t r : sgroups[gi].ranks) src_group_of_rank_[k][r] = static_cast<int64_t>(gi);
       }
@@ -333,15 +365,12 @@ class Builder {
       plan_broadcast(tensor, src_groups_[0].groups(tensor), dgroups, numel * entry.itemsize);
     } else {
       for (const HoldingGroup& dg : dgroups) {
-        needy_.clear();
-        for (int64_t r : dg.ranks) {
-          if (fill_[static_cast<std::size_t>(r)]) needy_.push_back(r);
-        }
+        filled_among(dg.ranks, needy_);
         if (!needy_.empty()) cascade(tensor, dg.runs, needy_, 0);
       }
     }
     source_ = 0;
-    for (std::size_t k = 0; k < srcs_.size(); ++k) {
+    for (std::size_t k = 0; k < srcs_.size() && !sparse_fill_; ++k) {
       for (const HoldingGroup& g : src_groups_[k].groups(tensor)) {
         for (int64_t r : g.ranks) src_group_of_rank_[k][r] = -1;
       }
@@ -400,13 +429,14 @@ class Builder {
   // the rank holds), so the bound stays a lower bound when a rank holds a box twice.
   void add_lower_bound(int32_t tensor, const std::vector<HoldingGroup>& dgroups) {
     const int64_t itemsize = src_.tensor(tensor).itemsize;
+    std::vector<int64_t> filled;
     for (const HoldingGroup& dg : dgroups) {
       const int64_t held = itemsize * holding_volume(dg);
-      for (int64_t rank : dg.ranks) {
-        if (!fill_[static_cast<std::size_t>(rank)]) continue;  // a rank the plan does not fill needs nothing
+      filled_among(dg.ranks, filled);  // a rank the plan does not fill needs nothing
+      for (int64_t rank : filled) {
         int64_t own = 0;
         for (std::size_t k = 0; k < srcs_.size() && !lost_[static_cast<std::size_t>(rank)]; ++k) {
-          const int64_t gi = src_group_of_rank_[k][rank];
+          const int64_t gi = sparse_fill_ ? group_of(k, tensor, rank) : src_group_of_rank_[k][rank];
           if (gi < 0) continue;
           const HoldingGroup& sg = src_groups_[k].groups(tensor)[static_cast<std::size_t>(gi)];
           int64_t overlap = itemsize;
@@ -1149,6 +1179,8 @@ class Builder {
   std::vector<char> lost_;
   std::vector<char> fill_;  // the destination ranks the plan fills
   std::vector<int64_t> needy_;
+  std::vector<int64_t> fill_list_;  // the ranks to fill, ascending, when they are few (sparse_fill_)
+  bool sparse_fill_ = false;
   bool recovery_ = false;
   uint8_t source_ = 0;  // the source layout of the moves being added
   PlanData plan_;

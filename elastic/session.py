@@ -72,7 +72,7 @@ from .membership import (
     MemberFailure,
     Membership,
 )
-from .recovery import Change, GroupBuilder, Recoverer, Recovery, RefitSpec, recoverable
+from .recovery import Change, GroupBuilder, Recoverer, Recovery, RefitSpec, per_rank_plans, recoverable
 
 __all__ = ["ElasticSession", "StepFn", "StepReport"]
 
@@ -170,6 +170,13 @@ class ElasticSession:
     master weights of a bf16 program), converted while they are packed, as
     :meth:`Resharder.run <layoutlang.runtime.Resharder.run>` does; a rank's own choice.
 
+    ``per_rank=True``: each member compiles only its own part of every generation's refit
+    plan (the pairwise plan, :ref:`per-rank-plans`), so that what a survivor compiles after a
+    loss grows with what it moves, not with the fleet; ``False``: the whole fleet's plan;
+    ``None`` (the default): per-rank plans when the first generation's meshes hold at least
+    :data:`~elastic.recovery.PER_RANK_SESSION_RANKS` ranks together. Every member must choose
+    alike (the plans' fingerprints differ otherwise, and a joiner's program digest).
+
     Use it as a context manager (or call :meth:`close`) to stop its heartbeat.
     """
 
@@ -206,17 +213,20 @@ class ElasticSession:
         problem: str | None = None,
         delta: bool | str | DeltaOptions = False,
         cast_sources: bool = False,
+        per_rank: bool | None = None,
     ):
         statement = program.reshard(reshard)
         self.program = program
         self.reshard = statement.name
         self.original_source = program.layout(statement.source)
         self.original_destination = program.layout(statement.destination)
+        if per_rank is None:
+            per_rank = per_rank_plans(self.original_source, self.original_destination)
         spec = RefitSpec(
             self.reshard, self.original_source, self.original_destination,
             source_policy=(source_policy, source_axis), destination_policy=(destination_policy, destination_axis),
             domain_size=program.topology.domain_size, bucket_bytes=max(1, memory_budget // 2),
-            unit_axis=unit_axis, grow=grow,
+            unit_axis=unit_axis, grow=grow, per_rank=per_rank,
         )
         self.rank = int(rank)
         self.delta = delta
@@ -561,6 +571,6 @@ def _program_digest(spec: RefitSpec, delta: bool) -> str:
     h.update(layout_digest(spec.source).encode())
     h.update(layout_digest(spec.destination).encode())
     options = (spec.name, spec.source_policy, spec.destination_policy, spec.domain_size, spec.bucket_bytes,
-               spec.unit_axis, spec.grow, delta)
+               spec.unit_axis, spec.grow, delta) + ((True,) if spec.per_rank else ())  # old digests stand
     h.update(repr(options).encode())
     return h.hexdigest()

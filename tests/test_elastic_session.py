@@ -184,12 +184,18 @@ def test_sigkill_of_a_training_rank_whose_shards_have_a_replica(pool):
     assert all(recovered(r) == [1] for r in results.values())
 
 
-def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool):
+@pytest.mark.parametrize("per_rank", [False, True], ids=["whole-fleet-plans", "per-rank-plans"])
+def test_delta_refits_go_on_past_a_training_rank_killed_mid_transfer(pool, per_rank):
     """The same kill in a delta session whose training steps change 2% of the elements:
     every committed step verified byte for byte against the trained weights; the first refit
-    of each generation moves dense (nothing is kept yet), the later ones a fraction of it."""
+    of each generation moves dense (nothing is kept yet), the later ones a fraction of it.
+    With per-rank plans, rank 0 (its training replica dropped: in no layout) holds an empty
+    part of the new generation's plan."""
     results = run(pool, expect=[0, 2, 3, 4, 5, 6, 7], kills=((1, 1, "kill"),), idle=(8,), delta=True,
-                  change_fraction=0.02)
+                  change_fraction=0.02, per_rank=per_rank)
+    if per_rank:
+        assert results[0]["plan"]["moves"] == 0 and results[0]["plan"]["rank"] == 0
+        assert len({result["plan"]["fingerprint"] for result in results.values()}) == 1
     check_refits(
         results, destination_ranks=range(4, 8), members=[0, 2, 3, 4, 5, 6, 7], destination="serve",
         source=r"fsdp_gen\d+",
@@ -263,6 +269,44 @@ def test_a_replacement_rank_joins_and_receives_its_shards_from_replicas(pool):
         assert result["grows"] == [grow["generation"]]  # every member grew once, into the same generation
     for rank in (0, 1, 2, 3):  # the training side sent nothing in the recovery
         assert all(rec["recovered_bytes"] == 0 for rec in results[rank]["recoveries"])
+
+
+def test_a_recovery_with_per_rank_plans_moves_what_the_whole_fleets_plans_move(pool):
+    """The replacement above, once with the whole fleet's plans and once with per-rank ones
+    (each member compiles its own part of every generation's refit plan): every destination
+    byte of every step verified in both, the same bytes recovered from the same sides, and
+    every member's part bears the fingerprint of one whole program."""
+    runs = {}
+    for per_rank in (False, True):
+        results = run(
+            pool, expect=[0, 1, 2, 3, 4, 6, 7, 8], kills=((5, 1, "kill"),), joiners=(8,), per_rank=per_rank
+        )
+        check_refits(
+            results, destination_ranks=[4, 6, 7, 8], members=[0, 1, 2, 3, 4, 6, 7, 8],
+            destination=r"serve_gen\d+", source="fsdp", joiners=(8,),
+        )
+        runs[per_rank] = results
+    for per_rank, results in runs.items():
+        plans = {rank: result["plan"] for rank, result in results.items()}
+        assert len({p["fingerprint"] for p in plans.values()}) == 1, plans  # one program on every member
+        if per_rank:
+            assert all(p["mode"] == "pairwise" and p["rank"] == rank for rank, p in plans.items()), plans
+        else:
+            assert all(p["mode"] == "fleet" and p["rank"] is None for p in plans.values()), plans
+    whole, own = runs[False], runs[True]
+    assert sum(own[r]["plan"]["moves"] for r in own) >= own[8]["plan"]["moves"] > 0
+    assert all(own[r]["plan"]["moves"] < whole[r]["plan"]["moves"] for r in own)
+    # the joiner's recovery: the same bytes, from the same side, verified
+    for results in (whole, own):
+        assert results[8]["joined"]["ok"] and results[8]["joined"]["bytes"] > 0
+    assert own[8]["joined"]["bytes"] == whole[8]["joined"]["bytes"]
+
+    def grown(results, rank):
+        (grow,) = [r for r in results[rank]["recoveries"] if 8 in r["joined"]]
+        return grow["recovered_from"], grow["recovered_bytes"]
+
+    for rank in own:
+        assert grown(own, rank) == grown(whole, rank), rank
 
 
 def test_a_failure_that_leaves_no_copy_is_a_clear_error(pool):

@@ -28,7 +28,7 @@ import pytest
 import layoutlang
 from layoutlang.core import _core
 from layoutlang.errors import LayoutValueError
-from layoutlang.plan import Plan, compile_plan, plan_layouts
+from layoutlang.plan import Plan, compile_plan, plan_layouts, plan_recovery
 from layoutlang.plan.data import _COLUMNS
 from layoutlang.runtime.schedule import schedule
 
@@ -395,3 +395,38 @@ def test_the_resharder_chooses_per_rank_plans_for_large_fleets(train, infer, rul
     assert _per_rank(program, None, None) is expected
     if expected:
         assert _per_rank(program, None, "broadcast") is False  # policy= overrides the rules
+
+
+FP8_TEXT = """
+mesh train [tp = 1]
+mesh infer [tp = 2] on ranks 1..2
+tensor "w" [256, 256] bf16
+tensor "n" [64] bf16
+layout train on train { default: replicate }
+layout serve on infer {
+  default: replicate
+  "w": tp = shard(0)
+  quantize "w" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: train -> serve
+"""
+
+
+@pytest.mark.parametrize("name", PAIRS)
+def test_moves_at_reads_what_move_reads_one_by_one(name):
+    """``Plan.moves_at`` (a rank's schedule reads its moves through it) gives every move as
+    ``Plan.move`` does, for the whole fleet's plan, a per-rank one, a recovery plan and a plan
+    into a quantized destination."""
+    program = program_of(name)
+    fleet = compile_plan(program)
+    rank = participants(program)[-1]
+    plans = [fleet, compile_plan(program, rank=rank)]
+    source, destination = layouts_of(program)
+    plans.append(plan_recovery([source], destination, lost=()))
+    plans.append(compile_plan(layoutlang.loads(FP8_TEXT)))
+    for plan in plans:
+        everything = list(range(plan.num_moves))
+        assert plan.moves_at(everything) == [plan.move(i) for i in everything]
+        some = plan.moves_of_rank(rank)
+        assert plan.moves_at(some) == [plan.move(int(i)) for i in some]
+    assert plans[-1].quantization is not None

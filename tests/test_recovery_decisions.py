@@ -28,6 +28,7 @@ import contextlib
 import itertools
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -38,9 +39,10 @@ from test_recovery_plan import TEXT as RECOVERY_PROGRAM
 
 import layoutlang
 from elastic import DataLossError, remesh
+from elastic.recovery import PER_RANK_SESSION_RANKS, RefitSpec, per_rank_plans
 from layoutlang.core import _core
 from layoutlang.errors import LayoutError, LayoutValueError
-from layoutlang.plan import plan_recovery
+from layoutlang.plan import Plan, plan_recovery
 from layoutlang.plan.loss import lost_regions, same_holdings
 from layoutlang.plan.refill import RefillPlan, plan_refill
 
@@ -51,6 +53,14 @@ EXAMPLES = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.
 
 
 # ---------------------------------------------------------------------------- oracles
+
+
+def move_keys(plan: Plan) -> list[tuple]:
+    """Every move of ``plan``, as a comparable record."""
+    return [
+        (m.tensor, m.offsets, m.sizes, m.src, m.dst, m.kind, m.stage, m.bucket, m.src_space, m.dst_space)
+        for m in plan.moves()
+    ]
 
 
 def oracle_lost_regions(layouts, lost):
@@ -391,3 +401,98 @@ layout first on infer {
     check_holdings(first, spread)
     for after in successors(spread, {3}) + successors(spread, {1}):
         check_holdings(spread, after)
+
+
+def test_a_new_generations_per_rank_refit_plans_are_the_parts_of_one_plan():
+    """After a loss, a session of per-rank plans (``RefitSpec(per_rank=True)``) gives each
+    member its own part of the new generation's pairwise refit plan: the parts together are
+    the whole pairwise plan, move for move, which writes every destination byte once; every
+    part, a member in neither layout's empty one included, bears the whole program's
+    fingerprint; and the whole fleet's plan of the same layouts moves the same bytes."""
+    program = layoutlang.loads(RECOVERY_PROGRAM)
+    spec = RefitSpec(
+        "refit", program.layouts["fsdp"], program.layouts["serve"],
+        destination_policy=("fill-spares", None), domain_size=2, bucket_bytes=64, per_rank=True,
+    )
+    members = [0, 1, 2, 3, 4, 6, 7, 9, 10]  # rank 5 lost, 9 its spare, 10 in no layout
+    source, destination = spec.layouts([list(range(8)), members])
+    assert destination.mesh.ranks == (4, 9, 6, 7)
+    whole = spec.plan(source, destination)
+    whole.validate()  # every destination byte written exactly once, from what its sender holds
+    parts = {rank: spec.plan(source, destination, rank) for rank in members}
+    for rank, part in parts.items():
+        assert (part.mode, part.rank) == ("pairwise", rank)
+        assert part.fingerprint == whole.fingerprint
+        if rank != 10:
+            part.validate()
+    assert parts[10].num_moves == 0
+    keys = {rank: set(move_keys(part)) for rank, part in parts.items()}
+    assert set().union(*keys.values()) == set(move_keys(whole))
+    for rank, own in keys.items():  # each part: the whole plan's moves it sends or receives
+        assert own == {k for k in move_keys(whole) if rank in (k[3], k[4])}
+    fleet = attrs.evolve(spec, per_rank=False).plan(source, destination)
+    assert fleet.mode == "fleet" and fleet.fingerprint != whole.fingerprint
+    received = [p.stats.per_rank for p in (fleet, whole)]
+    for rank in destination.mesh.ranks:  # the lower bound: what each rank lacks, on both
+        assert sum(received[0][rank]["received"].values()) == sum(received[1][rank]["received"].values())
+
+
+def test_sessions_of_large_fleets_choose_per_rank_plans():
+    def program(ranks: int) -> layoutlang.Program:
+        return layoutlang.loads(f"""
+mesh train [tp = {ranks // 2}]
+mesh infer [tp = {ranks - ranks // 2}] on ranks {ranks // 2}..{ranks - 1}
+tensor "w" [{ranks}, 4] fp32
+layout fsdp on train {{ "w": tp = shard(0) }}
+layout serve on infer {{ "w": tp = shard(0) }}
+reshard refit: fsdp -> serve
+""")
+
+    for ranks, expected in ((PER_RANK_SESSION_RANKS - 1, False), (PER_RANK_SESSION_RANKS, True)):
+        p = program(ranks)
+        assert per_rank_plans(p.layouts["fsdp"], p.layouts["serve"]) is expected
+
+
+WIDE = """
+topology { domain_size = 4 }
+mesh train [tp = 4]
+mesh infer [dp = 2, tp = 8] on ranks 4..19
+tensor "w" [24, 10] fp32
+tensor "v" [7, 9] fp32
+tensor "b" [10] fp32
+layout fsdp on train {
+    "w": tp = shard(0)
+    "v": tp = shard(1)
+    "b": tp = shard(0)
+}
+layout serve on infer {
+    "w": tp = shard(1)
+    "v": tp = shard(0)
+    "b": replicate
+}
+reshard refit: fsdp -> serve
+"""
+
+
+@pytest.mark.parametrize("lost", [[9], [4, 12], [5, 13], [19]], ids=str)
+def test_a_few_spares_of_a_wide_destination_are_filled_exactly(lost):
+    """A few ranks to fill among many (at most one in eight: the core then looks each of
+    them up in the replica groups instead of scanning every group's ranks): the plan
+    validates, rebuilds the new destination with the kept storages, and has the moves into
+    the spares that the plan of the whole destination has, from the surviving replica or,
+    where both replicas of a shard are lost, the training side."""
+    program = layoutlang.loads(WIDE)
+    source, old = program.layouts["fsdp"], program.layouts["serve"]
+    spares = list(range(20, 20 + len(lost)))
+    new = remesh(old, set(lost), "fill-spares", spares=spares)
+    ranks = list(new.mesh.ranks)
+    changed = [r for r, same in zip(ranks, same_holdings(old, new, ranks)) if not same]
+    assert changed == spares
+    plan = plan_refill([old, source], new, lost, changed, domain_size=4, bucket_bytes=64)
+    plan.validate()
+    execute_refill(plan, old)
+    full = plan_recovery([old, source], new, lost, domain_size=4, bucket_bytes=64)
+    assert plan.num_moves == sum(1 for m in full.moves() if m.dst in plan.filled)
+    from_training = {m.source for m in plan.moves() if m.src_space == "source"}
+    assert from_training == ({0, 1} if lost in ([4, 12], [5, 13]) else {0})
+    assert int(plan.arrays.lower_bound_bytes) > 0

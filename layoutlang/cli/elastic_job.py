@@ -273,7 +273,16 @@ def refit_job(
             "members": session.members,
             "source": session.source.name,
             "destination": session.destination.name,
+            "plan": _plan_of(session),
         }
+
+
+def _plan_of(session: ElasticSession) -> dict:
+    """What this rank compiled of the last generation's refit plan."""
+    plan = session.plan
+    if plan is None:
+        return {}
+    return {"mode": plan.mode, "rank": plan.rank, "moves": plan.num_moves, "fingerprint": plan.fingerprint}
 
 
 def _joined(session: ElasticSession, seen: _Seen) -> dict:

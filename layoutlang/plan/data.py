@@ -326,6 +326,37 @@ class Plan:
             wire,
         )
 
+    def moves_at(self, indices: npt.ArrayLike) -> list[Move]:
+        """The moves at ``indices``, as :meth:`move` gives them one by one, read from the
+        columns at once (what a rank's schedule reads of its part of a plan)."""
+        at = np.asarray(indices, dtype=np.intp)
+        if not len(at):
+            return []
+        column = self._column
+        region = column("move_region")[at]
+        tensor = column("region_tensor")[region]
+        start = column("region_dims_start")[region]
+        names = self.tensors
+        ndims = np.asarray([len(self.source.tensors[n].shape) for n in names], dtype=np.intp)[tensor]
+        width = max(1, int(ndims.max()))
+        dims = np.minimum(start[:, None] + np.arange(width), max(0, len(column("region_offsets")) - 1))
+        offsets = column("region_offsets")[dims].tolist() if len(column("region_offsets")) else [[]] * len(at)
+        sizes = column("region_sizes")[dims].tolist() if len(column("region_sizes")) else [[]] * len(at)
+        q = self.quantization
+        quantized = ["none"] * len(at) if q is None else [QUANTIZED_AT[k] for k in np.asarray(q.at)[region].tolist()]
+        wire = [None] * len(at) if q is None else np.asarray(q.wire_bytes)[region].tolist()
+        return [
+            Move(i, names[t], tuple(o[:n]), tuple(z[:n]), src, dst, KINDS[k], stage, bucket, SPACES[a], SPACES[b],
+                 nbytes, source, qz, w)
+            for i, t, o, z, n, src, dst, k, stage, bucket, a, b, nbytes, source, qz, w in zip(
+                at.tolist(), tensor.tolist(), offsets, sizes, ndims.tolist(), column("move_src")[at].tolist(),
+                column("move_dst")[at].tolist(), column("move_kind")[at].tolist(), column("move_stage")[at].tolist(),
+                column("move_bucket")[at].tolist(), column("move_src_space")[at].tolist(),
+                column("move_dst_space")[at].tolist(), column("region_bytes")[region].tolist(),
+                column("move_source")[at].tolist(), quantized, wire,
+            )
+        ]
+
     def moves(self, tensor: str | None = None) -> Iterator[Move]:
         """Every move, or the moves of tensors matching ``tensor`` (a name or a pattern)."""
         indices: Iterable[int]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import numpy as np
 import torch
 
+from ..errors import core_errors
 from ..io.torch_dtypes import torch_dtype
 from ..plan import SPACES, Move, Plan
 
@@ -162,29 +163,29 @@ def schedule(plan: Plan, rank: int) -> list[Step]:
     a = plan.arrays
     dtypes = [torch_dtype(plan.source.tensors[n].dtype) for n in plan.tensors]
     steps: dict[tuple[int, int], Step] = {}
-    src_cols = np.asarray(a.move_src)
-    dst_cols = np.asarray(a.move_dst)
     regions = np.asarray(a.move_region)
     q = plan.quantization
     quantizing = _Quantizing(plan, rank) if q is not None else None
-    for i in plan.moves_of_rank(rank):
-        move = plan.move(int(i))
+    indices = plan.moves_of_rank(rank)
+    place = _Places(plan)
+    index = plan.source.resolved.index
+    ats = np.asarray(q.at)[regions[indices]].tolist() if q is not None else [0] * len(indices)
+    for move, at in zip(plan.moves_at(indices), ats):
         key = (move.bucket, move.stage)
         step = steps.get(key)
         if step is None:
             step = steps[key] = Step(move.bucket, move.stage)
-        read, write = plan.place(move)
-        tensor = plan.source.resolved.index[move.tensor]
-        src, dst = int(src_cols[i]), int(dst_cols[i])
-        at = int(q.at[regions[i]]) if q is not None else 0
+        read, write = place(move)
+        tensor = index[move.tensor]
+        src, dst = move.src, move.dst
         ends: tuple[tuple[str, tuple[str, tuple[int, ...]] | None], ...]
         if src == dst:
             ends = ((move.src_space, read), (move.dst_space, write))
         else:
             ends = ((move.src_space, read),) if src == rank else ((move.dst_space, write),)
         pieces = []
-        for space, place in ends:  # the ends of the move on this rank
-            piece = _piece(plan, move, space, place, tensor, dtypes[tensor])
+        for space, where in ends:  # the ends of the move on this rank
+            piece = _piece(plan, move, space, where, tensor, dtypes[tensor], place.transposed)
             pieces.append(quantizing.piece(piece, move, space, at) if quantizing is not None and at else piece)
         if src == dst:
             step.copies.append((pieces[0], pieces[1]))
@@ -239,8 +240,49 @@ def _pairwise_steps(steps: dict[tuple[int, int], Step], rank: int, budget: int) 
     return out
 
 
+class _Places:
+    """Where a plan's moves read and write (:meth:`Plan.place <layoutlang.plan.Plan.place>`),
+    with each layout's compiled core and storages looked up once instead of per move."""
+
+    def __init__(self, plan: Plan):
+        self.plan = plan
+        self._layouts = [(layout, layout.core, layout.resolved) for layout in (*plan.sources, plan.destination)]
+        self._transposed: dict[tuple[int, str], bool] = {}
+
+    def __call__(self, move: Move) -> tuple[tuple[str, tuple[int, ...]] | None, tuple[str, tuple[int, ...]] | None]:
+        with core_errors(self.plan.tensors):
+            return self._locate(move, move.src, move.src_space), self._locate(move, move.dst, move.dst_space)
+
+    def _layout(self, move: Move, space: str) -> int:
+        return move.source if space == "source" else len(self._layouts) - 1
+
+    def _locate(self, move: Move, rank: int, space: str) -> tuple[str, tuple[int, ...]] | None:
+        if space == "scratch":
+            return (move.tensor, move.offsets)
+        _, core, resolved = self._layouts[self._layout(move, space)]
+        index = resolved.index[move.tensor]
+        offsets = core.locate(index, rank, list(move.offsets))
+        storage = resolved.storages[resolved.storage_of[index]].name
+        return (storage, tuple(offsets)) if offsets is not None else None
+
+    def transposed(self, move: Move, space: str) -> bool:
+        """Whether the storage ``move`` reads or writes in ``space`` holds its tensor transposed."""
+        key = (self._layout(move, space), move.tensor)
+        found = self._transposed.get(key)
+        if found is None:
+            layout = self._layouts[key[0]][0]
+            found = self._transposed[key] = layout.storage_of(move.tensor).is_transposed(move.tensor)
+        return found
+
+
 def _piece(
-    plan: Plan, move: Move, space: str, place: tuple[str, tuple[int, ...]] | None, tensor: int, dtype: torch.dtype
+    plan: Plan,
+    move: Move,
+    space: str,
+    place: tuple[str, tuple[int, ...]] | None,
+    tensor: int,
+    dtype: torch.dtype,
+    transposed_in: Callable[[Move, str], bool] | None = None,
 ) -> Piece:
     """The region ``move`` reads or writes in ``space`` of this rank, at ``place`` (storage, offsets)."""
     if place is None:
@@ -248,7 +290,9 @@ def _piece(
     storage, offsets = place
     sizes = list(move.sizes)
     transposed = False
-    if space != "scratch":  # scratch buffers hold whole tensors as they are
+    if space != "scratch" and transposed_in is not None:  # scratch buffers hold whole tensors as they are
+        transposed = transposed_in(move, space)
+    elif space != "scratch":
         layout = plan.sources[move.source] if space == "source" else plan.destination
         transposed = layout.storage_of(move.tensor).is_transposed(move.tensor)
     if transposed:
