@@ -11,6 +11,7 @@ from ``program.check()``; the others already from ``loads``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import lark
@@ -1193,3 +1194,51 @@ def test_a_fused_storage_split_inside_a_block_is_hinted_as_too_many_ranks():
         layoutlang.loads(text).layout("megatron_core").check()
     assert "not a multiple of its block size" in caught.value.message
     assert caught.value.hint is not None and "use fewer ranks on that axis" in caught.value.hint
+
+
+def test_a_requirement_that_does_not_hold_is_an_error_in_its_own_words():
+    err = error_of('let heads = 4\nmesh infer [tp = 8]\nrequire heads % infer.tp == 0: "tp must divide the heads"\n')
+    assert_error(
+        err, LayoutValueError,
+        "tp must divide the heads (required heads % infer.tp == 0, with heads = 4, infer.tp = 8)", 3, 1,
+    )
+    err = error_of("let a = 2\nrequire a < 1\n")
+    assert_error(err, LayoutValueError, "a requirement of the program does not hold (required a < 1, with a = 2)", 2, 1)
+
+
+@pytest.mark.parametrize("op, holds", [("==", False), ("!=", True), ("<", False), ("<=", False), (">", True),
+                                       (">=", True)])
+def test_every_comparison_of_require(op, holds):
+    text = f"let a = 3\nlet b = 2\nrequire a {op} b + 0 * a\ntensor \"w\" [a] bf16\n"
+    if holds:
+        assert "w" in layoutlang.loads(text).tensors
+    else:
+        with pytest.raises(LayoutValueError, match=rf"required a {re.escape(op)} b \+ 0 \* a, with a = 3, b = 2\)"):
+            layoutlang.loads(text)
+
+
+def test_a_vllm_preset_refuses_more_tensor_parallel_ranks_than_heads(tmp_path):
+    """vLLM asserts that tp divides the query heads and that one of tp and the kv heads
+    divides the other: the presets say so at check time, not half a head per rank."""
+    config = {
+        "model_type": "llama", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = tmp_path / "serve.layout"
+
+    def load(tp: int, kv_heads: int = 2) -> None:
+        (tmp_path / "config.json").write_text(json.dumps(config | {"num_key_value_heads": kv_heads}))
+        path.write_text(f'tensors from hf "{tmp_path / "config.json"}" as cfg\nmesh infer [tp = {tp}]\n'
+                        'include "preset:llama/vllm_fused"\n')
+        layoutlang.load(path).check()
+
+    load(4)
+    load(2)
+    with pytest.raises(LayoutValueError) as caught:
+        load(8)
+    assert "tp must divide num_attention_heads" in caught.value.message
+    assert "with cfg.num_attention_heads = 4, infer.tp = 8" in caught.value.message
+    assert caught.value.span.included_from  # at the preset's statement, included from the user's file
+    with pytest.raises(LayoutValueError, match="one of tp and num_key_value_heads must divide the other"):
+        load(4, kv_heads=3)

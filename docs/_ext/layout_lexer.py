@@ -36,7 +36,8 @@ __all__ = ["LayoutLexer", "setup"]
 
 # Words of the grammar (layout.lark), by role.
 STATEMENTS = (
-    "include", "let", "topology", "mesh", "tensor", "tensors", "generic", "layout", "storage", "quantize", "reshard",
+    "include", "let", "require", "topology", "mesh", "tensor", "tensors", "generic", "layout", "storage",
+    "quantize", "reshard",
 )  # fmt: skip
 CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed", "into")
 PLACEMENTS = ("shard", "replicate", "broadcast")
@@ -88,7 +89,7 @@ class LayoutLexer(RegexLexer):
             (r"[0-9][0-9_]*\.[0-9]+(?:[eE][+-]?[0-9]+)?", Number.Float),
             (r"[0-9][0-9_]*[eE][+-]?[0-9]+", Number.Float),
             (r"[0-9][0-9_]*", Number.Integer),
-            (r"\.\.|->|//|[+\-*%=|:/]", Operator),
+            (r"\.\.|->|//|==|!=|<=|>=|[+\-*%=|:/<>]", Operator),
             (r"[\[\](){},.]", Punctuation),
             (r"[A-Za-z_][A-Za-z0-9_]*", Name),
         ],

@@ -35,6 +35,7 @@ __all__ = [
     "QuantizeFrom",
     "Range",
     "ReplicateExpr",
+    "Require",
     "ReshardDecl",
     "RuleDecl",
     "SelectEntry",
@@ -116,6 +117,17 @@ class Include:
 class Let:
     name: str
     value: Expr
+    span: Span
+
+
+@attrs.frozen
+class Require:
+    """``require LEFT OP RIGHT: "what it means"``: checked when read."""
+
+    left: Expr
+    op: str
+    right: Expr
+    message: str | None
     span: Span
 
 
@@ -333,7 +345,7 @@ class ReshardDecl:
     span: Span
 
 
-Statement = Include | Let | Topology | MeshDecl | TensorDecl | TensorsFrom | LayoutDecl | ReshardDecl
+Statement = Include | Let | Require | Topology | MeshDecl | TensorDecl | TensorsFrom | LayoutDecl | ReshardDecl
 
 
 @attrs.frozen

@@ -15,13 +15,15 @@ shapes on every rank) happens lazily on first use, or all at once in
 
 from __future__ import annotations
 
+import operator
 import os
+from collections.abc import Callable, Mapping
 
 from ..errors import LayoutNameError, LayoutValueError
 from ..model import Program, Reshard, Topology
 from ..model.program import cyclic_gc_paused
 from . import ast, layouts, meshes, tensors
-from .expressions import evaluate
+from .expressions import evaluate, names_in
 from .includes import Includes, Source, read_source
 from .limits import MAX_LAYOUT_PLACEMENTS
 from .parser import TokenBudget, parse
@@ -56,6 +58,8 @@ class _Elaborator:
                 # a second declaration is named as such before its value is computed
                 scope.constants.check_new(node.name, node.span)
                 scope.constants.declare(node.name, evaluate(node.value, scope.constants), node.span)
+            case ast.Require():
+                _require(node, scope.constants)
             case ast.Topology():
                 if scope.topology is not None:
                     raise LayoutNameError(f"a second topology (the first is at {scope.topology_span})", node.span)
@@ -135,3 +139,34 @@ def loads(text: str, path: str = "<string>", *, allow_outside_includes: bool = F
     with cyclic_gc_paused():
         elaborator.file(Source(text, path, None))
         return elaborator.program(path)
+
+
+#: the comparisons of ``require``
+_COMPARISONS: dict[str, Callable[[int, int], bool]] = {
+    "==": operator.eq, "!=": operator.ne, "<=": operator.le, ">=": operator.ge, "<": operator.lt, ">": operator.gt,
+}
+
+
+def _require(node: ast.Require, constants: Mapping[str, int]) -> None:
+    """A ``require`` statement whose condition does not hold is an error at the statement,
+    in its own words, with the values it compared (a preset states what its engine refuses:
+    ``require cfg.num_attention_heads % infer.tp == 0: "..."``)."""
+    left, right = evaluate(node.left, constants), evaluate(node.right, constants)
+    if _COMPARISONS[node.op](left, right):
+        return
+    said = node.message or "a requirement of the program does not hold"
+    names = list(dict.fromkeys(n.name for n in [*names_in(node.left), *names_in(node.right)]))
+    values = ", ".join(f"{name} = {constants[name]}" for name in names)
+    raise LayoutValueError(
+        f"{said} (required {_text(node.left)} {node.op} {_text(node.right)}"
+        + (f", with {values}" if values else "") + ")",
+        node.span,
+    )
+
+
+def _text(expr: ast.Expr) -> str:
+    """An expression as written (on one line), or 'the expression' where that is not known."""
+    span = expr.span
+    if span is None or span.line != span.end_line or not span.source_line:
+        return "the expression"
+    return span.source_line[span.column - 1 : span.end_column - 1]

@@ -286,6 +286,10 @@ class _Builder(Transformer[Token, Any]):
         name, value = children
         return ast.Let(str(name), value, self._meta(meta))
 
+    def require(self, meta: Meta, children: list[Any]) -> ast.Require:
+        left, op, right, message = children
+        return ast.Require(left, str(op), right, _unquote(message) if message is not None else None, self._meta(meta))
+
     def topology(self, meta: Meta, children: list[Any]) -> ast.Topology:
         name, *entries = children
         present = tuple(e for e in entries if e is not None)  # the block is optional after a preset name
