@@ -80,8 +80,8 @@ def test_every_engine_generates_the_fresh_engines_tokens_after_every_refit(job: 
         expected = job["oracle"][str(step)]
         for name, tokens in job["tokens"][str(step)].items():
             assert tokens == expected, f"engine {name} after step {step}"
-    # both engines served after three of the refits (B was restarting during step 2)
-    assert [sorted(job["tokens"][str(s)]) for s in (1, 3, 4)] == [["A", "B"]] * 3
+    # both engines served after the first refit and the last (B was restarting in between)
+    assert [sorted(job["tokens"][str(s)]) for s in (1, 4)] == [["A", "B"]] * 2
     # the checks can fail: each step's tokens differ from the previous step's
     assert all(job["oracle"][str(s)] != job["oracle"][str(s - 1)] for s in (2, 3, 4))
 
@@ -108,10 +108,11 @@ def test_the_restarted_actor_rejoins_by_itself_and_nothing_else_restarts(job: di
     assert job["engine_pids_after"][A] == job["engine_pids_before"][A]
     assert job["engine_pids_after"][B] != job["engine_pids_before"][B]
     assert job["trainer_pids_after"] == job["trainer_pids_before"]
-    # nobody called add_engine: the trainer admitted it under its own index at step 3
-    third = report(job, 3)
-    assert third["joined"] == [B]
-    assert sorted(third["refitted"]) == [A, B]
-    assert job["steps"]["3"]["states"] == {"0": "serving", "1": "serving"}
+    # nobody called add_engine: the trainer admitted it under its own index at the first step
+    # boundary after Ray had it up again (step 3, or step 4 on a loaded machine)
+    rejoined = [n for n in (3, 4) if report(job, n)["joined"] == [B]]
+    assert len(rejoined) == 1
+    assert sorted(report(job, rejoined[0])["refitted"]) == [A, B]
+    assert job["steps"]["4"]["states"] == {"0": "serving", "1": "serving"}
     # it caught up from an engine that holds the same boxes (A), not from the trainer
-    assert third["recovered_from"].get("destination", 0) > 0
+    assert report(job, rejoined[0])["recovered_from"].get("destination", 0) > 0
