@@ -12,7 +12,7 @@ and layoutlang's recovery plans. ``layoutlang apply --elastic`` is
 :mod:`layoutlang.cli.elastic_job`; elastic never imports the command line.
 """
 
-from layoutlang.errors import DataLossError, MembershipError
+from layoutlang.errors import DataLossError, JobEndedError, MembershipError
 from layoutlang.plan.loss import check_recoverable, lost_regions
 
 from .auth import JobSecret
@@ -47,6 +47,7 @@ __all__ = [
     "GlooGenerations",
     "GlooTransport",
     "Heartbeat",
+    "JobEndedError",
     "JobSecret",
     "MemberFailure",
     "Membership",

@@ -40,7 +40,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from layoutlang.errors import AgreementError, DataLossError, ExecutionError, LayoutError, LayoutValueError
+from layoutlang.errors import (
+    AgreementError,
+    DataLossError,
+    ExecutionError,
+    JobEndedError,
+    LayoutError,
+    LayoutValueError,
+)
 from layoutlang.io.torch_dtypes import torch_dtype
 from layoutlang.model import Layout
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan, plan_layouts, plan_recovery
@@ -923,7 +930,7 @@ class Recoverer:
                 self.membership.request_join(requested)
             ended = self.membership.read_record(0, "ended")
             if ended is not None:
-                raise MembershipError(
+                raise JobEndedError(
                     f"rank {self.rank}: the job ended before admitting this rank ({ended.decode(errors='replace')})"
                 )
             if time.monotonic() > end:

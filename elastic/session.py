@@ -536,6 +536,14 @@ class ElasticSession:
         always."""
         self._recoverer.admit()
 
+    def end(self, reason: str) -> None:
+        """Record that the job is over (every member calls it once it has run its last step):
+        joiners still asking to be admitted stop waiting at once with
+        :class:`~layoutlang.errors.JobEndedError` naming ``reason``, rather than after their
+        ``join_timeout``. A joiner admitted at the last step boundary is a member already and
+        is not concerned. The members' generation and storages are unchanged."""
+        self._recoverer.end(reason)
+
     def leave(self) -> None:
         """Leave the session on purpose and close it: the members agree on the next generation
         without this rank as soon as they notice (at their next wait), with the reason

@@ -398,6 +398,11 @@ class MembershipError(ExecutionError):
     kind = "membership"
 
 
+class JobEndedError(MembershipError):
+    """A joiner asked to be admitted into a session its members ended (its steps are done, or
+    it cannot go on): no generation will ever admit it. Nothing of the job is lost."""
+
+
 class DataLossError(RuntimeFailure):
     """Some regions of logical tensors are held by no surviving rank of any given layout.
 

@@ -189,10 +189,16 @@ def test_an_elastic_run_says_each_step_fault_and_recovery_in_order(elastic_in_a_
     steps = [index_of(lines, rf"^step {s} committed \({s + 1}/3\) in generation \d+$") for s in range(3)]
     killed = index_of(lines, r"^rank 3: SIGKILL injected in step 1$")
     lost = index_of(lines, r"^recovery: generation \d+ \(lost 3(; joined 4)?\), \d+ members, \d+\.\d s after the fault")
-    joined = index_of(lines, r"^recovery: generation \d+ \((lost 3; )?joined 4\), \d+ members")
     assert 0 < ready < steps[0] < steps[1] < steps[2]
     # the fault comes in step 1, and step 1 commits after the recovery that lost rank 3
-    assert steps[0] < killed <= lost < steps[1] and lost <= joined
+    assert steps[0] < killed <= lost < steps[1]
+    # The replacement is admitted at a step boundary after it asks: on a loaded machine the
+    # last one may pass first, and then the job says so and still succeeds (nothing is lost).
+    if any(re.search(r"joined 4\)", line) for line in lines):
+        assert lost <= index_of(lines, r"^recovery: generation \d+ \((lost 3; )?joined 4\), \d+ members")
+    else:
+        too_late = "replacement rank 4 was not admitted: the job's last step committed before it could join"
+        assert too_late in result.stdout
     assert re.fullmatch(r"\d+ ranks reported in \d+ s", lines[-1]), lines
     assert "rank 3: SIGKILL (injected)" in result.stdout  # the report, on stdout as before
 

@@ -147,6 +147,21 @@ def test_a_refit_without_failures_commits_every_step(pool):
     assert all(r["recoveries"] == [] and r["generation"] == 0 for r in results.values())
 
 
+def test_a_joiner_still_asking_when_the_last_step_commits_ends_at_once_not_after_its_timeout(pool):
+    """Rank 8 asks to join, but no position is ever open (nothing fails): once the members
+    have committed their last step they end the session, and the joiner's wait ends with
+    JobEndedError naming why. Its session timeout is far longer than this test's own wait
+    for its result, so that result arriving at all is the promise kept."""
+    results = run(pool, expect=range(9), joiners=(8,), timeout=90.0, session_timeout=600.0)
+    members = {r: v for r, v in results.items() if r != 8}
+    check_refits(members, destination_ranks=range(4, 8), members=range(8), destination="serve", source="fsdp")
+    joiner = results[8]
+    assert "error" not in joiner and joiner["checked"] == [], joiner
+    assert joiner["not_admitted"] == (
+        f"error: rank 8: the job ended before admitting this rank (all {STEPS} steps were committed)"
+    ), joiner
+
+
 def test_a_member_that_never_starts_its_session_is_named_by_every_other_member(pool):
     """Rank 7 (an inference rank) never starts its session: the first generation's group
     cannot form without it, and after the timeout every other member stops naming it."""

@@ -849,6 +849,8 @@ def _elastic_report(args: argparse.Namespace, summary: dict, launcher: str) -> l
         lines += table(rows, header, right={0, 1, 3, 4, 5} if args.delta else {0, 1, 3})
     for recovery in summary["recoveries"]:
         lines += ["", *_recovery_lines(recovery, summary["joined"])]
+    for rank in sorted(summary.get("not_admitted", {}), key=int):
+        lines += ["", f"replacement rank {rank} was not admitted: the job's last step committed before it could join"]
     for rank, error in sorted(summary["errors"].items()):
         lines += ["", f"rank {rank}: {error['message']}"]
         break  # every survivor reports the same error

@@ -46,7 +46,7 @@ from elastic import Change, ElasticSession
 from elastic.membership import ExitWatcher
 
 from .. import lang
-from ..errors import DataLossError, LayoutError, RuntimeFailure
+from ..errors import DataLossError, JobEndedError, LayoutError, RuntimeFailure
 from ..io.torch_dtypes import torch_dtype
 from ..io.weights import change_synthetic, changed_truth, fill_synthetic, verify
 from ..runtime.delta import DeltaOptions
@@ -253,6 +253,8 @@ def refit_job(
             namespace=namespace, deadline=deadline, timeout=timeout, memory_budget=memory_budget,
             on_shrink=on_shrink, on_grow=on_grow, **options,
         )
+    except JobEndedError as err:  # a replacement that asked after the last step boundary
+        return base | {"not_admitted": str(err)}
     except (LayoutError, RuntimeFailure) as err:  # a bad option, or no first generation
         return base | {"error": str(err), "kind": err.kind}
     with session:
@@ -263,6 +265,8 @@ def refit_job(
             lost = err.regions if isinstance(err, DataLossError) else []
             regions = [[t, list(o), list(s)] for t, o, s in lost]
             return base | {"error": str(err), "kind": err.kind, "regions": regions}
+        # no step is left to admit a replacement still asking: it ends now, not after its timeout
+        session.end(f"all {steps} steps were committed")
         return base | {
             "reports": [r.to_json() for r in reports],
             "recoveries": [r.to_json() for r in session.recoveries],
@@ -458,6 +462,8 @@ def summarize(
     done = {r: v for r, v in results.items() if "error" not in v and not v.get("idle")}
     steps = _steps(results)
     joined = {str(r): v["joined"] for r, v in done.items() if v.get("joined")}
+    # replacements the job ended before admitting (no step boundary was left): nothing is lost
+    not_admitted = {str(r): v["not_admitted"] for r, v in done.items() if v.get("not_admitted")}
     ok = (
         not errors
         and bool(steps)
@@ -465,12 +471,13 @@ def summarize(
         and max(steps) == options.steps - 1
         and all(j["ok"] for j in joined.values())
     )
-    final = next(iter(done.values()), {})
+    final = next((v for v in done.values() if "generation" in v), {})
     return {
         "ok": ok,
         "steps": [steps[s] for s in sorted(steps)],
         "recoveries": _timeline(done, failed),
         "joined": joined,  # what each replacement received by the recovery plan, verified
+        "not_admitted": not_admitted,
         "failed": {str(r): {"at": t, "how": how} for r, (t, how) in failed.items()},
         "errors": {str(r): {"kind": v.get("kind"), "message": v["error"]} for r, v in errors.items()},
         "generation": final.get("generation"),
