@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 import torch
+from environments import VERL_PYTHON, require
 
 from layoutlang import loads, plan_layouts
 
 ROOT = Path(__file__).resolve().parents[1]
-VERL_PYTHON = Path(os.environ.get("LAYOUTLANG_VERL_PYTHON", ROOT / ".venv-verl" / "bin" / "python"))
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -40,11 +40,7 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """Runs tests/verl_job.py once: every scenario in the same worker processes; the job's
     folder and its results.json."""
-    if not VERL_PYTHON.exists():
-        message = f"the verl environment is missing ({VERL_PYTHON}): run scripts/setup-verl"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must prove the real framework, never skip it
-        pytest.skip(message)
+    require(VERL_PYTHON)
     work = tmp_path_factory.mktemp("verl")
     command = [str(VERL_PYTHON), str(ROOT / "tests" / "verl_job.py"), str(work)]
     # the job and its workers import this checkout's layoutlang (PYTHONPATH first, then the

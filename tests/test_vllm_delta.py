@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from environments import VLLM_PYTHON, require
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("LAYOUTLANG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 LONG = os.environ.get("LAYOUTLANG_LONG_TESTS") == "1"
 MODELS = ("llama", "qwen3_moe")
 LRS = (1e-6, 1e-5)
@@ -55,8 +55,7 @@ pytestmark = [
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     import json
 
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"the vLLM environment is missing ({VLLM_PYTHON}): run scripts/setup-vllm")
+    require(VLLM_PYTHON)
     work = tmp_path_factory.mktemp("vllm-delta")
     command = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_delta_job.py"), str(work),
                "--models", ",".join(MODELS), "--lrs", ",".join(map(str, LRS)), "--steps", str(STEPS)]

@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from environments import VLLM_PYTHON, require
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("LAYOUTLANG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 TIMEOUT = 60.0  # the session's timeout in the job
 
 pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
@@ -46,11 +46,7 @@ A, B, C, B2, D = 0, 1, 2, 3, 4
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not VLLM_PYTHON.exists():
-        message = f"the vLLM environment is missing ({VLLM_PYTHON}): run scripts/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must prove the real engines, never skip them
-        pytest.skip(message)
+    require(VLLM_PYTHON)
     work = tmp_path_factory.mktemp("vllm-elastic")
     command = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_elastic_job.py"), "driver", str(work)]
     # its own session: every process it starts (engines, trainers) is stopped with it

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from environments import VLLM_PYTHON, require
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("LAYOUTLANG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 # each scenario's job starts 3 engines at once and 3 fresh ones, on 2 cores
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
@@ -59,11 +59,7 @@ def free_ports(count: int) -> list[int]:
 
 @pytest.fixture(scope="module", params=["qwen3_moe"])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not VLLM_PYTHON.exists():
-        message = f"the vLLM environment is missing ({VLLM_PYTHON}): run scripts/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must prove the real engine, never skip it
-        pytest.skip(message)
+    require(VLLM_PYTHON)
     scenario = request.param
     work = tmp_path_factory.mktemp(f"vllm-{scenario}")
     ports = ",".join(map(str, free_ports(4)))

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from environments import VLLM_PYTHON, require
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("LAYOUTLANG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 pytestmark = [pytest.mark.timeout(1500), pytest.mark.slow]
 
@@ -33,17 +33,7 @@ A, B = 0, 1
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not VLLM_PYTHON.exists():
-        message = f"the vLLM environment is missing ({VLLM_PYTHON}): run scripts/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must prove the real engines, never skip them
-        pytest.skip(message)
-    has_ray = subprocess.run([str(VLLM_PYTHON), "-c", "import ray"], capture_output=True).returncode == 0
-    if not has_ray:
-        message = f"Ray is missing from the vLLM environment ({VLLM_PYTHON}): run scripts/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
+    require(VLLM_PYTHON, "ray")
     work = tmp_path_factory.mktemp("vllm-ray")
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT")}
     # its own session: the Ray cluster and every engine it starts stop with it
