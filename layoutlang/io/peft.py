@@ -35,6 +35,7 @@ matches no module, and the MLP of a mixture-of-experts model (PEFT turns those t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -170,7 +171,7 @@ class _Reader:
         """``key`` must be absent, null, false or empty: the adapter uses ``what`` otherwise."""
         value = self.config.get(key)
         if value not in (None, False, [], {}, ""):
-            raise self.error(key, f"{what} is not supported (it is {value!r})")
+            raise self.error(key, f"{what} is not supported (it is {json.dumps(value)})")
 
     def positive_int(self, key: str, value: Any) -> int:
         if type(value) is not int or value < 1:
