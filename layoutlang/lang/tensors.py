@@ -5,9 +5,12 @@ of its bindings; ``tensors from hf "config.json" as cfg`` imports every weight o
 Hugging Face model (and its integer settings as constants ``cfg.NAME``; the dtypes of the
 checkpoint beside the config when there is one), ``tensors from hf_constants "config.json" as
 cfg`` only the constants, ``tensors from safetensors "model.safetensors"`` every tensor of a
-checkpoint's headers. A body ``{ "PATTERN": DTYPE ... }`` after an import declares the dtype of
-the imported tensors each pattern matches (the most specific pattern wins, as layout rules do),
-over the ``dtype`` clause, the checkpoint's header and the config.
+checkpoint's headers, ``tensors from peft "adapter_config.json" over cfg as lora`` the
+``lora_A`` / ``lora_B`` tensors of a PEFT LoRA adapter of the model ``cfg`` names (and its
+integer settings as constants ``lora.NAME``; :mod:`layoutlang.io.peft`). A body
+``{ "PATTERN": DTYPE ... }`` after an import declares the dtype of the imported tensors each
+pattern matches (the most specific pattern wins, as layout rules do), over the ``dtype``
+clause, the checkpoint's header and the config.
 """
 
 from __future__ import annotations
