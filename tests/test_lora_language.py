@@ -433,3 +433,17 @@ def test_refit_of_an_adapter_from_the_command_line(saved, tmp_path, capsys):
     )
     assert result["stats"]["bytes"] == {"local": 0, "domain": 0, "network": held}
     assert result["lower_bound_bytes"] == held
+
+
+def test_a_device_or_a_link_out_of_the_folder_is_refused(saved, tmp_path, capsys):
+    write_adapter(tmp_path / "device", BASE)
+    path = tmp_path / "device" / "program.layout"
+    path.write_text('tensors from hf "config.json" as cfg\ntensors from peft "/dev/zero" over cfg\n')
+    status, out = cli(["check", str(path)], capsys)
+    assert status == 2 and "/dev/zero: PEFT adapter config is a character device" in out, out
+    # adapter_model.safetensors beside the config is confined to the folder, as a model's checkpoint
+    folder = config_only(saved["llama_list"], tmp_path / "linked")
+    (folder / "adapter_model.safetensors").symlink_to(saved["llama_list"] / "adapter_model.safetensors")
+    (folder / "program.layout").write_text(program_text())
+    status, out = cli(["check", str(folder / "program.layout")], capsys)
+    assert status == 2 and "adapter_model.safetensors is a symbolic link" in out and "outside the folder" in out, out
