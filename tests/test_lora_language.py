@@ -82,6 +82,12 @@ ADAPTERS = {
     # PEFT upcasts the adapter of a bf16 model to fp32 by default
     "llama_bf16": ("llama", {"target_modules": ["q_proj", "v_proj"]}, torch.bfloat16, True),
     "llama_bf16_kept": ("llama", {"target_modules": ["q_proj", "v_proj"]}, torch.bfloat16, False),
+    "llama_all_linear_ranks": (
+        "llama",
+        {"target_modules": "all-linear", "rank_pattern": {"mlp.down_proj": 3, "layers.0.self_attn.q_proj": 5}},
+        torch.float32,
+        True,
+    ),
     "qwen2_list": ("qwen2", {"target_modules": ALL}, torch.float32, True),
     "qwen3_all_linear": ("qwen3", {"target_modules": "all-linear"}, torch.float32, True),
     "qwen3_moe_attention": ("qwen3_moe", {"target_modules": ATTENTION}, torch.float32, True),
@@ -242,6 +248,11 @@ ERRORS = {
     "rank": ({"r": "8"}, "'r'", "positive integer"),
     "target_parameters": ({"target_parameters": ["gate_up_proj"]}, "'target_parameters'", "fused experts"),
     "layers": ({"layers_to_transform": "1"}, "'layers_to_transform'", "layer index"),
+    "layers_with_regex": (
+        {"target_modules": ".*q_proj", "layers_to_transform": [0]},
+        "'layers_to_transform'",
+        "target_modules is a string",
+    ),
 }
 
 

@@ -296,6 +296,11 @@ def _targets(reader: _Reader, modules: list[_Module]) -> list[_Module]:
     if target is None:
         raise reader.error("target_modules", "is missing: the adapter names no module to adapt")
     everything = [m for m in modules if m.kind != "block"]
+    if isinstance(target, str) and reader.config.get("layers_to_transform") not in (None, []):
+        # LoraConfig.__post_init__ refuses it too
+        raise reader.error(
+            "layers_to_transform", "cannot be used when target_modules is a string (an expression or 'all-linear')"
+        )
     if isinstance(target, str) and target.lower() == _ALL_LINEAR:
         # PEFT's _maybe_include_all_linear_layers: every nn.Linear but the output embeddings
         picked = [m for m in everything if m.kind not in ("embedding", "head", "norm")]
