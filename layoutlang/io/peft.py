@@ -163,10 +163,6 @@ class _Reader:
     def error(self, key: str, message: str, hint: str | None = None) -> ModelDescriptionError:
         return ModelDescriptionError(f"{self.file}: {key!r}: {message}", hint=hint)
 
-    def get(self, key: str, default: Any = None) -> Any:
-        value = self.config.get(key)
-        return default if value is None else value
-
     def refuse_set(self, key: str, what: str) -> None:
         """``key`` must be absent, null, false or empty: the adapter uses ``what`` otherwise."""
         value = self.config.get(key)
