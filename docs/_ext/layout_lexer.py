@@ -39,9 +39,9 @@ STATEMENTS = (
     "include", "let", "require", "topology", "mesh", "tensor", "tensors", "generic", "layout", "storage",
     "quantize", "reshard",
 )  # fmt: skip
-CLAUSES = ("on", "ranks", "for", "in", "from", "as", "dtype", "along", "stack", "of", "transposed", "into")
+CLAUSES = ("on", "ranks", "for", "in", "from", "over", "as", "dtype", "along", "stack", "of", "transposed", "into")
 PLACEMENTS = ("shard", "replicate", "broadcast")
-SOURCES = ("hf", "safetensors")
+SOURCES = ("hf", "safetensors", "peft")
 SHARD_OPTIONS = ("blocks", "chunks", "pad")
 # The words of a quantize statement: formats, block shapes, scale conventions.
 QUANTIZE_WORDS = ("mxfp8", "per_channel", "per_tensor", "scale_inv", "scale")

@@ -210,6 +210,9 @@ class TensorsFrom:
     dtype: str | None
     span: Span
     dtypes: tuple[DtypeDecl, ...] = ()
+    #: ``over NAME`` (``tensors from peft``): the ``as`` name of the model the adapter adapts
+    base: str | None = None
+    base_span: Span | None = None
 
 
 @attrs.frozen

@@ -349,7 +349,7 @@ class _Builder(Transformer[Token, Any]):
         )
 
     def tensors_from(self, meta: Meta, children: list[Any]) -> ast.TensorsFrom:
-        kind, path, alias, dtype, dtypes = children
+        kind, path, base, alias, dtype, dtypes = children
         assert kind is not None and path is not None  # required by the grammar
         return ast.TensorsFrom(
             str(kind),
@@ -360,6 +360,8 @@ class _Builder(Transformer[Token, Any]):
             str(dtype) if dtype is not None else None,
             self._meta(meta),
             dtypes or (),
+            str(base) if base is not None else None,
+            self._tok(base) if base is not None else None,
         )
 
     def dtype_body(self, meta: Meta, children: list[ast.DtypeDecl]) -> tuple[ast.DtypeDecl, ...]:
@@ -766,7 +768,9 @@ def _parse(text: str, path: str, included_from: tuple[Span, ...], budget: TokenB
 
 def _build(builder: _Builder, node: Tree[Token]) -> Any:
     return _transform(
-        builder, node, lambda: LayoutSyntaxError(
+        builder,
+        node,
+        lambda: LayoutSyntaxError(
             "the statement nests too deeply to be read",
             builder._meta(node.meta),
             "split long expressions with 'let' constants",
@@ -813,7 +817,9 @@ def parse_expression(text: str, span: Span) -> ast.Expr:
     lines = [""] * (span.line - 1) + [span.source_line]
     builder = _Builder(span.path, lines, span.line - 1, span.column - 1, span.included_from)
     return _transform(
-        builder, tree, lambda: LayoutSyntaxError(
+        builder,
+        tree,
+        lambda: LayoutSyntaxError(
             "the expression nests too deeply to be read",
             attrs.evolve(span, end_line=span.line, end_column=span.column + 1),
             "split it with 'let' constants",

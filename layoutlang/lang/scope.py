@@ -105,3 +105,6 @@ class Scope:
         self.topology_span: Span | None = None
         #: per ``as`` name of ``tensors from hf``: its config's FP8 scheme (None: unquantized)
         self.fp8_schemes: dict[str, Fp8Scheme | None] = {}
+        #: per ``as`` name of ``tensors from hf`` / ``hf_constants``: the path of its config.json
+        #: (what ``tensors from peft ... over NAME`` reads the adapted model from)
+        self.model_configs: dict[str, str] = {}

@@ -5,9 +5,12 @@ of its bindings; ``tensors from hf "config.json" as cfg`` imports every weight o
 Hugging Face model (and its integer settings as constants ``cfg.NAME``; the dtypes of the
 checkpoint beside the config when there is one), ``tensors from hf_constants "config.json" as
 cfg`` only the constants, ``tensors from safetensors "model.safetensors"`` every tensor of a
-checkpoint's headers. A body ``{ "PATTERN": DTYPE ... }`` after an import declares the dtype of
-the imported tensors each pattern matches (the most specific pattern wins, as layout rules do),
-over the ``dtype`` clause, the checkpoint's header and the config.
+checkpoint's headers, ``tensors from peft "adapter_config.json" over cfg as lora`` the
+``lora_A`` / ``lora_B`` tensors of a PEFT LoRA adapter of the model ``cfg`` names (and its
+integer settings as constants ``lora.NAME``; :mod:`layoutlang.io.peft`). A body
+``{ "PATTERN": DTYPE ... }`` after an import declares the dtype of the imported tensors each
+pattern matches (the most specific pattern wins, as layout rules do), over the ``dtype``
+clause, the checkpoint's header and the config.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import re
 from collections.abc import Mapping
 
 from ..errors import LayoutError, LayoutNameError, LayoutValueError, Span, did_you_mean
-from ..io import hf, safetensors
+from ..io import hf, peft, safetensors
 from ..model import LogicalTensor
 from ..model.dtypes import DTYPES, canonical_dtype, itemsize
 from ..model.layout import NameIndex
@@ -35,7 +38,7 @@ from .scope import Scope
 __all__ = ["SOURCE_KINDS", "tensor", "tensors_from"]
 
 #: the model descriptions ``tensors from KIND`` reads
-SOURCE_KINDS = ("hf", "hf_constants", "safetensors")
+SOURCE_KINDS = ("hf", "hf_constants", "safetensors", "peft")
 
 _PLACEHOLDER = re.compile(r"\{([^}]*)\}")
 
@@ -130,9 +133,28 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
         )
     element = _dtype(node.dtype, node.span) if node.dtype else None
     path = os.path.join(folder, node.path)
-    if node.kind == "hf_constants":
+    if node.base is not None and node.kind != "peft":
+        raise LayoutValueError(
+            f"'over' names the model a PEFT adapter adapts; 'tensors from {node.kind}' takes none",
+            node.base_span or node.span,
+        )
+    if node.kind == "peft":
+        found = _peft(scope, node, path, element)
+    elif node.kind == "hf_constants":
         _constants_only(scope, node, path)
         return
+    else:
+        found = _hf_or_safetensors(scope, node, path, element)
+    _check_room(scope, len(found), node.span)
+    if node.dtypes:
+        found = _declared_dtypes(node, found)
+    for name, shape, tensor_dtype in found:
+        _declare(scope, name, tuple(shape), tensor_dtype, node.span)
+
+
+def _hf_or_safetensors(
+    scope: Scope, node: ast.TensorsFrom, path: str, element: str | None
+) -> list[tuple[str, tuple[int, ...], str]]:
     try:
         if node.kind == "hf":
             # a checkpoint beside the config gives each tensor its stored dtype (fp32 routers)
@@ -142,6 +164,7 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
                     scope.constants.define(f"{node.alias}.{key}", value)
                 # what `quantize from ALIAS` in a layout follows
                 scope.fp8_schemes[node.alias] = hf.fp8_scheme(path)
+                scope.model_configs[node.alias] = path
         else:
             if node.alias:
                 raise LayoutValueError(
@@ -153,11 +176,48 @@ def tensors_from(scope: Scope, node: ast.TensorsFrom, folder: str) -> None:
     except LayoutError as err:
         err.with_span(node.path_span)
         raise
-    _check_room(scope, len(found), node.span)
-    if node.dtypes:
-        found = _declared_dtypes(node, found)
-    for name, shape, tensor_dtype in found:
-        _declare(scope, name, tuple(shape), tensor_dtype, node.span)
+    return found
+
+
+def _peft(
+    scope: Scope, node: ast.TensorsFrom, path: str, element: str | None
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """``tensors from peft "adapter_config.json" over cfg as lora``: a LoRA adapter's tensors, for
+    the model ``cfg`` names (see :mod:`layoutlang.io.peft`)."""
+    models = list(scope.model_configs)
+    if node.base is None:
+        example = models[0] if models else "cfg"
+        raise LayoutValueError(
+            "'tensors from peft' needs the model the adapter adapts: 'over NAME', NAME being the 'as' name of"
+            " its 'tensors from hf'",
+            node.span,
+            f'write: tensors from peft "{node.path}" over {example}'
+            + ("" if models else ' (after: tensors from hf "config.json" as cfg)'),
+        )
+    if node.base not in scope.model_configs:
+        raise LayoutNameError(
+            f"'{node.base}' names no model: 'over' takes the 'as' name of a 'tensors from hf' (or hf_constants)"
+            " above the statement" + (f" ({', '.join(models)})" if models else ", and there is none"),
+            node.base_span or node.span,
+            did_you_mean(node.base, models),
+        )
+    if node.alias == node.base:
+        raise LayoutNameError(
+            f"'as {node.alias}' would give the adapter's constants the model's names ({node.base}.r...)",
+            node.span,
+            f'write: tensors from peft "{node.path}" over {node.base} as lora',
+        )
+    try:
+        adapter = peft.read_lora_adapter(
+            path, scope.model_configs[node.base], element, checkpoint=peft.adapter_checkpoint_beside(path)
+        )
+    except LayoutError as err:
+        err.with_span(node.path_span)
+        raise
+    if node.alias:
+        for key, value in adapter.constants.items():
+            scope.constants.define(f"{node.alias}.{key}", value)
+    return adapter.tensors
 
 
 def _declared_dtypes(
@@ -236,3 +296,4 @@ def _constants_only(scope: Scope, node: ast.TensorsFrom, path: str) -> None:
         raise
     for key, value in hf.hf_config_constants(config).items():
         scope.constants.define(f"{node.alias}.{key}", value)
+    scope.model_configs[node.alias] = path
