@@ -235,3 +235,28 @@ if __name__ == "__main__":
         update_pictures()
     else:
         sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_a_long_tensor_name_is_wrapped_inside_the_figure(tmp_path, monkeypatch):
+    """An MoE expert's name and shape make a title wider than the figure: every line of it
+    stays within the figure's edges (it used to be cut on both sides)."""
+    from matplotlib.figure import Figure
+
+    name = "model.layers.{l}.mlp.experts.gate_up_proj_weight_of_a_very_long_descriptive_name_{e}"
+    program = layoutlang.loads(
+        f"""
+        mesh m [ep = 2]
+        tensor "{name}" [64, 32, 16] bf16 for l in 0..0, e in 0..1
+        layout experts on m {{ default: ep = shard(0) }}
+        """
+    )
+    drawn = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: drawn.append(self))
+    tensor = name.replace("{l}", "0").replace("{e}", "1")
+    viz.draw(program, tensor, str(tmp_path / "e.png"))
+    (fig,) = drawn
+    renderer = fig.canvas.get_renderer()
+    title = fig._suptitle
+    assert title is not None and "\n" in title.get_text()  # wrapped
+    extent = title.get_window_extent(renderer)
+    assert extent.x0 >= 0 and extent.x1 <= fig.bbox.x1, (extent, fig.bbox)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -344,6 +345,17 @@ def _summary(moves: list[Move]) -> str:
     return "; ".join(parts) if parts else "no moves: every destination rank already holds its boxes"
 
 
+def _fit(title: str, width_inches: float, fontsize: float) -> str:
+    """``title`` with each line wrapped to a figure ``width_inches`` wide: a long tensor name
+    (an MoE expert's, a fused storage's) would otherwise run off both edges of the figure. A
+    glyph of DejaVu Sans averages about 0.6 em; a word longer than a line is cut."""
+    columns = max(20, int(width_inches * 72 / (0.62 * fontsize)))
+    return "\n".join(
+        textwrap.fill(line, columns, break_on_hyphens=False) if len(line) > columns else line
+        for line in title.split("\n")
+    )
+
+
 def draw(
     program: Program,
     tensor: str,
@@ -444,10 +456,11 @@ def draw(
         title += f"\nthe plan of reshard statement '{plan.name}' ({plan.source.name} -> {plan.destination.name})"
         if not moves:
             title += ": no moves, every destination rank already holds its boxes"
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(_fit(title, fig.get_size_inches()[0], 11), fontsize=11)
     fig.tight_layout()
     try:
-        fig.savefig(out, format="png")
+        # tight: the canvas grows to every title and label rather than cutting one at its edge
+        fig.savefig(out, format="png", bbox_inches="tight", pad_inches=0.1)
     except OSError as err:
         raise LayoutValueError(f"cannot write {out}: {err.strerror or err}") from None
     return out
