@@ -173,7 +173,13 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
     from vllm.lora.request import LoRARequest
 
     from layoutlang.integrations.dtensor import layout_from_state_dict
-    from layoutlang.integrations.vllm.lora import AdapterSpec, adapter_program, adapter_state_dict, peft_config_dict
+    from layoutlang.integrations.vllm.lora import (
+        AdapterSpec,
+        adapter_path,
+        adapter_program,
+        adapter_state_dict,
+        peft_config_dict,
+    )
     from layoutlang.integrations.vllm.trainer import (
         LayoutlangTrainerInitInfo,
         LayoutlangTrainerWeightTransferEngine,
@@ -234,8 +240,11 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
     record["adapter_bytes"] = {
         n: sum(t.numel() * t.element_size() for t in s.values()) for n, s in sources.items()
     }
-    serving = {name: LoRARequest(name, lora_id, f"layoutlang://{name}") for name, (lora_id, _, _) in adapters.items()}
+    # [serve]
+    serving = {name: LoRARequest(name, lora_id, adapter_path(name)) for name, (lora_id, _, _) in adapters.items()}
+    # [/serve]
     oracle_ids = iter(range(100, 1000))
+    live: list[str] = []  # the adapters refitted at least once: the engines hold them
 
     def observe(label: str, refitted: str, seconds: float) -> None:
         """Every engine's tokens with each adapter and without; the oracle's for the adapter
@@ -249,7 +258,9 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
         saved = work / label
         reference.save_pretrained(saved)
         check: dict[str, Any] = {"label": label, "refitted": refitted, "refit_seconds": seconds}
-        check["engines"] = [{n: generate(e, serving[n]) for n in adapters} | {"base": generate(e)} for e in engines]
+        if refitted not in live:
+            live.append(refitted)
+        check["engines"] = [{n: generate(e, serving[n]) for n in live} | {"base": generate(e)} for e in engines]
         path = saved if refitted == "default" else saved / refitted  # PEFT saves other adapters in a subfolder
         check["oracle"] = generate(oracle, LoRARequest(f"oracle-{label}", next(oracle_ids), str(path)))
         check["adapter_ids"] = [e.llm_engine.collective_rpc(adapter_ids) for e in engines]
@@ -283,14 +294,15 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
         for optimizer in optimizers.values():
             optimizer.zero_grad()
         refit("second", "second-1")
+        # [remove]
         failed = refits["second"].remove_adapter()
+        # [/remove]
         if rank == 0:
-            record["removed"] = {
-                "failed": {str(k): v for k, v in failed.items()},
-                "adapter_ids": [e.llm_engine.collective_rpc(adapter_ids) for e in engines],
-                "default": [generate(e, serving["default"]) for e in engines],
-                "base": [generate(e) for e in engines],
-            }
+            removed: dict[str, Any] = {"failed": {str(k): v for k, v in failed.items()}}
+            removed["default"] = [generate(e, serving["default"]) for e in engines]
+            removed["base"] = [generate(e) for e in engines]
+            removed["adapter_ids"] = [e.llm_engine.collective_rpc(adapter_ids) for e in engines]
+            record["removed"] = removed
     for name, engine in refits.items():
         if name != "second":
             engine.shutdown()

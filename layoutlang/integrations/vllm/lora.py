@@ -11,19 +11,20 @@ weights' session if there is one: the base weights are neither touched nor moved
 vLLM's LoRA manager transforms what it loads (scaling ``alpha / r`` folded into ``lora_B``,
 q/k/v and gate/up packed into the fused modules' slots, ranks padded to ``max_lora_rank``), and
 each LoRA layer picks this worker's slice of a whole-shape tensor itself (``slice_lora_a`` /
-``slice_lora_b`` of ``vllm/lora/layers/``). So each worker builds, from the boxes it received,
+``slice_lora_b`` of ``vllm/lora/layers/``). So each worker keeps, from the boxes it received,
 every adapter tensor at its whole shape holding only its own boxes (zeros elsewhere, never read
-by the slicing), builds a ``LoRAModel`` from them with vLLM's own
-``LoRAModel.from_lora_tensors`` (what a load by path runs after reading the file) and swaps it
-into the manager under the adapter's id: removed, added, activated, and pinned, so that the
-manager's LRU cache never evicts it and then tries to reload it from a path. Serving requests
-name the adapter by ``LoRARequest(lora_name, lora_int_id, lora_path)`` with any non-empty
-path (vLLM requires one; it is not read while the adapter is registered) and without
-``load_inplace`` (which would reload it from the path at every request).
+by the slicing), and vLLM's LoRA manager builds the adapter from them with its own
+``LoRAModel.from_lora_tensors`` (what a load by path runs after reading the file) whenever it
+loads it: vLLM 0.32 removes every adapter at the end of any weight update and may evict one
+from its LRU cache, and then loads it again by its ``lora_path`` at the next request that names
+it. :func:`install_loader` makes a load of ``layoutlang://NAME`` (:func:`adapter_path`) read
+this worker's memory instead of a file. Serving requests name the adapter by
+``LoRARequest(lora_name, lora_int_id, adapter_path(lora_name))``, without ``load_inplace``
+(which would load it again at every request).
 
 The two phases of a base refit hold here too: :meth:`AdapterTargets.prepare` checks the received
-storages and builds the ``LoRAModel`` (vLLM's own validation of the adapter included), writing
-nothing into the engine; :meth:`AdapterTargets.apply` swaps it in.
+storages and builds the ``LoRAModel`` once (vLLM's own validation of the adapter), writing
+nothing into the engine; :meth:`AdapterTargets.apply` makes it the adapter the worker serves.
 
 The program's text, until the language has a statement for adapters, comes from
 :func:`adapter_program` (explicit ``tensor`` declarations and :func:`vllm_lora_layout`).
@@ -44,11 +45,14 @@ from ...io.torch_dtypes import torch_dtype
 from ...model import Layout
 
 __all__ = [
+    "SCHEME",
     "AdapterSpec",
     "AdapterTargets",
+    "adapter_path",
     "adapter_program",
     "adapter_state_dict",
     "adapter_tensors",
+    "install_loader",
     "peft_config_dict",
     "vllm_lora_layout",
 ]
@@ -201,12 +205,99 @@ def adapter_program(
 
 # ------------------------------------------------------------------ the worker side
 
+#: the ``lora_path`` of an adapter that layoutlang refits (:func:`adapter_path`)
+SCHEME = "layoutlang://"
+
+
+def adapter_path(lora_name: str) -> str:
+    """The ``lora_path`` serving requests give an adapter that layoutlang refits:
+    ``LoRARequest(lora_name, lora_int_id, adapter_path(lora_name))``."""
+    return SCHEME + lora_name
+
+
+@dataclass(frozen=True)
+class _Live:
+    """An adapter as this worker last applied it: its whole-shape tensors (this worker's boxes,
+    zeros elsewhere), from which vLLM's loader builds it whenever it loads it."""
+
+    spec: AdapterSpec
+    helper: Any
+    tensors: dict[str, torch.Tensor]
+
+
+#: the adapters this process's workers serve from memory, by ``lora_name``
+_LIVE: dict[str, _Live] = {}
+
+
+def _build(manager: Any, live: _Live, lora_id: int) -> Any:
+    """vLLM's ``LoRAModel`` of ``live`` for the model-level LoRA ``manager``: what
+    ``WorkerLoRAManager._load_adapter`` does after reading a file (vLLM folds the scaling into
+    copies of the tensors: the kept ones stay as received)."""
+    from vllm.lora.lora_model import LoRAModel
+
+    model = manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id,
+        tensors={name: tensor.clone() for name, tensor in live.tensors.items()},
+        peft_helper=live.helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    manager._validate_moe_lora_format(lora)
+    manager._validate_modules_to_save(lora)
+    manager._validate_token_classification_lora(lora)
+    return lora
+
+
+def install_loader() -> None:
+    """Let vLLM's worker LoRA manager load ``layoutlang://NAME`` adapters from this process's
+    memory (idempotent).
+
+    vLLM 0.32's worker removes every adapter from its LoRA manager at the end of any weight
+    update (``Worker.finish_weight_update`` calls ``reset_lora_state``), and its LRU cache may
+    evict an adapter: it then loads the adapter again, by its ``lora_path``, when a request
+    names it. ``WorkerLoRAManager._load_adapter`` is wrapped so that such a load of a
+    ``layoutlang://`` path builds the adapter from what this worker last applied (vLLM's own
+    ``LoRAModel.from_lora_tensors``, no file); every other path loads as before."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    original = WorkerLoRAManager._load_adapter
+    if getattr(original, "layoutlang", False):
+        return
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        path = str(getattr(lora_request, "lora_path", "") or "")
+        if not path.startswith(SCHEME):
+            return original(self, lora_request)
+        name = path[len(SCHEME):]
+        live = _LIVE.get(name)
+        if live is None:
+            raise ValueError(
+                f"adapter '{name}' ({path}) is not held by this engine: no layoutlang refit of it was applied, "
+                "or it was removed"
+            )
+        if lora_request.lora_int_id != live.spec.lora_int_id:
+            raise ValueError(
+                f"adapter '{name}' is refitted under lora_int_id {live.spec.lora_int_id}, "
+                f"the request names {lora_request.lora_int_id}"
+            )
+        lora = _build(self._adapter_manager, live, lora_request.lora_int_id)
+        lora.is_3d_lora_weight = lora_request.is_3d_lora_weight
+        return lora
+
+    _load_adapter.layoutlang = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter
+
 
 @dataclass(frozen=True)
 class PreparedAdapter:
-    """A received adapter, built into vLLM's ``LoRAModel`` and checked: ready to be swapped in."""
+    """A received adapter, checked by building it into vLLM's ``LoRAModel``: ready to be served."""
 
-    lora: Any
+    live: _Live
 
 
 class AdapterTargets:
@@ -236,6 +327,7 @@ class AdapterTargets:
         from vllm.lora.peft_helper import PEFTHelper
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
+        install_loader()
         text = vllm_config.model_config.hf_config.get_text_config()
         try:
             self.helper = PEFTHelper.from_dict(
@@ -262,12 +354,12 @@ class AdapterTargets:
                     f"'{storage}': the engine has no LoRA slot for module '{module}' "
                     f"(its LoRA modules: {', '.join(sorted(expected))})"
                 )
-
-    def staging(self) -> dict[str, torch.Tensor]:
-        return {
-            storage: torch.empty(shape, dtype=torch_dtype(self.layout.tensors[storage].dtype))
-            for storage, shape in self.shapes.items()
-        }
+        held = _LIVE.get(spec.lora_name)
+        if held is not None and held.spec.lora_int_id != spec.lora_int_id:
+            self.problems.append(
+                f"adapter '{spec.lora_name}' is held under lora_int_id {held.spec.lora_int_id} already, "
+                f"not {spec.lora_int_id}"
+            )
 
     def whole_tensors(self, received: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every adapter tensor this worker holds boxes of, at its whole shape: its boxes, zeros
@@ -300,26 +392,11 @@ class AdapterTargets:
                     f"storage '{storage}' was received as {list(tensor.shape)} {tensor.dtype}, "
                     f"layout '{self.layout.name}' gives {list(shape)} {dtype}"
                 )
-        lora = None
+        live = None
         if not problems:
-            from vllm.lora.lora_model import LoRAModel
-
-            manager = self.manager
-            model = manager.model
-            mapper = getattr(model, "hf_to_vllm_mapper", None)
+            live = _Live(self.spec, self.helper, self.whole_tensors(received))
             try:
-                lora = LoRAModel.from_lora_tensors(
-                    lora_model_id=self.spec.lora_int_id,
-                    tensors=self.whole_tensors(received),
-                    peft_helper=self.helper,
-                    device="cpu",
-                    dtype=manager.lora_config.lora_dtype,
-                    model_vocab_size=manager.vocab_size,
-                    weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
-                    skip_prefixes=getattr(model, "lora_skip_prefixes", None),
-                )
-                manager._validate_moe_lora_format(lora)
-                manager._validate_modules_to_save(lora)
+                _build(self.manager, live, self.spec.lora_int_id)
             except (ValueError, RuntimeError, KeyError) as err:
                 problems.append(f"vLLM refuses adapter '{self.spec.lora_name}': {type(err).__name__}: {err}")
         if problems:
@@ -330,22 +407,19 @@ class AdapterTargets:
                 + (f"; and {len(problems) - 5} more" if len(problems) > 5 else ""),
                 rank=self.rank,
             )
-        return PreparedAdapter(lora)
+        assert live is not None
+        return PreparedAdapter(live)
 
     def apply(self, prepared: PreparedAdapter) -> None:
-        """Swap the prepared adapter in under its id: removed (if there), added, activated,
-        pinned (what vLLM's worker does for ``load_inplace``, without reading a file)."""
-        manager, lora_id = self.manager, self.spec.lora_int_id
-        manager.remove_adapter(lora_id)
-        manager.add_adapter(prepared.lora)
-        manager.activate_adapter(lora_id)
-        manager.pin_adapter(lora_id)
+        """Serve the prepared adapter: what vLLM loads for ``adapter_path(lora_name)`` from now
+        on; the version in the LoRA manager, if any, is taken out (the next request that names
+        it loads this one)."""
+        _LIVE[self.spec.lora_name] = prepared.live
+        self.manager.remove_adapter(self.spec.lora_int_id)
 
     def remove(self) -> bool:
-        """Take the adapter out of the engine (its slot and its cache entry)."""
+        """Take the adapter out of the engine (its LoRA slot, its cache entry, and this worker's memory)."""
+        held = _LIVE.pop(self.spec.lora_name, None)
         if self.manager is None:
-            return False
-        return bool(self.manager.remove_adapter(self.spec.lora_int_id))
-
-    def loaded(self) -> bool:
-        return self.manager is not None and self.spec.lora_int_id in self.manager.list_adapters()
+            return held is not None
+        return bool(self.manager.remove_adapter(self.spec.lora_int_id)) or held is not None
