@@ -10,8 +10,10 @@ tensor parallel 2 with ``enable_lora``. After a real Adam step of the adapter, t
 reaches both engines both ways, alternating (ABBA), each way's first refit untimed:
 
 - **layoutlang**: ``send_weights()`` of the adapter's refit (its own program and session):
-  each trainer rank sends its FSDP2 shards' boxes that each worker's LoRA slots take, and every
-  worker swaps the adapter into its LoRA manager (id 1);
+  each trainer rank sends its FSDP2 shards' boxes that each worker's LoRA slots take, every
+  worker prepares and applies it; then ``llm_engine.add_lora`` of its ``layoutlang://`` request on
+  both engines (concurrently), which builds it from the workers' memory into the LoRA slots
+  (id 1), as the other way's load does;
 - **framework** (what RL frameworks do today): every trainer rank gathers the adapter
   (``full_tensor()``), rank 0 writes it as ``save_pretrained`` does (``adapter_model.safetensors``
   and ``adapter_config.json``), and both engines load it by path with ``load_inplace=True``
@@ -72,7 +74,13 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, port: int) -> None:
     from vllm.lora.request import LoRARequest
 
     from layoutlang.integrations.dtensor import layout_from_state_dict
-    from layoutlang.integrations.vllm.lora import AdapterSpec, adapter_program, adapter_state_dict, peft_config_dict
+    from layoutlang.integrations.vllm.lora import (
+        AdapterSpec,
+        adapter_path,
+        adapter_program,
+        adapter_state_dict,
+        peft_config_dict,
+    )
     from layoutlang.integrations.vllm.trainer import (
         LayoutlangTrainerInitInfo,
         LayoutlangTrainerWeightTransferEngine,
@@ -109,14 +117,19 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, port: int) -> None:
         lora=AdapterSpec(1, "layoutlang", peft_config_dict(lora_config)),
     )
     refit = LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=source)
-    served = LoRARequest("layoutlang", 1, "layoutlang://adapter")
+    served = LoRARequest("layoutlang", 1, adapter_path("layoutlang"))
     pool = concurrent.futures.ThreadPoolExecutor(2)
 
     def layoutlang_way() -> float:
         dist.barrier()
         started = time.perf_counter()
         refit.send_weights()
+        if rank == 0:  # loaded into the LoRA slots now (from the workers' memory), as add_lora does below
+            list(pool.map(lambda e: e.llm_engine.add_lora(served), engines))
+        dist.barrier()
         return time.perf_counter() - started
+
+    saved: list[Any] = []  # the framework's last request (vLLM drops every adapter at a weight update's end)
 
     def framework_way(version: int) -> float:
         dist.barrier()
@@ -129,6 +142,7 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, port: int) -> None:
             lora_config.save_pretrained(str(path))
             request = LoRARequest("framework", 2, str(path), load_inplace=True)
             list(pool.map(lambda e: e.llm_engine.add_lora(request), engines))
+            saved[:] = [LoRARequest("framework", 2, str(path))]
         dist.barrier()
         return time.perf_counter() - started
 
@@ -145,7 +159,7 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, port: int) -> None:
             if step:  # the first of each way is a warm-up
                 times[way].append(seconds)
         if rank == 0:
-            ours, theirs = tokens(engines[0], served), tokens(engines[0], LoRARequest("framework", 2, "unused"))
+            ours, theirs = tokens(engines[0], served), tokens(engines[0], saved[0])
             same = "same tokens" if ours == theirs else f"DIFFERENT tokens {ours} {theirs}"
             print(f"step {step}: {same}", flush=True)
     if rank == 0:
