@@ -644,7 +644,9 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
     def remove_adapter(self) -> dict[int, str]:
         """Take this refit's adapter out of every serving engine and end the refit (called on
         every trainer rank, like ``shutdown``): each engine's workers remove it from their LoRA
-        manager (its requests then fail, as for any unknown adapter) and leave its session. The
+        manager and their memory, and leave its session. Stop routing its requests first: a
+        request that names it afterwards cannot load it, as for a path that does not exist (which
+        vLLM 0.32 answers by stopping the engine). The
         base weights and the other adapters are untouched. Returns, on the sender, the engines
         that could not remove it (index -> why)."""
         if self.info.lora is None:
