@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from elastic import JobSecret
 
@@ -66,6 +67,10 @@ class WorkerInitFields:
     #: every refit sends only what changed since the version each worker holds (delta refits;
     #: ``"digests"``: senders keep a digest per 4 KiB block instead of a copy)
     delta: bool | str = False
+    #: the refit carries a LoRA adapter (:class:`~.lora.AdapterSpec` as JSON: ``lora_int_id``,
+    #: ``lora_name``, the PEFT ``config``), swapped into the engine's LoRA manager at every
+    #: refit; its session is the engine's own for this namespace, beside the base weights'
+    lora: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

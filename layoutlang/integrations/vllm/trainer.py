@@ -78,6 +78,7 @@ from ..refit_session import (
     session_exists,
 )
 from .common import BACKEND, RefitProgram, WorkerInitFields, first_of, secret_fingerprint
+from .lora import AdapterSpec
 
 __all__ = [
     "Engine",
@@ -189,6 +190,14 @@ class LayoutlangTrainerInitInfo(TrainerInitInfo):
     #: ``"digests"``: the trainer keeps a digest per 4 KiB block of what it sent, not a copy;
     #: :class:`~layoutlang.runtime.delta.DeltaOptions`: a budget for the copies, or a directory for them
     delta: bool | str | DeltaOptions = False
+    #: the program refits a LoRA adapter, not the base weights (:mod:`.lora`): its
+    #: :class:`~.lora.AdapterSpec` (or that as JSON). Give each adapter its own ``namespace``;
+    #: the engines start with ``enable_lora=True``
+    lora: AdapterSpec | dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora is not None:
+            self.lora = AdapterSpec.from_json(self.lora)
 
 
 @dataclass
@@ -478,7 +487,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     # its workers would be members that never begin the step: let them leave
                     # now (an engine whose workers died fails this too, and is dropped anyway)
                     _call(e.client.shutdown_weight_transfer_engine)
-            updates = {e.index: _call(e.client.update_weights, {"step": step}) for e in serving
+            updates = {e.index: _call(e.client.update_weights, self._update_info(step=step)) for e in serving
                        if e.index not in failed}
         try:
             committed = session.refit(
@@ -584,7 +593,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         timeout = self.info.timeout
 
         def discard(engine: Engine) -> None:
-            engine.client.update_weights({"step": step, "discard": True})
+            engine.client.update_weights(self._update_info(step=step, discard=True))
             engine.client.finish_weight_update(None)
 
         discards = {e.index: _call(discard, e) for e in prepared}
@@ -624,6 +633,46 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     engine.state, engine.error = "failed", f"could not join: {error}"
 
     # --------------------------------------------------------- the fleet
+    def _update_info(self, **fields: Any) -> dict[str, Any]:
+        """An update info of this refit: an adapter's names its session (the worker keeps one
+        per namespace)."""
+        return {**fields, "namespace": self.info.namespace} if self.info.lora is not None else fields
+
+    def _adapter_name(self) -> str:
+        return "" if self.info.lora is None else repr(AdapterSpec.from_json(self.info.lora).lora_name)
+
+    def remove_adapter(self) -> dict[int, str]:
+        """Take this refit's adapter out of every serving engine and end the refit (called on
+        every trainer rank, like ``shutdown``): each engine's workers remove it from their LoRA
+        manager and their memory, and leave its session. Stop routing its requests first: a
+        request that names it afterwards cannot load it, as for a path that does not exist (which
+        vLLM 0.32 answers by stopping the engine). The
+        base weights and the other adapters are untouched. Returns, on the sender, the engines
+        that could not remove it (index -> why)."""
+        if self.info.lora is None:
+            raise ValueError("this trainer engine refits the base weights, not an adapter: shutdown() ends it")
+        failed: dict[int, str] = {}
+        if self.is_sender and not self._closed:
+            serving = [e for e in self.engines if e.state == "serving"]
+
+            def remove(engine: Engine) -> None:
+                engine.client.start_weight_update()
+                try:
+                    engine.client.update_weights(self._update_info(step=self.session.next_step, remove=True))
+                finally:
+                    engine.client.finish_weight_update(None)
+
+            calls = {e.index: _call(remove, e) for e in serving}
+            for engine in serving:
+                error = _outcome(calls[engine.index], self.info.timeout)
+                if error is not None:
+                    failed[engine.index] = f"could not remove adapter {self._adapter_name()}: {error}"
+                    engine.error = failed[engine.index]
+                engine.state = "left"
+        if not self._closed:
+            self._end()
+        return failed
+
     def add_engine(self, client: Any) -> Engine:
         """Add an engine (restarted after a crash, or one more for throughput) on the sender:
         it asks to join at once and is admitted at the next step boundary, receives the weights
@@ -632,6 +681,8 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         engine is started with ``weight_transfer_config={"backend": "layoutlang"}`` like the
         others and the same tensor parallelism; dummy weights are fine."""
         self._sender_only("add an engine")
+        if self.info.lora is not None:
+            raise ValueError("an adapter's refit takes the engines it started with (add_engine: base weights only)")
         engine = Engine(len(self.engines), client)
         self._ask_to_join(engine)
         self.engines.append(engine)
@@ -766,6 +817,7 @@ def _worker_fields(
         memory_budget=info.memory_budget, engine_axis=info.engine_axis, checkpoint_format=info.checkpoint_format,
         # the workers are told what to keep; the trainer's budget and place are its own
         delta=info.delta.keep if isinstance(info.delta, DeltaOptions) else info.delta,
+        lora=None if info.lora is None else AdapterSpec.from_json(info.lora).to_json(),
     )
 
 

@@ -35,6 +35,13 @@ refit session (:mod:`layoutlang.integrations.refit_session`), of which every wor
 ``shutdown``
     leaves the session on purpose: the engine axis shrinks at the members' next step.
 
+LoRA adapters (:mod:`.lora`): an init info with ``lora`` starts a session of its own (its
+namespace) for that adapter, beside the base weights' session and the other adapters'; the
+update info then names the namespace (``{"step": s, "namespace": ns}``), and the finish that
+follows swaps the prepared adapter into the engine's LoRA manager under its id. The same two
+phases hold. ``{"namespace": ns, "remove": true}`` takes the adapter out of the engine and
+leaves its session.
+
 The trainer calls ``finish_weight_update`` to apply only when every engine that is a member of
 the step prepared it (two phases across engines and across each engine's workers): an engine
 never serves a half-applied refit, and a fleet never serves two versions because one engine
@@ -62,6 +69,7 @@ from ..._text import counted
 from ...errors import AgreementError, ExecutionError, LayoutError, LayoutValueError, RuntimeFailure
 from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
 from .common import RefitProgram, WorkerInitFields, first_of, secret_fingerprint
+from .lora import AdapterSpec, AdapterTargets, PreparedAdapter
 from .targets import EngineTargets, PreparedRefit
 
 __all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
@@ -81,6 +89,29 @@ class LayoutlangUpdateInfo(WeightTransferUpdateInfo):
 
     step: int = 0
     discard: bool = False
+    #: the session this update belongs to (None: the base weights'; an adapter's namespace)
+    namespace: str | None = None
+    #: take the namespace's adapter out of the engine and leave its session
+    remove: bool = False
+
+
+@dataclass
+class _AdapterRefit:
+    """One LoRA adapter's refit session on this worker (see :mod:`.lora`)."""
+
+    spec: AdapterSpec
+    session: ElasticSession
+    address: SessionAddress
+    targets: AdapterTargets
+    prepared: PreparedAdapter | None = None
+    staged: int | None = None
+    abandoned: bool = False
+    version: int | None = None
+
+    def leave(self) -> None:
+        with contextlib.suppress(RuntimeError, RuntimeFailure):  # its store may be gone
+            self.session.leave()
+        self.session.close()
 
 
 class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, LayoutlangUpdateInfo]):
@@ -105,6 +136,9 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         #: the session's step whose weights this worker's model serves (None: none applied yet)
         self.version: int | None = None
         self.rank = -1
+        #: the adapters' sessions, by namespace; the one the update in progress names
+        self.adapters: dict[str, _AdapterRefit] = {}
+        self._current: _AdapterRefit | None = None
 
     def _program_rank(self, rank_offset: int) -> tuple[int, int]:
         """This worker's program rank and tensor-parallel rank."""
@@ -122,6 +156,17 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
     def _problems(self, refit: RefitProgram, position: int, tp_rank: int, checkpoint_format: bool) -> list[str]:
         """What keeps this worker from holding the storages of ``position`` (a rank of the
         destination layout: its own, or for a joiner one that holds the same boxes)."""
+        problems = self._position_problems(refit, position, tp_rank)
+        if problems:
+            return problems
+        engine = f"vLLM's {type(self.model).__name__}"
+        self.targets = EngineTargets(
+            self.model, refit.destination, position, engine=engine, checkpoint_format=checkpoint_format
+        )
+        return self.targets.problems
+
+    def _position_problems(self, refit: RefitProgram, position: int, tp_rank: int) -> list[str]:
+        """Whether ``position`` is in the destination mesh, at this worker's tensor-parallel rank."""
         layout = refit.destination
         if position not in layout.mesh.ranks:
             return [f"rank {position} (this worker) is not in mesh '{layout.mesh.name}' of layout '{layout.name}'"]
@@ -135,9 +180,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                     f"but tensor-parallel rank {tp_rank} of {tp} in the engine (check rank_offset)"
                 )
             ]
-        engine = f"vLLM's {type(self.model).__name__}"
-        self.targets = EngineTargets(self.model, layout, position, engine=engine, checkpoint_format=checkpoint_format)
-        return self.targets.problems
+        return []
 
     def _settle(self, error: BaseException | None) -> bool:
         """Make one RPC's outcome the engine's: every worker learns every worker's error.
@@ -187,6 +230,14 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             raise LayoutValueError(
                 f"this engine's job secret ({SECRET_ENV} where the engine started) is not the trainer's "
                 "(their fingerprints differ): give both the same secret"
+            )
+        if info.lora is not None:
+            self._init_adapter(info, secret)
+            return
+        if info.namespace in self.adapters:
+            raise LayoutValueError(
+                f"namespace '{info.namespace}' is adapter '{self.adapters[info.namespace].spec.lora_name}''s refit "
+                "session on this engine: give the base weights' refit a namespace of its own"
             )
         if info.mode == "attach":
             self._attach(info, secret)
@@ -244,6 +295,46 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             assert self.targets is not None
             self.prepared, self.staged = self.targets.prepare(session.destinations), session.committed_step
 
+    def _init_adapter(self, info: LayoutlangInitInfo, secret: JobSecret) -> None:
+        """Start the refit session of a LoRA adapter (its own namespace): every member agrees
+        that this worker can take the adapter before a byte moves."""
+        if info.mode != "start":
+            raise LayoutValueError(
+                f"an adapter's refit session starts with its engines (mode 'start'), not mode '{info.mode}'"
+            )
+        assert info.lora is not None
+        if self.address is not None and info.namespace == self.address.namespace:
+            raise LayoutValueError(
+                f"namespace '{info.namespace}' is the base weights' refit session on this engine: give the adapter "
+                "a namespace of its own"
+            )
+        spec = AdapterSpec.from_json(info.lora)
+        rank, tp_rank = self._program_rank(info.rank_offset)
+        self.rank = rank
+        earlier = self.adapters.pop(info.namespace, None)
+        if earlier is not None:  # the namespace's earlier session (a trainer started again) is left first
+            earlier.leave()
+        refit = RefitProgram(info.program, info.program_path, info.reshard, info.engine_axis)
+        problems = self._position_problems(refit, rank, tp_rank)
+        targets = AdapterTargets(self.model, refit.destination, rank, spec, self.vllm_config)
+        problems = problems or targets.problems
+        address = info.address
+        store = address.connect(serve=False, timeout=info.timeout)
+        try:
+            session = fleet_session(
+                refit.program, refit.reshard.name, rank=rank, store=store, address=address, secret=secret,
+                engine_axis=info.engine_axis, timeout=info.timeout, deadline=info.deadline,
+                memory_budget=info.memory_budget, device=self.device, problem=first_of(problems), delta=info.delta,
+            )
+        except AgreementError:
+            if problems:
+                raise LayoutValueError(
+                    f"rank {rank}: the engine cannot take adapter '{spec.lora_name}' "
+                    f"({counted(len(problems), 'problem')}):\n  " + "\n  ".join(problems)
+                ) from None
+            raise
+        self.adapters[info.namespace] = _AdapterRefit(spec, session, address, targets)
+
     def _engine_ranks(self) -> list[int]:
         """The ranks of this worker's engine in the session's destination layout."""
         assert self.session is not None
@@ -266,11 +357,18 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             write_engine_ranks(session.store, info.address, secret, info.token, self._engine_ranks())
 
     def start_weight_update(self) -> None:
+        self._current = None
+        for adapter in self.adapters.values():
+            adapter.prepared, adapter.abandoned = None, False
         if self.prepared is not None and self.staged is not None and self.staged != self.version:
             return  # a joiner's catch-up, applied by the finish that follows
         self.prepared, self.abandoned = None, False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
+        namespace = update_info.get("namespace") if isinstance(update_info, dict) else None
+        if namespace is not None and (self.address is None or namespace != self.address.namespace):
+            self._update_adapter(namespace, update_info)
+            return
         # received bytes are on the CPU (gloo) and applied at finish: nothing to synchronize
         error: BaseException | None = None
         self.prepared = None
@@ -312,7 +410,78 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         assert self.targets is not None
         self.prepared, self.staged = self.targets.prepare(session.destinations), update_info.step
 
+    # ------------------------------------------------------------ adapters
+    def _update_adapter(self, namespace: str, update_info: dict[str, Any]) -> None:
+        """``update_weights`` of an adapter's session: receive and prepare the step (or discard
+        it, or take the adapter out of the engine), settled over the engine's workers."""
+        error: BaseException | None = None
+        adapter = self._current = self.adapters.get(namespace)
+        try:
+            if adapter is None:
+                raise ExecutionError(
+                    f"rank {self.rank}: this engine has no refit session '{namespace}' (its adapter was removed, or "
+                    "init_weight_transfer_engine with the adapter's init info failed or was not called)",
+                    rank=self.rank,
+                )
+            adapter.prepared = None
+            info = self.parse_update_info(update_info)
+            if info.remove:
+                adapter.abandoned = True  # the finish that follows applies nothing
+                del self.adapters[namespace]
+                adapter.targets.remove()
+                adapter.leave()
+            elif info.discard:
+                adapter.abandoned = True
+                return
+            else:
+                self._receive_adapter(adapter, info)
+        except Exception as err:  # settled whatever it is
+            error = err
+            if adapter is not None and _store_gone(err, adapter.session):
+                self.adapters.pop(namespace, None)
+                adapter.session.close()
+        if not self._settle(error) and adapter is not None:
+            adapter.prepared, adapter.abandoned = None, True
+
+    def _receive_adapter(self, adapter: _AdapterRefit, info: LayoutlangUpdateInfo) -> None:
+        session = adapter.session
+        if info.step != session.next_step:
+            raise ExecutionError(
+                f"rank {self.rank}: the trainer refits step {info.step} of adapter '{adapter.spec.lora_name}', but "
+                f"this engine's session of it is at step {session.next_step}",
+                rank=self.rank,
+            )
+        session.refit(info.step, lambda step, s: {})
+        adapter.prepared, adapter.staged = adapter.targets.prepare(session.destinations), info.step
+
+    def _finish_adapter(self, adapter: _AdapterRefit) -> None:
+        """Swap the prepared adapter in on every worker of the engine, or on none."""
+        if adapter.abandoned:
+            adapter.prepared, adapter.abandoned = None, False
+            return
+        prepared, adapter.prepared = adapter.prepared, None
+        error = None
+        if prepared is None:
+            error = ExecutionError(
+                f"rank {self.rank}: no prepared refit of adapter '{adapter.spec.lora_name}' to apply; the engine "
+                "keeps its previous one",
+                rank=self.rank,
+            )
+        if not self._settle(error) or prepared is None:
+            return
+        applied: BaseException | None = None
+        try:
+            adapter.targets.apply(prepared)
+            adapter.version = adapter.staged
+        except Exception as err:
+            applied, adapter.version = err, None
+        self._settle(applied)
+
     def finish_weight_update(self) -> None:
+        adapter, self._current = self._current, None
+        if adapter is not None:
+            self._finish_adapter(adapter)
+            return
         if self.abandoned:
             # not settled: the worker whose update raised is refused this call by vLLM (its
             # update is over already), so the others end theirs alone
@@ -352,7 +521,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         self.prepared, self.abandoned = None, False
 
     def shutdown(self) -> None:
+        """Leave every session (the base weights' and each adapter's); the engine keeps serving
+        its weights and its adapters."""
         self._leave()
+        adapters, self.adapters = self.adapters, {}
+        for adapter in adapters.values():
+            adapter.leave()
 
 
 def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
