@@ -108,9 +108,12 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, port: int) -> None:
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     engines = [engine(work / "base", args.rank) for _ in range(2)] if rank == 0 else []
     clients = [OfflineLLMClient(e) for e in engines]
+    if rank == 0:
+        lora_config.save_pretrained(work / "adapter")  # adapter_config.json, which the program reads
+    dist.barrier()
     program = adapter_program(
-        source, layout_from_state_dict(source), infer_mesh=f"mesh infer [dp = 2, tp = 2] on ranks {TRAINERS}..5",
-        tp=2, kv_heads=config.num_key_value_heads,
+        work / "base" / "config.json", work / "adapter" / "adapter_config.json", layout_from_state_dict(source),
+        infer_mesh=f"mesh infer [dp = 2, tp = 2] on ranks {TRAINERS}..5",
     )
     info = LayoutlangTrainerInitInfo(
         rank=rank, master_address="127.0.0.1", program=program, timeout=120.0, namespace="bench-lora",

@@ -29,19 +29,18 @@ from typing import Any
 
 import pytest
 import torch
+from environments import VLLM_PYTHON, require
 
 from layoutlang.integrations.vllm.lora import (
     AdapterSpec,
     AdapterTargets,
     adapter_program,
     peft_config_dict,
-    vllm_lora_layout,
 )
 from layoutlang.lang import loads
 from layoutlang.plan import compile_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("LAYOUTLANG_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, R = 128, 4, 2, 32, 256, 2, 8
 MODULES = {  # module -> (in, out) of the base linear layer
@@ -93,18 +92,33 @@ def vllm_slice(name: str, tensor: torch.Tensor, tp: int, tp_rank: int, kv_heads:
     return tensor[tp_rank * shard : (tp_rank + 1) * shard]
 
 
-def program_text(tp: int, engines: int = 2) -> str:
-    shapes = adapter_shapes()
-    state = {n: torch.empty(s) for n, s in shapes.items()}
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The model's config.json (a tiny Llama of the sizes above) and the adapter's
+    adapter_config.json (rank R on every module), as transformers and PEFT write them."""
+    import transformers
+    from peft import LoraConfig
+
+    folder = tmp_path_factory.mktemp("lora-configs")
+    transformers.LlamaConfig(
+        hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        intermediate_size=INTER, num_hidden_layers=LAYERS, vocab_size=256,
+    ).save_pretrained(folder / "model")
+    modules = [m.split(".")[-1] for m in MODULES]
+    LoraConfig(r=R, lora_alpha=16, target_modules=modules).save_pretrained(folder / "adapter")
+    return folder / "model" / "config.json", folder / "adapter" / "adapter_config.json"
+
+
+def program_text(configs: tuple[Path, Path], tp: int, engines: int = 2) -> str:
     train = "mesh train [dp = 2] on ranks 0..1\nlayout train on train {\n    default: dp = shard(0)\n}\n"
     infer = f"mesh infer [dp = {engines}, tp = {tp}] on ranks 2..{1 + engines * tp}"
-    return adapter_program(state, train, infer_mesh=infer, tp=tp, kv_heads=KV_HEADS)
+    return adapter_program(*configs, train, infer_mesh=infer)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_every_worker_receives_exactly_the_slice_vllms_lora_layers_take(tp):
-    program = loads(program_text(tp), "lora.layout")
-    layout = program.layout("lora_vllm")
+def test_every_worker_receives_exactly_the_slice_vllms_lora_layers_take(configs, tp):
+    program = loads(program_text(configs, tp), "lora.layout")
+    layout = program.layout("vllm_lora")
     generator = torch.Generator().manual_seed(0)
     adapter = {n: torch.randn(s, generator=generator) for n, s in adapter_shapes().items()}
     for rank in layout.mesh.ranks:
@@ -128,9 +142,9 @@ def test_every_worker_receives_exactly_the_slice_vllms_lora_layers_take(tp):
             assert torch.equal(got, vllm_slice(name, adapter[name], tp, tp_rank)), (name, rank)
 
 
-def test_the_plan_moves_only_adapter_bytes_each_worker_its_slice():
+def test_the_plan_moves_only_adapter_bytes_each_worker_its_slice(configs):
     tp, engines = 2, 2
-    program = loads(program_text(tp, engines), "lora.layout")
+    program = loads(program_text(configs, tp, engines), "lora.layout")
     stats = compile_plan(program).stats
     shapes = adapter_shapes()
     assert set(program.tensors) == set(shapes)  # no base weight is a tensor of the refit
@@ -160,9 +174,20 @@ def test_an_adapter_spec_names_vllms_id_and_the_peft_config():
         AdapterSpec(1, "policy", {"lora_alpha": 1, "target_modules": []})
 
 
-def test_a_module_vllm_has_no_lora_slicing_for_is_named():
-    with pytest.raises(ValueError, match="module 'lm_head'"):
-        vllm_lora_layout(["base_model.model.lm_head.lora_A.weight"], tp=2, kv_heads=2)
+def test_adapter_program_refuses_a_path_it_cannot_name_and_a_dtype_it_cannot_declare(configs):
+    with pytest.raises(ValueError, match="a path with a quote"):
+        adapter_program('a"b/config.json', configs[1], "", infer_mesh="mesh infer [tp = 2]")
+    with pytest.raises(ValueError, match="declare fp32, bf16, fp16 or fp64"):
+        adapter_program(*configs, "", infer_mesh="mesh infer [tp = 2]", dtype=torch.int8)
+
+
+def test_a_bf16_adapter_is_declared_bf16(configs):
+    program = loads(program_text(configs, 2), "lora.layout")
+    assert {t.dtype for t in program.tensors.values()} == {"fp32"}  # PEFT's default
+    train = "mesh train [dp = 2] on ranks 0..1\nlayout train on train {\n    default: dp = shard(0)\n}\n"
+    infer = "mesh infer [dp = 2, tp = 2] on ranks 2..5"
+    text = adapter_program(*configs, train, infer_mesh=infer, dtype=torch.bfloat16)
+    assert {t.dtype for t in loads(text, "lora.layout").tensors.values()} == {"bf16"}
 
 
 def test_adapter_state_dict_takes_the_names_save_pretrained_writes(tmp_path):
@@ -192,11 +217,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_moe"])
 def job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    if not VLLM_PYTHON.exists():
-        message = f"the vLLM environment is missing ({VLLM_PYTHON}): run scripts/setup-vllm"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI must prove the real engine, never skip it
-        pytest.skip(message)
+    require(VLLM_PYTHON)
     scenario = request.param
     work = tmp_path_factory.mktemp(f"vllm-lora-{scenario}")
     command = [str(VLLM_PYTHON), str(ROOT / "tests" / "vllm_lora_job.py"), scenario, str(work), str(free_port())]

@@ -229,13 +229,17 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
         record["engines_start_seconds"] = time.perf_counter() - started
         record["base_before"] = [generate(e) for e in engines]
     clients = [OfflineLLMClient(e) for e in engines]
-    kv_heads = spec["config"]["num_key_value_heads"]
     infer = f"mesh infer [dp = {count}, tp = 2] on ranks {TRAINERS}..{TRAINERS + 2 * count - 1}"
+    if rank == 0:  # each adapter's adapter_config.json: what the program declares its tensors from
+        for name in adapters:
+            model.peft_config[name].save_pretrained(work / "adapter-configs" / name)
+    dist.barrier()  # the model's config.json and the adapters' configs are written
     refits = {}
     programs = {}
     for name, (lora_id, _, _) in adapters.items():
         program = adapter_program(
-            sources[name], layout_from_state_dict(sources[name]), infer_mesh=infer, tp=2, kv_heads=kv_heads
+            base / "config.json", work / "adapter-configs" / name / "adapter_config.json",
+            layout_from_state_dict(sources[name]), infer_mesh=infer,
         )
         programs[name] = program
         # [trainer]

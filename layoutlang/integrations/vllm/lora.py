@@ -26,13 +26,14 @@ The two phases of a base refit hold here too: :meth:`AdapterTargets.prepare` che
 storages and builds the ``LoRAModel`` once (vLLM's own validation of the adapter), writing
 nothing into the engine; :meth:`AdapterTargets.apply` makes it the adapter the worker serves.
 
-The program's text, until the language has a statement for adapters, comes from
-:func:`adapter_program` (explicit ``tensor`` declarations and :func:`vllm_lora_layout`).
+The program is written in the language (``tensors from peft``, ``preset:lora/vllm``; see the
+language reference), or made by :func:`adapter_program`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,19 +52,9 @@ __all__ = [
     "adapter_path",
     "adapter_program",
     "adapter_state_dict",
-    "adapter_tensors",
     "install_loader",
     "peft_config_dict",
-    "vllm_lora_layout",
 ]
-
-#: vLLM's column-parallel projections (lora_A whole, lora_B cut along its rows) and its
-#: row-parallel ones (lora_A cut along its columns, lora_B whole): vllm/lora/layers/
-#: column_parallel_linear.py and row_parallel_linear.py, without fully sharded LoRAs
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
-KV_PROJECTIONS = ("k_proj", "v_proj")
-
 
 @dataclass(frozen=True)
 class AdapterSpec:
@@ -128,78 +119,45 @@ def adapter_state_dict(model: torch.nn.Module, adapter: str = "default") -> dict
     return out
 
 
-def adapter_tensors(state_dict: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Each adapter tensor's global shape and dtype (DTensors: their global shape)."""
-    return {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
-
-
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
-def _module_of(name: str) -> str:
-    """``q_proj`` of ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``."""
-    parts = name.split(".")
-    for kind in ("lora_A", "lora_B"):
-        if kind in parts:
-            return parts[parts.index(kind) - 1]
-    raise LayoutValueError(f"'{name}' is not a LoRA weight (no lora_A or lora_B in its name)")
-
-
-def vllm_lora_layout(
-    names: list[str] | Mapping[str, Any], *, tp: int, kv_heads: int, mesh: str = "infer", name: str = "lora_vllm"
-) -> str:
-    """The layout of an adapter in vLLM's LoRA slots on ``mesh`` (axis ``tp``; any other axis
-    replicates): vLLM's ``slice_lora_a`` / ``slice_lora_b`` without fully sharded LoRAs.
-
-    Column-parallel projections (q, k, v, gate, up): ``lora_A`` whole, ``lora_B`` cut along dim 0
-    (k and v in ``min(tp, kv_heads)`` chunks, each kv head kept by ``tp / kv_heads`` ranks when
-    tp is the larger); row-parallel ones (o, down): ``lora_A`` cut along dim 1, ``lora_B`` whole.
-    """
-    kv_chunks = min(tp, kv_heads)
-    rules = []
-    for tensor in names:
-        module = _module_of(tensor)
-        kind = "lora_A" if ".lora_A." in tensor else "lora_B"
-        if module in COLUMN_PARALLEL:
-            chunks = f", chunks = {kv_chunks}" if module in KV_PROJECTIONS else ""
-            rule = "replicate" if kind == "lora_A" else f"tp = shard(0{chunks})"
-        elif module in ROW_PARALLEL:
-            rule = "tp = shard(1)" if kind == "lora_A" else "replicate"
-        else:
-            raise LayoutValueError(
-                f"adapter tensor '{tensor}': module '{module}' has no vLLM LoRA slicing here "
-                f"(known: {', '.join(COLUMN_PARALLEL + ROW_PARALLEL)})"
-            )
-        rules.append(f'    "{tensor}": {rule}\n')
-    return f"layout {name} on {mesh} {{\n" + "".join(rules) + "}\n"
-
-
 def adapter_program(
-    state_dict: Mapping[str, Any],
+    model_config: str | os.PathLike[str],
+    adapter_config: str | os.PathLike[str],
     train_layout: str,
     *,
     infer_mesh: str,
-    tp: int,
-    kv_heads: int,
     source: str = "train",
-    name: str = "lora_vllm",
+    dtype: torch.dtype | None = None,
 ) -> str:
-    """A refit program of an adapter: a ``tensor`` declaration of every adapter tensor of
-    ``state_dict`` (see :func:`adapter_state_dict`), the training layout (e.g.
-    :func:`~layoutlang.integrations.dtensor.layout_from_state_dict` of the same state dict), the
-    ``mesh`` statement of the engines (``infer_mesh``, its first axis the engines, then ``tp``),
-    :func:`vllm_lora_layout`, and ``reshard refit: source -> name``."""
-    lines = []
-    for tensor, (shape, dtype) in adapter_tensors(state_dict).items():
-        if dtype not in _DTYPES:
-            raise LayoutValueError(f"adapter tensor '{tensor}' is {dtype}: declare fp32, bf16, fp16 or fp64 weights")
-        lines.append(f'tensor "{tensor}" [{", ".join(map(str, shape))}] {_DTYPES[dtype]}\n')
+    """A refit program of an adapter, in the language: the model's constants from its
+    ``config.json`` (``tensors from hf_constants``: none of its tensors, so that only the
+    adapter moves), every tensor of the adapter from its PEFT ``adapter_config.json``
+    (``tensors from peft ... over cfg as lora``; save it with ``LoraConfig.save_pretrained``,
+    no weights needed), the training layout (e.g.
+    :func:`~layoutlang.integrations.dtensor.layout_from_state_dict` of
+    :func:`adapter_state_dict`), the engines' ``mesh infer`` statement (``infer_mesh``: its
+    first axis the engines, then ``tp``), vLLM's LoRA slicing (``preset:lora/vllm``, layout
+    ``vllm_lora``), and ``reshard refit: source -> vllm_lora``. ``dtype``: the adapter's
+    weights as the trainer holds them (default: as the statement reads them: fp32, PEFT's
+    default, or the dtypes of an ``adapter_model.safetensors`` beside the config)."""
+    paths = []
+    for path in (model_config, adapter_config):
+        text = os.fspath(path)
+        if '"' in text or "\n" in text:
+            raise LayoutValueError(f"cannot name {text!r} in a program: a path with a quote or a line break")
+        paths.append(text)
+    if dtype is not None and dtype not in _DTYPES:
+        raise LayoutValueError(f"an adapter of {dtype}: declare fp32, bf16, fp16 or fp64 weights")
+    as_dtype = f" dtype {_DTYPES[dtype]}" if dtype is not None else ""
     return (
-        "".join(lines)
-        + train_layout
+        f'tensors from hf_constants "{paths[0]}" as cfg\n'
+        f'tensors from peft "{paths[1]}" over cfg as lora{as_dtype}\n'
+        + train_layout.rstrip("\n") + "\n"
         + infer_mesh.rstrip("\n") + "\n"
-        + vllm_lora_layout(list(state_dict), tp=tp, kv_heads=kv_heads, name=name)
-        + f"reshard refit: {source} -> {name}\n"
+        + 'include "preset:lora/vllm"\n'
+        + f"reshard refit: {source} -> vllm_lora\n"
     )
 
 
