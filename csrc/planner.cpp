@@ -1,6 +1,7 @@
 #include "planner.hpp"
 
 #include <algorithm>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -637,9 +638,9 @@ class Builder {
     }
     if (n >= UINT32_MAX) throw CoreValueError("argument", "a plan holds fewer than 2^32 moves");
     const int64_t budget = options_.bucket_bytes;
-    // Plans of hundreds of millions of moves: no column beside the plan's own but the order
-    // of one stage's moves. A move's earliest bucket waits in its bucket column until the
-    // move is placed.
+    // Plans of hundreds of millions of moves: no column beside the plan's own (the grouping
+    // below holds an eighth of a stage's moves at a time, and a chunk takes 24 bytes). A
+    // move's earliest bucket, then its chunk, waits in its bucket column until it is placed.
     // (a plan that broadcasts no tensor skips the look-up of each move's tensor)
     const bool any_broadcast = std::find(policies_.begin(), policies_.end(), kBroadcast) != policies_.end();
     auto broadcast = [&](std::size_t i) {
@@ -685,90 +686,114 @@ class Builder {
     std::vector<int32_t>& earliest = plan_.move_bucket;  // until placed (a local copy: for good)
     const bool region_bytes_fit =
         *std::max_element(plan_.region_bytes.begin(), plan_.region_bytes.end()) <= INT32_MAX;
-    // A staged move as (receiving rank << 32 | move): the receiver, read once in plan order
-    // here, is what the grouping and the chunks read, instead of the plan's column at random.
-    std::vector<uint64_t> order;
-    std::vector<Chunk> chunks;
+    // The stage's staged moves are grouped by (sending rank, receiving rank) a batch of
+    // sending ranks at a time, so that the grouping holds about an eighth of the stage's
+    // moves (8 bytes each) at once, not all of them: each batch costs one more pass over
+    // the plan's stage and kind columns, instead of a column of 8 bytes a move. A move's
+    // chunk waits in its bucket column (in place of its bytes, or of its earliest bucket,
+    // read first) until the chunks are placed; one pass in plan order then turns each
+    // chunk into its bucket, instead of a write at random per move.
+    std::vector<uint64_t> order;  // a staged move as (receiving rank << 32 | move)
+    ChunkStore chunks;
+    std::vector<uint32_t> by_size;
+    std::vector<int32_t> chunk_bucket;
+    std::vector<uint32_t> first_chunk(R + 1, 0);  // rank r's chunks: [first_chunk[r], first_chunk[r + 1])
     for (uint8_t stage = 0; stage <= last_stage; ++stage) {
       if (stage > 0) earliest_buckets(stage, earliest);
-      // The stage's staged moves by sending rank (a counting sort), then by receiving rank.
       std::vector<std::size_t> start(R + 1, 0);
       int32_t latest = 0;
       auto staged = [&](std::size_t i) {
         return plan_.move_stage[i] == stage && plan_.move_kind[i] != kLocal && !broadcast(i);
       };
+      // In the first stage no move waits for an earlier bucket: the bucket column holds each
+      // move's bytes until its chunk is known. Read in plan order here, the chunks below find
+      // them in one look-up instead of two (the region, then its bytes) at random.
+      const bool bytes_in_bucket = stage == 0 && region_bytes_fit;
       for (std::size_t i = 0; i < n; ++i) {
         if (!staged(i)) continue;
         ++start[static_cast<std::size_t>(plan_.move_src[i]) + 1];
         latest = std::max(latest, earliest[i]);
+        if (bytes_in_bucket) plan_.move_bucket[i] = static_cast<int32_t>(plan_.region_bytes[plan_.move_region[i]]);
       }
       for (std::size_t r = 0; r < R; ++r) start[r + 1] += start[r];
       if (start[R] == 0) continue;
-      order.assign(start[R], 0);
-      // Where no move of the stage waits for an earlier bucket, the bucket column holds each
-      // move's bytes until it is placed: read in plan order here, the chunks below find them
-      // in one look-up instead of two (the region, then its bytes) at random.
-      const bool bytes_in_bucket = latest == 0 && region_bytes_fit;
-      {
-        std::vector<std::size_t> at(start.begin(), start.end() - 1);
-        for (std::size_t i = 0; i < n; ++i) {
-          if (staged(i)) {
-            order[at[static_cast<std::size_t>(plan_.move_src[i])]++] =
-                static_cast<uint64_t>(static_cast<uint32_t>(plan_.move_dst[i])) << 32 | i;
-            if (bytes_in_bucket) plan_.move_bucket[i] = static_cast<int32_t>(plan_.region_bytes[plan_.move_region[i]]);
-          }
-        }
-      }
-      group_by_receiver(order, start, latest > 0);
-      chunks.clear();
-      // The moves are read in `order`, i.e. at random in the plan's columns: each one's bytes
-      // are asked for kPrefetch moves ahead, so that the misses overlap.
       const std::size_t staged_moves = start[R];
       auto move_bytes = [&](uint32_t i) {
         return bytes_in_bucket ? int64_t{plan_.move_bucket[i]} : plan_.region_bytes[plan_.move_region[i]];
       };
-      for (std::size_t r = 0; r < R; ++r) {  // the sending rank's moves, by receiving rank
-        uint64_t pair_dst = UINT64_MAX;
-        int64_t cap = 0;
-        for (std::size_t k = start[r]; k < start[r + 1]; ++k) {
-          if (k + kPrefetch < staged_moves) {
-            const auto ahead = static_cast<uint32_t>(order[k + kPrefetch]);
-            __builtin_prefetch(bytes_in_bucket ? static_cast<const void*>(&plan_.move_bucket[ahead])
-                                               : static_cast<const void*>(&plan_.move_region[ahead]));
-            if (latest > 0) __builtin_prefetch(&earliest[ahead]);
+      const std::size_t batch_moves = std::max<std::size_t>(kBatchMoves, (staged_moves + kBatches - 1) / kBatches);
+      chunks.clear();
+      std::size_t lo = 0;  // sending ranks [lo, hi)
+      while (lo < R) {
+        std::size_t hi = lo + 1;
+        while (hi < R && start[hi + 1] - start[lo] <= batch_moves) ++hi;
+        const std::size_t base = start[lo], count = start[hi] - base;
+        if (count > 0) {
+          order.resize(count);
+          std::vector<std::size_t> at(start.begin() + static_cast<std::ptrdiff_t>(lo),
+                                      start.begin() + static_cast<std::ptrdiff_t>(hi));
+          for (std::size_t i = 0; i < n; ++i) {
+            if (!staged(i)) continue;
+            const auto src = static_cast<std::size_t>(plan_.move_src[i]);
+            if (src < lo || src >= hi) continue;
+            order[at[src - lo]++ - base] = static_cast<uint64_t>(static_cast<uint32_t>(plan_.move_dst[i])) << 32 | i;
           }
-          const uint64_t dst = order[k] >> 32;
-          const auto i = static_cast<uint32_t>(order[k]);
-          const int64_t bytes = move_bytes(i);
-          if (dst != pair_dst) {
-            pair_dst = dst;
-            cap = caps[domain(static_cast<int64_t>(r)) == domain(static_cast<int64_t>(dst)) ? 1 : 0];
-            chunks.push_back(Chunk{k, 0, 0, 0, static_cast<int32_t>(r), static_cast<int32_t>(dst)});
-          } else if (chunks.back().bytes + bytes > cap) {
-            chunks.push_back(Chunk{k, 0, 0, 0, static_cast<int32_t>(r), static_cast<int32_t>(dst)});
-          }
-          Chunk& c = chunks.back();
-          ++c.moves;
-          c.bytes += bytes;
-          if (latest > 0) c.earliest = std::max(c.earliest, earliest[i]);
+          group_by_receiver(order, start, lo, hi, latest > 0);
         }
+        // The batch's chunks, sending rank by sending rank, receiving rank by receiving rank.
+        // The moves are read in `order`, i.e. at random in the plan's columns: each one's
+        // bytes are asked for kPrefetch moves ahead, so that the misses overlap.
+        for (std::size_t r = lo; r < hi; ++r) {
+          first_chunk[r] = static_cast<uint32_t>(chunks.size());
+          uint64_t pair_dst = UINT64_MAX;
+          int64_t cap = 0;
+          for (std::size_t k = start[r] - base; k < start[r + 1] - base; ++k) {
+            if (k + kPrefetch < count) {
+              const auto ahead = static_cast<uint32_t>(order[k + kPrefetch]);
+              __builtin_prefetch(&plan_.move_bucket[ahead], 1);  // bytes or earliest bucket, then chunk
+              if (!bytes_in_bucket) __builtin_prefetch(&plan_.move_region[ahead]);
+            }
+            const uint64_t dst = order[k] >> 32;
+            const auto i = static_cast<uint32_t>(order[k]);
+            const int64_t bytes = move_bytes(i);
+            if (dst != pair_dst) {
+              pair_dst = dst;
+              cap = caps[domain(static_cast<int64_t>(r)) == domain(static_cast<int64_t>(dst)) ? 1 : 0];
+              chunks.push_back(Chunk{0, 0, static_cast<int32_t>(dst)});
+            } else if (chunks.back().bytes + bytes > cap) {
+              chunks.push_back(Chunk{0, 0, static_cast<int32_t>(dst)});
+            }
+            Chunk& c = chunks.back();
+            c.bytes += bytes;
+            if (latest > 0) c.earliest = std::max(c.earliest, earliest[i]);
+            plan_.move_bucket[i] = static_cast<int32_t>(chunks.size() - 1);  // its chunk, until placed
+          }
+        }
+        lo = hi;
       }
-      // Largest first, by powers of two (then by pair and plan order): what is placed last
-      // is small and fills the gaps. A counting sort: millions of chunks.
+      first_chunk[R] = static_cast<uint32_t>(chunks.size());
+      std::vector<uint64_t>().swap(order);
+      // Largest first, by powers of two (then by pair and plan order, i.e. as made): what is
+      // placed last is small and fills the gaps. A counting sort: millions of chunks.
       {
         auto size_class = [](int64_t bytes) { return 63 - __builtin_clzll(static_cast<unsigned long long>(bytes | 1)); };
-        std::size_t start[65] = {0};
-        for (const Chunk& c : chunks) ++start[64 - size_class(c.bytes)];
-        for (std::size_t k = 1; k < 65; ++k) start[k] += start[k - 1];
-        std::vector<Chunk> by_size(chunks.size());
-        for (const Chunk& c : chunks) by_size[start[63 - size_class(c.bytes)]++] = c;
-        chunks.swap(by_size);
+        std::size_t begin[65] = {0};
+        for (std::size_t c = 0; c < chunks.size(); ++c) ++begin[64 - size_class(chunks[c].bytes)];
+        for (std::size_t k = 1; k < 65; ++k) begin[k] += begin[k - 1];
+        by_size.resize(chunks.size());
+        for (std::size_t c = 0; c < chunks.size(); ++c) {
+          by_size[begin[63 - size_class(chunks[c].bytes)]++] = static_cast<uint32_t>(c);
+        }
       }
-      for (std::size_t ci = 0; ci < chunks.size(); ++ci) {
-        const Chunk& c = chunks[ci];
-        const int64_t s = c.src, d = c.dst;
-        // chunks lie at random in `order` (by size): the next one's moves are asked for now
-        if (ci + 1 < chunks.size()) __builtin_prefetch(&order[chunks[ci + 1].begin]);
+      chunk_bucket.resize(chunks.size());
+      for (std::size_t ci = 0; ci < by_size.size(); ++ci) {
+        const uint32_t id = by_size[ci];
+        const Chunk& c = chunks[id];
+        // chunks lie at random in the store (by size): a few ahead are asked for now
+        if (ci + kChunkPrefetch < by_size.size()) __builtin_prefetch(&chunks[by_size[ci + kChunkPrefetch]]);
+        const int64_t s = static_cast<int64_t>(
+            std::upper_bound(first_chunk.begin(), first_chunk.end(), id) - first_chunk.begin() - 1);
+        const int64_t d = c.dst;
         const int network = domain(s) != domain(d) ? 0 : 2;
         Loads& out = ports[network];
         Loads& in = ports[network + 1];
@@ -818,9 +843,11 @@ class Builder {
           roof[best] = std::max({was, out.at(s, best), in.at(d, best)});
           if (was < tall && roof[best] >= tall) ++talls[network / 2];
         }
-        for (std::size_t k = c.begin; k < c.begin + c.moves; ++k) {
-          plan_.move_bucket[static_cast<uint32_t>(order[k])] = best;
-        }
+        chunk_bucket[id] = best;
+      }
+      // Each staged move's chunk becomes the chunk's bucket, in plan order.
+      for (std::size_t i = 0; i < n; ++i) {
+        if (staged(i)) plan_.move_bucket[i] = chunk_bucket[static_cast<uint32_t>(plan_.move_bucket[i])];
       }
     }
     int32_t top = 0;
@@ -828,17 +855,19 @@ class Builder {
     plan_.num_buckets = top + 1;
   }
 
-  // Sorts each sending rank's moves (order[start[r]:start[r + 1]], in plan order) by
-  // receiving rank (then by earliest bucket, from the bucket column, when `by_earliest`),
-  // keeping plan order among equals: a counting sort inside each sending rank's moves (a
-  // few hundred thousand at most: it stays in cache).
-  void group_by_receiver(std::vector<uint64_t>& order, const std::vector<std::size_t>& start, bool by_earliest) const {
+  // Sorts each sending rank's moves of the batch [lo, hi) (order[start[r] - start[lo]:
+  // start[r + 1] - start[lo]], in plan order) by receiving rank (then by earliest bucket, from
+  // the bucket column, when `by_earliest`), keeping plan order among equals: a counting sort
+  // inside each sending rank's moves (a few hundred thousand at most: it stays in cache).
+  void group_by_receiver(std::vector<uint64_t>& order, const std::vector<std::size_t>& start, std::size_t lo,
+                         std::size_t hi, bool by_earliest) const {
     const std::size_t R = net_send_.size();
+    const std::size_t base = start[lo];
     std::vector<std::size_t> count(R + 1, 0);
     std::vector<int32_t> touched;
     std::vector<uint64_t> scratch;
-    for (std::size_t r = 0; r < R; ++r) {
-      const std::size_t a = start[r], b = start[r + 1];
+    for (std::size_t r = lo; r < hi; ++r) {
+      const std::size_t a = start[r] - base, b = start[r + 1] - base;
       if (b - a < 2) continue;
       scratch.assign(order.begin() + static_cast<std::ptrdiff_t>(a), order.begin() + static_cast<std::ptrdiff_t>(b));
       touched.clear();
@@ -868,7 +897,6 @@ class Builder {
       }
     }
   }
-
 
   // Per rank and bucket, bytes: one row of `width` buckets per rank, widened on demand.
   class Loads {
@@ -901,18 +929,39 @@ class Builder {
     std::vector<int64_t> of_;
   };
 
-  // Consecutive moves (order[begin:begin + moves]) of one pair of ranks, src -> dst, that
-  // share a bucket. The pair is kept here so that placing a chunk reads nothing at random.
+  // Consecutive moves of one pair of ranks, in plan order (or by earliest bucket), that
+  // share a bucket: their bytes, the earliest bucket they may go to, and the receiving rank
+  // (the sending rank is known from the chunk's number: a sending rank's chunks are
+  // numbered together). Each move's bucket column names its chunk until the chunks are placed.
   struct Chunk {
-    std::size_t begin;
-    uint32_t moves;
-    int32_t earliest;
     int64_t bytes;
-    int32_t src, dst;
+    int32_t earliest;
+    int32_t dst;
+  };
+  // Millions of chunks, in pages of 2^16: grown without a copy, nor twice what it holds.
+  class ChunkStore {
+   public:
+    static constexpr std::size_t kPageBits = 16, kPage = std::size_t{1} << kPageBits;
+    std::size_t size() const { return size_; }
+    void clear() { size_ = 0; }  // the pages stay, for the next stage
+    void push_back(const Chunk& c) {
+      if (size_ >> kPageBits == pages_.size()) pages_.push_back(std::make_unique<Chunk[]>(kPage));
+      (*this)[size_++] = c;
+    }
+    Chunk& back() { return (*this)[size_ - 1]; }
+    Chunk& operator[](std::size_t k) { return pages_[k >> kPageBits][k & (kPage - 1)]; }
+    const Chunk& operator[](std::size_t k) const { return pages_[k >> kPageBits][k & (kPage - 1)]; }
+
+   private:
+    std::vector<std::unique_ptr<Chunk[]>> pages_;
+    std::size_t size_ = 0;
   };
   // How many moves ahead assign_buckets asks for a move's bytes (the plan's columns are read
-  // at random there): enough misses in flight to cover memory's latency.
-  static constexpr std::size_t kPrefetch = 16;
+  // at random there): enough misses in flight to cover memory's latency; and chunks ahead.
+  static constexpr std::size_t kPrefetch = 16, kChunkPrefetch = 8;
+  // A stage's staged moves are grouped in about kBatches batches of sending ranks, of at
+  // least kBatchMoves moves each (8 MiB of them) unless a stage has fewer.
+  static constexpr std::size_t kBatches = 8, kBatchMoves = std::size_t{1} << 20;
 
   // For every resharded move of `stage` that reads what an earlier stage wrote: a relay
   // follows the network move that delivered its region to its sending rank, and goes no
