@@ -9,9 +9,9 @@ With engines (tests/vllm_lora_job.py, once per module, with the vLLM environment
 2-rank FSDP2 trainer of a tiny Llama trains two PEFT adapters with real Adam steps and refits
 each, by its own trainer engine and session, into 2 engines of tensor parallel 2; the oracle is
 a third engine, never refitted, loading ``save_pretrained`` of the trainer's current adapter by
-path (vLLM's normal way). A tiny Qwen3-MoE with an adapter on its attention, into 1 engine,
-which is its own oracle (it loads each saved adapter by path under another id): 4 engine
-starts for the module.
+path (vLLM's normal way). A tiny Qwen3-MoE with an adapter on its attention, into 2 engines
+of tensor parallel 2, the first of which is also its oracle (it loads each saved adapter by
+path under another id): 5 engine starts for the module.
 """
 
 from __future__ import annotations

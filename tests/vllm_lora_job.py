@@ -10,8 +10,8 @@ and sharded with FSDP2; on trainer rank 0 it starts the vLLM CPU engines (tensor
 (q/k/v/o, id 2), each refitted by its own trainer engine (its own program and session) into 2
 engines. An initial refit of both, then 3 real Adam steps of ``default``, each followed by its
 refit, then one of ``second``, then ``second`` removed. ``qwen3_moe``: one adapter on the
-attention of a tiny Qwen3-MoE, 1 engine, an initial refit and 2 steps (the engine itself is the
-oracle there: it loads each saved adapter by path under another id, beside the refitted one).
+attention of a tiny Qwen3-MoE, 2 engines, an initial refit and 3 steps (the first engine is the
+oracle there too: it loads each saved adapter by path under another id, beside the refitted one).
 
 After every refit it records each engine's greedy tokens with each adapter and without one,
 and the oracle's: one more engine (a fresh one, never refitted) loads ``save_pretrained`` of
@@ -84,9 +84,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
             "tie_word_embeddings": False,
         },
         "adapters": {"default": (1, ATTENTION, 16)},
-        "engines": 1,
-        "steps": 2,
-        # the refitted engine is the oracle too: it loads the saved adapters by path under other ids
+        "engines": 2,
+        "steps": 3,
+        # the first refitted engine is the oracle too: it loads the saved adapters by path under
+        # other ids (a fresh load of the file each time; the base weights never change)
         "oracle_engine": False,
         # LoRA slots on the attention only (the engine's lora_target_modules), and the experts
         # built as without LoRA: vLLM 0.32 gives every MoE layer of a LoRA engine a Triton
