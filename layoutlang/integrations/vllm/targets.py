@@ -32,6 +32,7 @@ it runs at apply; its inputs were checked by the prepare).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ class EngineTargets:
         self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
         # storage -> the parameter as resolved: a prepare refuses a model changed since
         self._resolved: dict[str, tuple[torch.Tensor, tuple[tuple[int, ...], torch.dtype, torch.device, bool]]] = {}
+        #: seconds of the last apply: ``direct`` copies, ``loaded`` (load_weights, post-processing)
+        self.last_apply: dict[str, float] = {}
         self.shapes = layout.storages_on(rank)
         if checkpoint_format:
             self._checkpoint_names(engine)
@@ -319,11 +322,15 @@ class EngineTargets:
         checked by :meth:`prepare`), then vLLM's ``load_weights`` for the others."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        began = time.perf_counter()
+        self.last_apply = {}
         with torch.no_grad():
             for param, value in prepared.copies:
                 param.data.copy_(value)
+            self.last_apply["direct"] = time.perf_counter() - began
             if not prepared.loaded:
                 return
+            began = time.perf_counter()
             modules = [self.loaded[storage] for storage in prepared.loaded]
             for module in {id(m): m for m in modules}.values():
                 initialize_layerwise_reload(module)
@@ -333,6 +340,7 @@ class EngineTargets:
                     load_weights([(name, whole)])
             finalize_layerwise_reload(self.model, model_config)
             _prepack_cpu_experts(modules)
+            self.last_apply["loaded"] = time.perf_counter() - began
         # post-processing may register new parameters (vLLM's replace_parameter, the CPU
         # experts' prepack): the model as this apply left it is what the next prepare expects
         live = dict(self.model.named_parameters())

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +65,13 @@ from ..refit_session import SessionAddress, fleet_session, write_engine_ranks
 from .common import RefitProgram, WorkerInitFields, first_of, secret_fingerprint
 from .targets import EngineTargets, PreparedRefit
 
-__all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
+__all__ = [
+    "LayoutlangInitInfo",
+    "LayoutlangUpdateInfo",
+    "LayoutlangWeightTransferEngine",
+    "worker_phases",
+    "worker_raw_exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,8 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         #: the session's step whose weights this worker's model serves (None: none applied yet)
         self.version: int | None = None
         self.rank = -1
+        #: seconds of each phase of this worker's recent refits, oldest first (see :func:`worker_phases`)
+        self.phases: list[dict[str, float]] = []
 
     def _program_rank(self, rank_offset: int) -> tuple[int, int]:
         """This worker's program rank and tensor-parallel rank."""
@@ -265,7 +274,14 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         if info.token and session.destination.mesh.coords(self.rank).get("tp", 0) == 0:
             write_engine_ranks(session.store, info.address, secret, info.token, self._engine_ranks())
 
+    def _phase(self, name: str, seconds: float) -> None:
+        """Record ``seconds`` of phase ``name`` for the refit under way (the last one)."""
+        if not self.phases:
+            self.phases.append({})
+        self.phases[-1][name] = self.phases[-1].get(name, 0.0) + seconds
+
     def start_weight_update(self) -> None:
+        self.phases = [*self.phases[-63:], {}]
         if self.prepared is not None and self.staged is not None and self.staged != self.version:
             return  # a joiner's catch-up, applied by the finish that follows
         self.prepared, self.abandoned = None, False
@@ -274,6 +290,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         # received bytes are on the CPU (gloo) and applied at finish: nothing to synchronize
         error: BaseException | None = None
         self.prepared = None
+        began = time.perf_counter()
         try:
             info = self.parse_update_info(update_info)
             if info.discard:
@@ -288,7 +305,11 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 # the dead store until the next init. The model keeps its weights; the next
                 # trainer's init starts a new session.
                 self._close()
-        if not self._settle(error):
+        settling = time.perf_counter()
+        settled = self._settle(error)
+        self._phase("update.settle", time.perf_counter() - settling)
+        self._phase("update", time.perf_counter() - began)
+        if not settled:
             # the workers that return keep vLLM's update open: the trainer's finish ends it
             self.prepared, self.abandoned = None, True
 
@@ -309,8 +330,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 rank=self.rank,
             )
         session.refit(update_info.step, lambda step, s: {})
+        for name, seconds in session.phases.items():
+            self._phase(f"step.{name}", seconds)
         assert self.targets is not None
+        preparing = time.perf_counter()
         self.prepared, self.staged = self.targets.prepare(session.destinations), update_info.step
+        self._phase("prepare", time.perf_counter() - preparing)
 
     def finish_weight_update(self) -> None:
         if self.abandoned:
@@ -318,6 +343,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             # update is over already), so the others end theirs alone
             self.prepared, self.abandoned = None, False
             return
+        began = time.perf_counter()
         prepared, self.prepared = self.prepared, None
         error = None
         if prepared is None:
@@ -334,7 +360,10 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             self.version = self.staged
         except Exception as err:  # vLLM's loaders run here: the model may now hold a mix
             applied, self.version = err, None
+        for name, seconds in self.targets.last_apply.items():
+            self._phase(f"apply.{name}", seconds)
         self._settle(applied)
+        self._phase("finish", time.perf_counter() - began)
 
     def _close(self) -> None:
         """Close the session without leaving it (its store is gone: there is nobody to tell)."""
@@ -353,6 +382,24 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
 
     def shutdown(self) -> None:
         self._leave()
+
+
+def worker_phases(worker: Any) -> list[dict[str, float]]:
+    """The phases of a vLLM worker's recent layoutlang refits (for ``collective_rpc``):
+    ``start``, ``update`` (the whole call: ``step.begin``, ``step.agree``, ``step.transfer``,
+    ``step.commit`` of the session's step, ``prepare``, ``update.settle``) and ``finish`` (the
+    whole call: ``apply.direct`` copies, ``apply.loaded`` through load_weights)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return list(engine.phases) if isinstance(engine, LayoutlangWeightTransferEngine) else []
+
+
+def worker_raw_exchange(worker: Any, repeats: int = 3) -> list[float]:
+    """A vLLM worker's part of :meth:`~elastic.ElasticSession.raw_exchange` (for
+    ``collective_rpc``; the trainer ranks and every other member call it at once)."""
+    engine = worker.weight_transfer_engine
+    if not isinstance(engine, LayoutlangWeightTransferEngine) or engine.session is None:
+        raise ExecutionError("this worker has no layoutlang refit session", rank=-1)
+    return engine.session.raw_exchange(repeats)
 
 
 def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
