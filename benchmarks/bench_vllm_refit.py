@@ -57,6 +57,7 @@ def engine(checkpoint: Path) -> Any:
         gpu_memory_utilization=0.05,
         enforce_eager=True,
         weight_transfer_config={"backend": "layoutlang"},
+        worker_extension_cls="layoutlang.integrations.vllm.worker.LayoutlangWorkerExtension",  # the phases
     )
 
 
@@ -81,7 +82,6 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
         LayoutlangTrainerWeightTransferEngine,
         OfflineLLMClient,
     )
-    from layoutlang.integrations.vllm.worker import worker_phases
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[0]}", rank=rank, world_size=TRAINERS)
     config = transformers.LlamaConfig(
@@ -138,7 +138,8 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
                     if rank == 0 and report.refitted != (0, 1):
                         print(f"{way}: step {report.step} refitted engines {report.refitted}: {report.to_json()}")
                 moved[way] = refit.session.plan.stats.bytes["network"]
-                workers[way] += [p for e in engines for w in e.collective_rpc(worker_phases) for p in w[-args.refits:]]
+                for e in engines:  # each worker's phases of this session's timed refits
+                    workers[way] += [p for w in e.collective_rpc("layoutlang_phases") for p in w[-args.refits:]]
                 if layoutlang_way and round_ == 0:
                     raw += raw_gloo(refit, engines)
                 refit.shutdown()  # the trainer leaves; the engines re-init into the next session
@@ -179,11 +180,11 @@ def raw_gloo(refit: Any, engines: list[Any]) -> list[float]:
 
     import torch.distributed as dist
 
-    from layoutlang.integrations.vllm.worker import worker_raw_exchange
-
     replies: list[Any] = []
     calls = [
-        threading.Thread(target=lambda e=e: replies.append(e.collective_rpc(worker_raw_exchange, args=(RAW_REPEATS,))))
+        threading.Thread(
+            target=lambda e=e: replies.append(e.collective_rpc("layoutlang_raw_exchange", args=(RAW_REPEATS,)))
+        )
         for e in engines
     ]
     for call in calls:

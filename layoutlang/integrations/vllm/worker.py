@@ -69,6 +69,7 @@ __all__ = [
     "LayoutlangInitInfo",
     "LayoutlangUpdateInfo",
     "LayoutlangWeightTransferEngine",
+    "LayoutlangWorkerExtension",
     "worker_phases",
     "worker_raw_exchange",
 ]
@@ -400,6 +401,19 @@ def worker_raw_exchange(worker: Any, repeats: int = 3) -> list[float]:
     if not isinstance(engine, LayoutlangWeightTransferEngine) or engine.session is None:
         raise ExecutionError("this worker has no layoutlang refit session", rank=-1)
     return engine.session.raw_exchange(repeats)
+
+
+class LayoutlangWorkerExtension:
+    """Methods vLLM mixes into its workers (``LLM(worker_extension_cls=...)`` with this class's
+    qualified name) so that ``collective_rpc`` reaches them by name, with no pickled callable:
+    ``layoutlang_phases`` (:func:`worker_phases`) and ``layoutlang_raw_exchange``
+    (:func:`worker_raw_exchange`). For benchmarks and profiling."""
+
+    def layoutlang_phases(self) -> list[dict[str, float]]:
+        return worker_phases(self)
+
+    def layoutlang_raw_exchange(self, repeats: int = 3) -> list[float]:
+        return worker_raw_exchange(self, repeats)
 
 
 def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
