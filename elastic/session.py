@@ -259,7 +259,9 @@ class ElasticSession:
         #: seconds of the last refit's phases on this rank (the try that committed): ``begin``
         #: (the step's begin record, a membership check), ``agree`` (the executor's checks and
         #: agreement before a byte moves), ``transfer`` (the executor moving bytes), ``commit``
-        #: (waiting for every member's done marker and the commit record)
+        #: (waiting for every member's done marker and the commit record); and the executor's
+        #: parts of ``transfer`` (``transfer.pack``, ``transfer.post``, ``transfer.wait``, ...:
+        #: :attr:`~layoutlang.runtime.executor.Executor.timing`)
         self.phases: dict[str, float] = {}
         self._last_delta: DeltaReport | None = None
         self._last_transfer = 0.0
@@ -465,9 +467,11 @@ class ElasticSession:
                 received = self._run_step(step, step_fn, progress, not_ready)
                 finished = time.perf_counter()
                 outcome = recoverer.commits.commit(name, watch=recoverer.watch, joiners=recoverer.admissible_joiners)
+                timing = getattr(recoverer.executor, "timing", {})
                 self.phases = {
                     "begin": ran - began, "agree": finished - ran - self._last_transfer,
                     "transfer": self._last_transfer, "commit": time.perf_counter() - finished,
+                    **{f"transfer.{k}": v for k, v in timing.items() if k != "steps"},
                 }
                 if outcome["state"] != COMMITTED:
                     aborted = f"rank {self.rank}: step {step} was aborted by another member"
