@@ -29,7 +29,8 @@ refit session (:mod:`layoutlang.integrations.refit_session`), of which every wor
     fleet could not prepare it: none applies).
 ``finish_weight_update``
     applies the prepared refit (:meth:`~.targets.EngineTargets.apply`): direct copies into
-    parameters vLLM keeps as loaded, vLLM's own ``load_weights`` (layerwise reload,
+    parameters vLLM keeps as loaded, the CPU GEMMs the prepare packed swapped in where vLLM's
+    CPU backend only repacks a weight, vLLM's own ``load_weights`` (layerwise reload,
     post-processing included) for the others. After a failed or discarded update it only
     ends vLLM's update: the model keeps its previous weights.
 ``shutdown``
