@@ -553,10 +553,12 @@ class ElasticSession:
             raise RuntimeError(
                 f"rank {self.rank}: raw_exchange replays over a gloo group, not {type(transport).__name__}"
             )
+        # filled, so that every page is this process's own: an untouched buffer reads as the
+        # kernel's one zero page, which a send of real weights never does
         steps = [
             (
-                [(peer_of(t.peer), torch.empty(t.wire_bytes, dtype=torch.uint8)) for t in step.send_transfers],
-                [(peer_of(t.peer), torch.empty(t.wire_bytes, dtype=torch.uint8)) for t in step.recv_transfers],
+                [(peer_of(t.peer), torch.ones(t.wire_bytes, dtype=torch.uint8)) for t in step.send_transfers],
+                [(peer_of(t.peer), torch.ones(t.wire_bytes, dtype=torch.uint8)) for t in step.recv_transfers],
                 (step.bucket * 4 + step.stage) % AGREEMENT_TAG,
             )
             for step in executor.steps
