@@ -234,3 +234,17 @@ def test_a_weight_the_cpu_backend_repacks_is_packed_by_prepare_and_swapped_in_by
     assert torch.equal(model.mlp.gate_up.cpu_linear(torch.eye(6), None, None), want.t())
     assert torch.equal(model.norm.weight, refit["norm.weight"])
     assert model.loaded == [] and reloads == []  # no load_weights, no reload lifecycle
+
+
+def test_a_packed_gemm_that_reads_its_weight_is_packed_from_a_copy(reloads, monkeypatch):
+    """zentorch's unpacked path and the fallback F.linear read the tensor they were given: the
+    receive buffer (the next refit's) must not be it."""
+
+    def reading(layer: Any, remove_weight: bool) -> None:
+        weight = layer.weight.detach()  # no copy
+        layer.cpu_linear = lambda x, w, bias: x @ weight.t()
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    monkeypatch.setitem(globals(), "dispatch_cpu_unquantized_gemm", reading)
+    test_a_weight_the_cpu_backend_repacks_is_packed_by_prepare_and_swapped_in_by_apply(reloads, monkeypatch)

@@ -132,8 +132,8 @@ def _cpu_repack(module: torch.nn.Module, leaf: str, created: tuple[int, ...]) ->
 
 class _Packed:
     """What vLLM's CPU GEMM dispatch reads and writes of a layer, off to the side of the live
-    one: a weight (a copy of the received storage, owned by the packed GEMM it makes) and the
-    layer's bias; the dispatch sets ``cpu_linear``."""
+    one: a weight (the received storage, or a copy of it where the packed GEMM would read the
+    tensor itself) and the layer's bias; the dispatch sets ``cpu_linear``."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight = weight
@@ -206,6 +206,7 @@ class EngineTargets:
         self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
         # storage -> (module, whether its repack removes the weight): packed aside, swapped in
         self.repacked: dict[str, tuple[torch.nn.Module, bool]] = {}
+        self._owns_copy: dict[str, bool] = {}  # storage -> its packed GEMM owns its weight's copy
         # storage -> the parameter as resolved: a prepare refuses a model changed since
         self._resolved: dict[str, tuple[torch.Tensor, tuple[tuple[int, ...], torch.dtype, torch.device, bool]]] = {}
         #: seconds of the last apply: ``direct`` copies, ``loaded`` (load_weights, post-processing)
@@ -356,22 +357,50 @@ class EngineTargets:
         )
 
     def _repack(self, received: dict[str, torch.Tensor]) -> tuple[tuple[torch.nn.Module, Callable[..., Any]], ...]:
-        """Each repacked storage's CPU GEMM, packed as vLLM's post-processing packs it, from a
-        copy of the received weight (the receive buffers are the next refit's): nothing live
-        is written."""
+        """Each repacked storage's CPU GEMM, packed as vLLM's post-processing packs it, from the
+        received weight (from a copy of it where the GEMM would read that tensor: the receive
+        buffers are the next refit's): nothing live is written."""
         if not self.repacked:
             return ()
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         out = []
         for storage, (module, removes) in self.repacked.items():
-            packed = _Packed(received[storage].clone(), getattr(module, "bias", None))
+            weight = received[storage]
+            if not self._packs_own_copy(storage, weight, dispatch_cpu_unquantized_gemm):
+                weight = weight.clone()
+            packed = _Packed(weight, getattr(module, "bias", None))
             dispatch_cpu_unquantized_gemm(cast(torch.nn.Module, packed), remove_weight=removes)
             if packed.cpu_linear is None:
                 raise ExecutionError(f"rank {self.rank}: vLLM's CPU GEMM dispatch packed nothing for '{storage}'",
                                      rank=self.rank)
             out.append((module, packed.cpu_linear))
         return tuple(out)
+
+    def _packs_own_copy(self, storage: str, like: torch.Tensor, dispatch: Callable[..., None]) -> bool:
+        """Whether the CPU GEMM that vLLM packs for ``storage`` owns a copy of the weight it was
+        packed from (oneDNN reorders it, the sgl kernel converts it) rather than reading that
+        tensor (zentorch's unpacked path, the fallback ``F.linear``). Found once per storage,
+        by packing a zeroed weight, filling it, and calling the GEMM again: when it owns its
+        copy the receive buffer is packed from where it lies, else from a copy of it (the
+        receive buffers are the next refit's)."""
+        owns = self._owns_copy.get(storage)
+        if owns is None:
+            module, removes = self.repacked[storage]
+            bias = getattr(module, "bias", None)
+            weight = torch.zeros_like(like)
+            probe = _Packed(weight, None if bias is None else torch.zeros_like(bias))
+            try:
+                dispatch(cast(torch.nn.Module, probe), remove_weight=removes)
+                assert probe.cpu_linear is not None
+                x = torch.ones(1, like.shape[-1], dtype=like.dtype)
+                before = probe.cpu_linear(x, probe.weight, probe.bias).clone()
+                weight.fill_(1)  # the tensor it was packed from (a removed weight is another one now)
+                owns = bool(torch.equal(probe.cpu_linear(x, probe.weight, probe.bias), before))
+            except Exception:  # whatever it is: copy
+                owns = False
+            self._owns_copy[storage] = owns
+        return owns
 
     def _box_problems(self, storage: str, received: torch.Tensor) -> list[str]:
         """Whether every box of ``storage`` reads from the received storage a region of the
