@@ -18,7 +18,13 @@ session's first refit untimed:
   (``default: replicate``, ``checkpoint_format``), and vLLM's loaders narrow them.
 
 It prints, for each, the bytes the plan moves over the network (the plan statistics) and
-the median and best refit time, and the ratios. Nothing is asserted: figures, not tests.
+the median and best refit time, and the ratios; then where a refit's time goes (the median
+seconds of each phase: on the sender, trainer rank 0, and on the engines' workers, the median
+over workers); and **raw gloo**: layoutlang's messages replayed as plain gloo sends and
+receives between the same processes on the session's own group (the same sizes, peers and
+order, from buffers allocated once: :meth:`~elastic.ElasticSession.raw_exchange`), timed in
+the same run, so that the refit's time is compared with what its bytes cost on this wire.
+Nothing is asserted: figures, not tests.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 TRAINERS = 2
+RAW_REPEATS = 5
 
 
 def engine(checkpoint: Path) -> Any:
@@ -50,6 +57,7 @@ def engine(checkpoint: Path) -> Any:
         gpu_memory_utilization=0.05,
         enforce_eager=True,
         weight_transfer_config={"backend": "layoutlang"},
+        worker_extension_cls="layoutlang.integrations.vllm.worker.LayoutlangWorkerExtension",  # the phases
     )
 
 
@@ -102,6 +110,9 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
     ways = ["layoutlang", "whole tensors into load_weights"]
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     moved: dict[str, int] = {}
+    sender: dict[str, list[dict[str, float]]] = {way: [] for way in ways}  # rank 0's phases per timed refit
+    workers: dict[str, list[dict[str, float]]] = {way: [] for way in ways}  # each worker's, per timed refit
+    raw: list[float] = []  # each replay's time: the slowest process's
     sessions: list[Any] = []
     try:
         for round_ in range(args.rounds):
@@ -123,9 +134,14 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
                     report = refit.send_weights()
                     if i > 0:
                         seconds[way].append(time.perf_counter() - start)
+                        sender[way].append(report.phases)
                     if rank == 0 and report.refitted != (0, 1):
                         print(f"{way}: step {report.step} refitted engines {report.refitted}: {report.to_json()}")
                 moved[way] = refit.session.plan.stats.bytes["network"]
+                for e in engines:  # each worker's phases of this session's timed refits
+                    workers[way] += [p for w in e.collective_rpc("layoutlang_phases") for p in w[-args.refits:]]
+                if layoutlang_way and round_ == 0:
+                    raw += raw_gloo(refit, engines)
                 refit.shutdown()  # the trainer leaves; the engines re-init into the next session
                 sessions.append(refit)  # keep rank 0's store served while the engines are members
     finally:
@@ -145,8 +161,46 @@ def trainer(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -
         print(f"ratio (whole / layoutlang): bytes {whole / exact:.2f}x, time {slow / fast:.2f}x")
         for way in ways:
             print(f"  {way}: " + ", ".join(f"{t:.3f}" for t in seconds[way]))
+        gloo = statistics.median(raw)
+        print(f"raw gloo, layoutlang's {exact:,} bytes as plain sends/receives between the same processes: median "
+              f"{gloo:.3f} s, best {min(raw):.3f} s ({RAW_REPEATS} replays)")
+        print(f"ratio (layoutlang refit / raw gloo): {fast / gloo:.2f}x")
+        print("where a refit's time goes (median s of each phase; worker: the median over the 4 workers)")
+        for way in ways:
+            print(f"  {way}")
+            print("    sender (trainer rank 0): " + _phases(sender[way]))
+            print("    worker: " + _phases(workers[way]))
         sys.stdout.flush()
     dist.barrier()
+
+
+def raw_gloo(refit: Any, engines: list[Any]) -> list[float]:
+    """Each replay's seconds, the slowest process's (every trainer rank calls it)."""
+    import threading
+
+    import torch.distributed as dist
+
+    replies: list[Any] = []
+    calls = [
+        threading.Thread(
+            target=lambda e=e: replies.append(e.collective_rpc("layoutlang_raw_exchange", args=(RAW_REPEATS,)))
+        )
+        for e in engines
+    ]
+    for call in calls:
+        call.start()
+    mine = refit.session.raw_exchange(RAW_REPEATS)
+    for call in calls:
+        call.join()
+    everyone: list[Any] = [None] * TRAINERS
+    dist.all_gather_object(everyone, [mine, *(w for reply in replies for w in reply)])
+    per_process = [times for rank_times in everyone for times in rank_times]
+    return [max(times[i] for times in per_process) for i in range(RAW_REPEATS)]
+
+
+def _phases(records: list[dict[str, float]]) -> str:
+    names = list(dict.fromkeys(name for record in records for name in record))
+    return ", ".join(f"{name} {statistics.median(r.get(name, 0.0) for r in records):.3f}" for name in names)
 
 
 def run(rank: int, args: argparse.Namespace, work: Path, ports: list[int]) -> None:

@@ -57,7 +57,7 @@ from layoutlang.model import Layout, Program
 from layoutlang.plan import DEFAULT_BUCKET_BYTES, Plan
 from layoutlang.plan.data import layout_digest
 from layoutlang.plan.loss import lost_regions
-from layoutlang.runtime.agreement import agree
+from layoutlang.runtime.agreement import AGREEMENT_TAG, agree
 from layoutlang.runtime.delta import DeltaOptions, DeltaReport
 
 from .auth import JobSecret, establish_job
@@ -256,7 +256,15 @@ class ElasticSession:
             spare_wait=timeout if spare_wait is None else spare_wait, spares=spares, join_timeout=join_timeout,
         )
         self.last_report: StepReport | None = None
+        #: seconds of the last refit's phases on this rank (the try that committed): ``begin``
+        #: (the step's begin record, a membership check), ``agree`` (the executor's checks and
+        #: agreement before a byte moves), ``transfer`` (the executor moving bytes), ``commit``
+        #: (waiting for every member's done marker and the commit record); and the executor's
+        #: parts of ``transfer`` (``transfer.pack``, ``transfer.post``, ``transfer.wait``, ...:
+        #: :attr:`~layoutlang.runtime.executor.Executor.timing`)
+        self.phases: dict[str, float] = {}
         self._last_delta: DeltaReport | None = None
+        self._last_transfer = 0.0
         self._closed = False
         self.digest = _program_digest(spec, bool(delta))  # what a sender keeps need not match
         try:
@@ -452,10 +460,19 @@ class ElasticSession:
             self._refuse_vacant(step)
             name = recoverer.commits.open = step_record(step)
             try:
+                began = time.perf_counter()
                 recoverer.commits.begin(name)
                 recoverer.watch.now()  # a member that left (or died) since the last step: recover first
+                ran = time.perf_counter()
                 received = self._run_step(step, step_fn, progress, not_ready)
+                finished = time.perf_counter()
                 outcome = recoverer.commits.commit(name, watch=recoverer.watch, joiners=recoverer.admissible_joiners)
+                timing = getattr(recoverer.executor, "timing", {})
+                self.phases = {
+                    "begin": ran - began, "agree": finished - ran - self._last_transfer,
+                    "transfer": self._last_transfer, "commit": time.perf_counter() - finished,
+                    **{f"transfer.{k}": v for k, v in timing.items() if k != "steps"},
+                }
                 if outcome["state"] != COMMITTED:
                     aborted = f"rank {self.rank}: step {step} was aborted by another member"
                     raise GenerationChanged(aborted, rank=self.rank)
@@ -508,6 +525,7 @@ class ElasticSession:
         """This rank's part of one try of ``step``; the bytes it received from other ranks."""
         executor = self._recoverer.executor
         self._last_delta = None
+        self._last_transfer = 0.0
         if executor is None:
             return 0
         sources = step_fn(step, self) if self.rank in self.source.mesh and not_ready is None else {}
@@ -517,7 +535,44 @@ class ElasticSession:
         )
         self._recoverer.note_first_byte()
         self._last_delta = report.delta
+        self._last_transfer = report.seconds
         return sum(report.received.values()) - report.received["local"]
+
+    def raw_exchange(self, repeats: int = 3) -> list[float]:
+        """Replay this rank's messages of the current plan as plain gloo sends and receives on
+        the session's group (the same sizes, peers and order, from buffers allocated once, with
+        no checks, staging or records): seconds of each of ``repeats`` replays, after one
+        untimed replay. Every member calls it at once; a benchmark compares a refit's time with
+        this (what the same bytes cost on the same processes' wire)."""
+        executor = self._recoverer.executor
+        transport = self._recoverer.transport
+        if executor is None:
+            return [0.0] * repeats
+        pg, peer_of = getattr(transport, "pg", None), getattr(transport, "_peer", None)
+        if pg is None or peer_of is None:
+            raise RuntimeError(
+                f"rank {self.rank}: raw_exchange replays over a gloo group, not {type(transport).__name__}"
+            )
+        # filled, so that every page is this process's own: an untouched buffer reads as the
+        # kernel's one zero page, which a send of real weights never does
+        steps = [
+            (
+                [(peer_of(t.peer), torch.ones(t.wire_bytes, dtype=torch.uint8)) for t in step.send_transfers],
+                [(peer_of(t.peer), torch.ones(t.wire_bytes, dtype=torch.uint8)) for t in step.recv_transfers],
+                (step.bucket * 4 + step.stage) % AGREEMENT_TAG,
+            )
+            for step in executor.steps
+        ]
+        seconds = []
+        for _ in range(1 + repeats):
+            start = time.perf_counter()
+            for sends, recvs, tag in steps:
+                works = [pg.recv([buf], peer, tag) for peer, buf in recvs]
+                works += [pg.send([buf], peer, tag) for peer, buf in sends]
+                for work in works:
+                    work.wait()
+            seconds.append(time.perf_counter() - start)
+        return seconds[1:]
 
     def _changed(self, change: Change) -> None:
         """The hooks of a new generation: ``on_shrink`` when members were lost, ``on_grow``

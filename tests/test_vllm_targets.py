@@ -179,3 +179,72 @@ def test_a_received_storage_of_another_shape_or_dtype_fails_prepare(reloads):
     missing = {"norm.weight": torch.zeros(6)}
     with pytest.raises(ExecutionError, match=r"storage 'mlp\.gate_up\.weight' was not received"):
         resolved.prepare(missing)
+
+
+class UnquantizedLinearMethod(QuantizeMethodBase):
+    """vLLM's unquantized linear method: on the CPU its post-processing is the GEMM repack."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+
+
+class UnquantizedEmbeddingMethod(UnquantizedLinearMethod):
+    pass
+
+
+def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+    """vLLM's CPU GEMM dispatch as far as targets.py relies on it: the packed GEMM owns its own
+    copy of the weight (oneDNN reorders it), and a linear layer's weight is then removed."""
+    packed = layer.weight.detach().clone()
+    layer.cpu_linear = lambda x, weight, bias: x @ packed.t()
+    if remove_weight:
+        layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def test_a_weight_the_cpu_backend_repacks_is_packed_by_prepare_and_swapped_in_by_apply(reloads, monkeypatch):
+    from layoutlang.integrations.vllm.targets import EngineTargets
+
+    monkeypatch.setattr(sys.modules["vllm.platforms"], "current_platform", types.SimpleNamespace(is_cpu=lambda: True))
+    stubs = {
+        "vllm.model_executor.layers.linear": {"UnquantizedLinearMethod": UnquantizedLinearMethod},
+        "vllm.model_executor.layers.vocab_parallel_embedding": {
+            "UnquantizedEmbeddingMethod": UnquantizedEmbeddingMethod
+        },
+        "vllm.model_executor.layers.utils": {"dispatch_cpu_unquantized_gemm": dispatch_cpu_unquantized_gemm},
+    }
+    for name, attributes in stubs.items():
+        module = types.ModuleType(name)
+        for attribute, value in attributes.items():
+            setattr(module, attribute, value)
+        monkeypatch.setitem(sys.modules, name, module)
+    model = Model()
+    model.mlp.gate_up = Leaf((0,), UnquantizedLinearMethod())  # as vLLM leaves it: repacked, weight removed
+    before = model.mlp.gate_up.cpu_linear = lambda x, weight, bias: torch.zeros(len(x), 4)
+    info = sys.modules["vllm.model_executor.model_loader.reload.layerwise"].LAYERWISE_INFO
+    info[model.mlp.gate_up] = types.SimpleNamespace(restore_metadata=({"weight": torch.empty(4, 6, device="meta")},))
+    resolved = EngineTargets(model, loads(PROGRAM).layout("engine"), RANK, engine="the test model")
+    assert resolved.problems == [] and resolved.loaded == {}
+    assert set(resolved.repacked) == {"mlp.gate_up.weight"} and set(resolved.direct) == {"norm.weight"}
+    refit = received()
+    want = refit["mlp.gate_up.weight"].clone()
+    prepared = resolved.prepare(refit)
+    assert model.mlp.gate_up.cpu_linear is before and torch.equal(model.norm.weight, torch.zeros(6))  # nothing yet
+    refit["mlp.gate_up.weight"].zero_()  # the next refit lands in the same receive buffer
+    resolved.apply(prepared, model_config=None)
+    assert torch.equal(model.mlp.gate_up.cpu_linear(torch.eye(6), None, None), want.t())
+    assert torch.equal(model.norm.weight, refit["norm.weight"])
+    assert model.loaded == [] and reloads == []  # no load_weights, no reload lifecycle
+
+
+def test_a_packed_gemm_that_reads_its_weight_is_packed_from_a_copy(reloads, monkeypatch):
+    """zentorch's unpacked path and the fallback F.linear read the tensor they were given: the
+    receive buffer (the next refit's) must not be it."""
+
+    def reading(layer: Any, remove_weight: bool) -> None:
+        weight = layer.weight.detach()  # no copy
+        layer.cpu_linear = lambda x, w, bias: x @ weight.t()
+        if remove_weight:
+            layer.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    monkeypatch.setitem(globals(), "dispatch_cpu_unquantized_gemm", reading)
+    test_a_weight_the_cpu_backend_repacks_is_packed_by_prepare_and_swapped_in_by_apply(reloads, monkeypatch)

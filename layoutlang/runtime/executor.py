@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import math
+import os
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -27,6 +29,31 @@ from .agreement import AGREEMENT_TAG, agree
 from .delta import DeltaOptions, DeltaRefits, DeltaReport, delta_options
 from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, schedule
 from .wire_encoding import MIN_DELTA_BYTES
+
+#: intra-op threads of the executor's copies on the CPU (packing staged sends, unpacking
+#: receives): ``LAYOUTLANG_COPY_THREADS``, else 1
+COPY_THREADS = int(os.environ.get("LAYOUTLANG_COPY_THREADS", "1"))
+
+
+@contextlib.contextmanager
+def copy_threads(device: torch.device) -> Iterator[None]:
+    """Run a CPU run's copies on :data:`COPY_THREADS` intra-op threads (this thread's
+    setting, restored after). A staging copy is memory-bound and short; a team of OpenMP
+    threads for each one waits at its barrier for the slowest, and where a refit's processes
+    share the cores (trainer ranks and engine workers on one host, or a busy host) that
+    thread is often not scheduled: measured on 2 shared cores, 16 strided copies of 67 MB
+    took 70 ms on 2 threads and 12 ms on 1 (benchmarks/bench_vllm_refit.py: the trainer's
+    pack of 27 MB fell from 134 ms)."""
+    if device.type != "cpu" or COPY_THREADS <= 0 or torch.get_num_threads() == COPY_THREADS:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(COPY_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
 
 #: called with a destination storage's name and tensor once all its bytes have arrived
 OnComplete = Callable[[str, torch.Tensor], None]
@@ -145,6 +172,10 @@ class Executor:
         # at every step cost more than the copies themselves (its pages faulted in anew).
         self._arenas = (_Arena(), _Arena())
         self._deltas: DeltaRefits | None = None  # kept copies and bases of delta runs
+        #: seconds of the last run's parts: ``setup`` (staging decided, arenas reserved),
+        #: ``pack`` (sends packed, posted; local copies), ``wait`` (the wire), ``unpack``; and
+        #: ``steps``, how many steps it ran
+        self.timing: dict[str, float] = {}
         self._kept_assemblies: dict[str, torch.Tensor] = {}  # delta runs' assembled boxes (bases)
 
     def _last_use(self, space: int, names: Iterable[str] = ()) -> dict[int, list[str]]:
@@ -330,31 +361,47 @@ class Executor:
             spaces.assembled, spaces.keep_assemblies = self._kept_assemblies, True
         deltas = self._start_deltas(spaces, destinations, options) if options is not None else None
         packed_next: list[tuple[int, torch.Tensor]] | None = None
-        for n, step in enumerate(self.steps):
-            sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
-            recvs = self._receive_buffers(n, spaces, staging)
-            landing = recvs
-            if deltas is not None:
-                sends = deltas.encode_sends(n, sends)
-                recvs = deltas.receive_buffers(n, landing)
-            pending = self._post(step, sends, recvs)
-            self._copy_locally(step, spaces, tally)
-            packed_next = self._pack_ahead(n, spaces, staging)
-            pending.wait(self.timeout)
-            if deltas is not None:
-                staged = {k for k in range(len(landing)) if (n, "recv", k) not in staging.direct}
-                deltas.decode(n, recvs, landing, staged, lambda piece, slot: _gather_base(spaces, piece, slot))
-            self._unpack(n, landing, spaces, tally, staging)
-            self._copy_out_of_scratch(n, spaces)
-            self._assemblies.flush(n, spaces)
-            tally.sent_messages(step, self._kind)
-            tally.staged(staging.arena_bytes + spaces.scratch_bytes())
-            spaces.free(self._scratch.free_after.get(n, ()))
-            self._announce(n, destinations, on_complete)
-            if progress is not None:
-                progress(n + 1, len(self.steps))
+        clock = time.perf_counter
+        timing = self.timing = {
+            "setup": clock() - start, "pack": 0.0, "post": 0.0, "local": 0.0, "wait": 0.0, "unpack": 0.0,
+        }
+        with copy_threads(device):  # the copies around the wire: see copy_threads
+            for n, step in enumerate(self.steps):
+                mark = clock()
+                sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
+                recvs = self._receive_buffers(n, spaces, staging)
+                landing = recvs
+                if deltas is not None:
+                    sends = deltas.encode_sends(n, sends)
+                    recvs = deltas.receive_buffers(n, landing)
+                posting = clock()
+                timing["pack"] += posting - mark
+                pending = self._post(step, sends, recvs)
+                local = clock()
+                timing["post"] += local - posting
+                self._copy_locally(step, spaces, tally)
+                packed_next = self._pack_ahead(n, spaces, staging)
+                waiting = clock()
+                timing["local"] += waiting - local
+                pending.wait(self.timeout)
+                unpacking = clock()
+                timing["wait"] += unpacking - waiting
+                if deltas is not None:
+                    staged = {k for k in range(len(landing)) if (n, "recv", k) not in staging.direct}
+                    deltas.decode(n, recvs, landing, staged, lambda piece, slot: _gather_base(spaces, piece, slot))
+                self._unpack(n, landing, spaces, tally, staging)
+                timing["unpack"] += clock() - unpacking
+                self._copy_out_of_scratch(n, spaces)
+                self._assemblies.flush(n, spaces)
+                tally.sent_messages(step, self._kind)
+                tally.staged(staging.arena_bytes + spaces.scratch_bytes())
+                spaces.free(self._scratch.free_after.get(n, ()))
+                self._announce(n, destinations, on_complete)
+                if progress is not None:
+                    progress(n + 1, len(self.steps))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        timing["steps"] = len(self.steps)
         report = tally.report(self.rank, time.perf_counter() - start, len(self.steps))
         if deltas is None:
             return report

@@ -8,6 +8,13 @@ linear weights after loading, and ``named_parameters()`` then shows ``[0]``). Tw
 * **direct**: the parameter's module transforms nothing after loading (no quantization
   method, or one whose ``process_weights_after_loading`` is the base class's no-op, and no
   post-processing of its own): the received storage is copied into the parameter as is.
+* **repacked** (vLLM's CPU backend): a linear or embedding layer that vLLM loads as is and
+  then repacks for its CPU GEMM (``dispatch_cpu_unquantized_gemm``: a oneDNN or sgl-kernel
+  handle, the weight itself removed from linear layers). The received storage is the weight
+  as created; :meth:`EngineTargets.prepare` packs a copy of it off to the side, as vLLM's own
+  post-processing does, and :meth:`EngineTargets.apply` swaps the packed GEMM in (and copies
+  the weight of an embedding, which keeps it): no ``load_weights``, no reload lifecycle, and
+  the packing runs before the apply, so the apply across engines stays a few pointer swaps.
 * **loaded**: anything else. The received boxes are handed to the model's own
   ``load_weights`` under vLLM's layerwise-reload lifecycle
   (``initialize_layerwise_reload`` on the modules concerned, ``finalize_layerwise_reload``
@@ -32,6 +39,7 @@ it runs at apply; its inputs were checked by the prepare).
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -95,6 +103,44 @@ def _created_shape(module: torch.nn.Module, leaf: str, param: torch.Tensor) -> t
     return tuple(param.shape), param.dtype
 
 
+def _cpu_repack(module: torch.nn.Module, leaf: str, created: tuple[int, ...]) -> bool | None:
+    """For a weight that vLLM's CPU backend only repacks after loading (its unquantized linear
+    and embedding methods, whose post-processing is ``dispatch_cpu_unquantized_gemm`` and no
+    more): whether that repack removes the weight (linear layers) or keeps it (embeddings);
+    None for anything else (fail-closed: such a weight goes through ``load_weights``)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or leaf != "weight" or len(created) != 2:
+        return None
+    if "process_weights_after_loading" in type(module).__dict__ or getattr(module, "_cpu_skip_gemm_dispatch", False):
+        return None
+    if not callable(getattr(module, "cpu_linear", None)):
+        return None
+    bias = getattr(module, "bias", None)
+    if bias is not None and bias.dtype != torch.float32:  # the sgl kernel's repack casts the bias in place
+        return None
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    method = type(getattr(module, "quant_method", None))
+    if method is UnquantizedLinearMethod:
+        return True
+    if method is UnquantizedEmbeddingMethod:
+        return False
+    return None
+
+
+class _Packed:
+    """What vLLM's CPU GEMM dispatch reads and writes of a layer, off to the side of the live
+    one: a weight (the received storage, or a copy of it where the packed GEMM would read the
+    tensor itself) and the layer's bias; the dispatch sets ``cpu_linear``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight
+        self.bias = bias
+        self.cpu_linear: Callable[..., torch.Tensor] | None = None
+
+
 def _keeps_weights_as_loaded(module: torch.nn.Module) -> bool:
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
@@ -112,7 +158,8 @@ class PreparedRefit:
     """A received refit, checked against the live model and ready to be written into it.
 
     ``copies``: (live parameter, received storage) pairs of identical shape and dtype, each
-    written by one copy; ``loaded``: the storages handed to the model's ``load_weights``,
+    written by one copy; ``repacks``: (live module, its CPU GEMM packed from the received
+    weight) pairs, each swapped in; ``loaded``: the storages handed to the model's ``load_weights``,
     whose boxes were checked against the received storages; ``received``: every received
     storage, by name (kept until applied: the refit's own buffers, not copies).
     """
@@ -120,6 +167,7 @@ class PreparedRefit:
     copies: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     loaded: tuple[str, ...]
     received: dict[str, torch.Tensor]
+    repacks: tuple[tuple[torch.nn.Module, Callable[..., torch.Tensor]], ...] = ()
 
 
 def _signature(tensor: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, torch.device, bool]:
@@ -156,8 +204,13 @@ class EngineTargets:
         self.problems: list[str] = []
         self.direct: dict[str, torch.Tensor] = {}  # storage -> live parameter
         self.loaded: dict[str, torch.nn.Module] = {}  # storage -> the module whose loader takes it
+        # storage -> (module, whether its repack removes the weight): packed aside, swapped in
+        self.repacked: dict[str, tuple[torch.nn.Module, bool]] = {}
+        self._owns_copy: dict[str, bool] = {}  # storage -> its packed GEMM owns its weight's copy
         # storage -> the parameter as resolved: a prepare refuses a model changed since
         self._resolved: dict[str, tuple[torch.Tensor, tuple[tuple[int, ...], torch.dtype, torch.device, bool]]] = {}
+        #: seconds of the last apply: ``direct`` copies, ``loaded`` (load_weights, post-processing)
+        self.last_apply: dict[str, float] = {}
         self.shapes = layout.storages_on(rank)
         if checkpoint_format:
             self._checkpoint_names(engine)
@@ -189,6 +242,12 @@ class EngineTargets:
                 )
             elif _keeps_weights_as_loaded(module) and tuple(param.shape) == created and param.is_contiguous():
                 self.direct[storage] = param
+            elif (removes := _cpu_repack(module, leaf, created)) is not None and (
+                tuple(param.shape) != created or param.is_contiguous()
+            ):
+                self.repacked[storage] = (module, removes)
+                if tuple(param.shape) == created:  # kept (an embedding's lookup, the fallback GEMM reads it)
+                    self.direct[storage] = param
             else:
                 self.loaded[storage] = module
             self._resolved[storage] = (param, _signature(param))
@@ -225,7 +284,10 @@ class EngineTargets:
                     self._boxes[storage][tensor] = boxes
 
     def summary(self) -> str:
-        return f"{len(self.direct)} parameters written directly, {len(self.loaded)} through load_weights"
+        return (
+            f"{len(self.direct)} parameters written directly, {len(self.repacked)} repacked for the CPU GEMM, "
+            f"{len(self.loaded)} through load_weights"
+        )
 
     def staging(self) -> dict[str, torch.Tensor]:
         """One receive buffer per storage, in the program's dtype (allocated once, reused)."""
@@ -290,7 +352,55 @@ class EngineTargets:
                 rank=self.rank,
             )
         copies = tuple((param, received[storage]) for storage, param in self.direct.items())
-        return PreparedRefit(copies=copies, loaded=tuple(self.loaded), received=dict(received))
+        return PreparedRefit(
+            copies=copies, loaded=tuple(self.loaded), received=dict(received), repacks=self._repack(received)
+        )
+
+    def _repack(self, received: dict[str, torch.Tensor]) -> tuple[tuple[torch.nn.Module, Callable[..., Any]], ...]:
+        """Each repacked storage's CPU GEMM, packed as vLLM's post-processing packs it, from the
+        received weight (from a copy of it where the GEMM would read that tensor: the receive
+        buffers are the next refit's): nothing live is written."""
+        if not self.repacked:
+            return ()
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        out = []
+        for storage, (module, removes) in self.repacked.items():
+            weight = received[storage]
+            if not self._packs_own_copy(storage, weight, dispatch_cpu_unquantized_gemm):
+                weight = weight.clone()
+            packed = _Packed(weight, getattr(module, "bias", None))
+            dispatch_cpu_unquantized_gemm(cast(torch.nn.Module, packed), remove_weight=removes)
+            if packed.cpu_linear is None:
+                raise ExecutionError(f"rank {self.rank}: vLLM's CPU GEMM dispatch packed nothing for '{storage}'",
+                                     rank=self.rank)
+            out.append((module, packed.cpu_linear))
+        return tuple(out)
+
+    def _packs_own_copy(self, storage: str, like: torch.Tensor, dispatch: Callable[..., None]) -> bool:
+        """Whether the CPU GEMM that vLLM packs for ``storage`` owns a copy of the weight it was
+        packed from (oneDNN reorders it, the sgl kernel converts it) rather than reading that
+        tensor (zentorch's unpacked path, the fallback ``F.linear``). Found once per storage,
+        by packing a zeroed weight, filling it, and calling the GEMM again: when it owns its
+        copy the receive buffer is packed from where it lies, else from a copy of it (the
+        receive buffers are the next refit's)."""
+        owns = self._owns_copy.get(storage)
+        if owns is None:
+            module, removes = self.repacked[storage]
+            bias = getattr(module, "bias", None)
+            weight = torch.zeros_like(like)
+            probe = _Packed(weight, None if bias is None else torch.zeros_like(bias))
+            try:
+                dispatch(cast(torch.nn.Module, probe), remove_weight=removes)
+                assert probe.cpu_linear is not None
+                x = torch.ones(1, like.shape[-1], dtype=like.dtype)
+                before = probe.cpu_linear(x, probe.weight, probe.bias).clone()
+                weight.fill_(1)  # the tensor it was packed from (a removed weight is another one now)
+                owns = bool(torch.equal(probe.cpu_linear(x, probe.weight, probe.bias), before))
+            except Exception:  # whatever it is: copy
+                owns = False
+            self._owns_copy[storage] = owns
+        return owns
 
     def _box_problems(self, storage: str, received: torch.Tensor) -> list[str]:
         """Whether every box of ``storage`` reads from the received storage a region of the
@@ -319,11 +429,17 @@ class EngineTargets:
         checked by :meth:`prepare`), then vLLM's ``load_weights`` for the others."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+        began = time.perf_counter()
+        self.last_apply = {}
         with torch.no_grad():
             for param, value in prepared.copies:
                 param.data.copy_(value)
+            for module, linear in prepared.repacks:
+                setattr(module, "cpu_linear", linear)  # noqa: B010 (a module attribute torch types as a tensor)
+            self.last_apply["direct"] = time.perf_counter() - began
             if not prepared.loaded:
                 return
+            began = time.perf_counter()
             modules = [self.loaded[storage] for storage in prepared.loaded]
             for module in {id(m): m for m in modules}.values():
                 initialize_layerwise_reload(module)
@@ -333,6 +449,7 @@ class EngineTargets:
                     load_weights([(name, whole)])
             finalize_layerwise_reload(self.model, model_config)
             _prepack_cpu_experts(modules)
+            self.last_apply["loaded"] = time.perf_counter() - began
         # post-processing may register new parameters (vLLM's replace_parameter, the CPU
         # experts' prepack): the model as this apply left it is what the next prepare expects
         live = dict(self.model.named_parameters())

@@ -248,6 +248,12 @@ class RefitReport:
     held_back: tuple[int, ...] = ()
     #: with ``delta=True``: this rank's sends of the try that committed (wire bytes against dense)
     delta: DeltaReport | None = None
+    #: seconds of the call's phases on this rank: ``sources`` (reading the local shards),
+    #: ``start`` (``start_weight_update`` on every engine), ``step`` (the session's step: its
+    #: ``step.begin``, ``step.agree``, ``step.transfer`` and ``step.commit``), ``updates``
+    #: (the engines' ``update_weights`` replies after the commit: their prepares and vLLM's
+    #: RPC), ``finish`` (``finish_weight_update`` on every engine: the apply)
+    phases: dict[str, float] = attrs.Factory(dict)
 
     @property
     def recovered_from(self) -> dict[str, int]:
@@ -265,6 +271,7 @@ class RefitReport:
             "held_back": list(self.held_back),
             "recoveries": [r.to_json() for r in self.recoveries], "recovered_from": self.recovered_from,
             **({"delta": attrs.asdict(self.delta)} if self.delta is not None else {}),
+            "phases": dict(self.phases),
         }
 
 
@@ -469,6 +476,8 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         begin = time.perf_counter()
         first = len(session.recoveries)
         sources, not_ready = self._sources()
+        phases = {"sources": time.perf_counter() - begin}
+        mark = time.perf_counter()
         if self.is_sender:
             self._rejoin_restarted()
             self._await_joiners()
@@ -489,6 +498,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     _call(e.client.shutdown_weight_transfer_engine)
             updates = {e.index: _call(e.client.update_weights, self._update_info(step=step)) for e in serving
                        if e.index not in failed}
+        phases["start"], mark = time.perf_counter() - mark, time.perf_counter()
         try:
             committed = session.refit(
                 step, lambda _step, _session: sources, not_ready=not_ready,
@@ -497,12 +507,15 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         except DataLossError:
             self._end()  # the engines keep step - 1 and wait for a restarted trainer
             raise
+        phases["step"] = time.perf_counter() - mark
+        phases.update({f"step.{name}": seconds for name, seconds in session.phases.items()})
         if not self.is_sender:
             report = RefitReport(step, time.perf_counter() - begin, committed.generation, (),
-                                 recoveries=tuple(session.recoveries[first:]), delta=committed.delta)
+                                 recoveries=tuple(session.recoveries[first:]), delta=committed.delta, phases=phases)
             self.last_report = report
             return report
-        report = self._settle_engines(step, members, updates, failed, begin, session.recoveries[first:], committed)
+        report = self._settle_engines(step, members, updates, failed, begin, session.recoveries[first:], committed,
+                                      phases)
         self.last_report = report
         return report
 
@@ -515,6 +528,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         begin: float,
         recoveries: Sequence[Recovery],
         committed: Any,
+        phases: dict[str, float],
     ) -> RefitReport:
         """After the step committed: which engines went, which joined, and apply it on every
         engine that received it (the joiners: the step they caught up with)."""
@@ -531,6 +545,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                 (left if gone_on_purpose else lost).append(engine)
         serving = [e for e in members if e.state == "serving"]
         unprepared: list[Engine] = []  # members whose update failed: vLLM's update is still open on some workers
+        mark = time.perf_counter()
         for engine in serving:
             error = _outcome(updates[engine.index], self.info.timeout) if engine.index in updates else None
             if error is not None:
@@ -546,6 +561,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
             started = _outcome(_call(engine.client.start_weight_update), self.info.timeout)
             if started is not None:
                 failed[engine.index] = f"could not apply the weights it caught up with: {started}"
+        phases["updates"], mark = time.perf_counter() - mark, time.perf_counter()
         applying = [e for e in [*serving, *joined] if e.index not in failed]
         # every member engine prepared the step, or none applies it
         blocked = [e.index for e in [*serving, *joined] if e.index in failed]
@@ -565,6 +581,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
                     continue
                 engine.state, engine.version = "serving", step
                 refitted.append(engine.index)
+        phases["finish"] = time.perf_counter() - mark
         for index, error in failed.items():
             # an engine whose workers are still members is called at every step (the session
             # waits for them); it only keeps what it served before, and says why
@@ -584,7 +601,7 @@ class LayoutlangTrainerWeightTransferEngine(TrainerWeightTransferEngine[Layoutla
         return RefitReport(
             step, time.perf_counter() - begin, committed.generation, tuple(refitted),
             tuple(e.index for e in now_serving), tuple(e.index for e in lost), tuple(e.index for e in left),
-            failed, tuple(recoveries), held_back=tuple(held_back), delta=committed.delta,
+            failed, tuple(recoveries), held_back=tuple(held_back), delta=committed.delta, phases=phases,
         )
 
     def _abandon(self, step: int, prepared: list[Engine], unprepared: list[Engine], failed: dict[int, str]) -> None:

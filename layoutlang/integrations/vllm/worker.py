@@ -29,7 +29,8 @@ refit session (:mod:`layoutlang.integrations.refit_session`), of which every wor
     fleet could not prepare it: none applies).
 ``finish_weight_update``
     applies the prepared refit (:meth:`~.targets.EngineTargets.apply`): direct copies into
-    parameters vLLM keeps as loaded, vLLM's own ``load_weights`` (layerwise reload,
+    parameters vLLM keeps as loaded, the CPU GEMMs the prepare packed swapped in where vLLM's
+    CPU backend only repacks a weight, vLLM's own ``load_weights`` (layerwise reload,
     post-processing included) for the others. After a failed or discarded update it only
     ends vLLM's update: the model keeps its previous weights.
 ``shutdown``
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +74,14 @@ from .common import RefitProgram, WorkerInitFields, first_of, secret_fingerprint
 from .lora import AdapterSpec, AdapterTargets, PreparedAdapter
 from .targets import EngineTargets, PreparedRefit
 
-__all__ = ["LayoutlangInitInfo", "LayoutlangUpdateInfo", "LayoutlangWeightTransferEngine"]
+__all__ = [
+    "LayoutlangInitInfo",
+    "LayoutlangUpdateInfo",
+    "LayoutlangWeightTransferEngine",
+    "LayoutlangWorkerExtension",
+    "worker_phases",
+    "worker_raw_exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +148,8 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         #: the adapters' sessions, by namespace; the one the update in progress names
         self.adapters: dict[str, _AdapterRefit] = {}
         self._current: _AdapterRefit | None = None
+        #: seconds of each phase of this worker's recent refits, oldest first (see :func:`worker_phases`)
+        self.phases: list[dict[str, float]] = []
 
     def _program_rank(self, rank_offset: int) -> tuple[int, int]:
         """This worker's program rank and tensor-parallel rank."""
@@ -356,10 +367,17 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         if info.token and session.destination.mesh.coords(self.rank).get("tp", 0) == 0:
             write_engine_ranks(session.store, info.address, secret, info.token, self._engine_ranks())
 
+    def _phase(self, name: str, seconds: float) -> None:
+        """Record ``seconds`` of phase ``name`` for the refit under way (the last one)."""
+        if not self.phases:
+            self.phases.append({})
+        self.phases[-1][name] = self.phases[-1].get(name, 0.0) + seconds
+
     def start_weight_update(self) -> None:
         self._current = None
         for adapter in self.adapters.values():
             adapter.prepared, adapter.abandoned = None, False
+        self.phases = [*self.phases[-63:], {}]
         if self.prepared is not None and self.staged is not None and self.staged != self.version:
             return  # a joiner's catch-up, applied by the finish that follows
         self.prepared, self.abandoned = None, False
@@ -372,6 +390,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         # received bytes are on the CPU (gloo) and applied at finish: nothing to synchronize
         error: BaseException | None = None
         self.prepared = None
+        began = time.perf_counter()
         try:
             info = self.parse_update_info(update_info)
             if info.discard:
@@ -386,7 +405,11 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 # the dead store until the next init. The model keeps its weights; the next
                 # trainer's init starts a new session.
                 self._close()
-        if not self._settle(error):
+        settling = time.perf_counter()
+        settled = self._settle(error)
+        self._phase("update.settle", time.perf_counter() - settling)
+        self._phase("update", time.perf_counter() - began)
+        if not settled:
             # the workers that return keep vLLM's update open: the trainer's finish ends it
             self.prepared, self.abandoned = None, True
 
@@ -407,8 +430,12 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
                 rank=self.rank,
             )
         session.refit(update_info.step, lambda step, s: {})
+        for name, seconds in session.phases.items():
+            self._phase(f"step.{name}", seconds)
         assert self.targets is not None
+        preparing = time.perf_counter()
         self.prepared, self.staged = self.targets.prepare(session.destinations), update_info.step
+        self._phase("prepare", time.perf_counter() - preparing)
 
     # ------------------------------------------------------------ adapters
     def _update_adapter(self, namespace: str, update_info: dict[str, Any]) -> None:
@@ -487,6 +514,7 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             # update is over already), so the others end theirs alone
             self.prepared, self.abandoned = None, False
             return
+        began = time.perf_counter()
         prepared, self.prepared = self.prepared, None
         error = None
         if prepared is None:
@@ -503,7 +531,10 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
             self.version = self.staged
         except Exception as err:  # vLLM's loaders run here: the model may now hold a mix
             applied, self.version = err, None
+        for name, seconds in self.targets.last_apply.items():
+            self._phase(f"apply.{name}", seconds)
         self._settle(applied)
+        self._phase("finish", time.perf_counter() - began)
 
     def _close(self) -> None:
         """Close the session without leaving it (its store is gone: there is nobody to tell)."""
@@ -527,6 +558,37 @@ class LayoutlangWeightTransferEngine(WeightTransferEngine[LayoutlangInitInfo, La
         adapters, self.adapters = self.adapters, {}
         for adapter in adapters.values():
             adapter.leave()
+
+
+def worker_phases(worker: Any) -> list[dict[str, float]]:
+    """The phases of a vLLM worker's recent layoutlang refits (for ``collective_rpc``):
+    ``start``, ``update`` (the whole call: ``step.begin``, ``step.agree``, ``step.transfer``,
+    ``step.commit`` of the session's step, ``prepare``, ``update.settle``) and ``finish`` (the
+    whole call: ``apply.direct`` copies, ``apply.loaded`` through load_weights)."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return list(engine.phases) if isinstance(engine, LayoutlangWeightTransferEngine) else []
+
+
+def worker_raw_exchange(worker: Any, repeats: int = 3) -> list[float]:
+    """A vLLM worker's part of :meth:`~elastic.ElasticSession.raw_exchange` (for
+    ``collective_rpc``; the trainer ranks and every other member call it at once)."""
+    engine = worker.weight_transfer_engine
+    if not isinstance(engine, LayoutlangWeightTransferEngine) or engine.session is None:
+        raise ExecutionError("this worker has no layoutlang refit session", rank=-1)
+    return engine.session.raw_exchange(repeats)
+
+
+class LayoutlangWorkerExtension:
+    """Methods vLLM mixes into its workers (``LLM(worker_extension_cls=...)`` with this class's
+    qualified name) so that ``collective_rpc`` reaches them by name, with no pickled callable:
+    ``layoutlang_phases`` (:func:`worker_phases`) and ``layoutlang_raw_exchange``
+    (:func:`worker_raw_exchange`). For benchmarks and profiling."""
+
+    def layoutlang_phases(self) -> list[dict[str, float]]:
+        return worker_phases(self)
+
+    def layoutlang_raw_exchange(self, repeats: int = 3) -> list[float]:
+        return worker_raw_exchange(self, repeats)
 
 
 def _store_gone(error: BaseException, session: ElasticSession | None) -> bool:
