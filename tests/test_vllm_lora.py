@@ -294,7 +294,7 @@ def test_the_plan_moves_only_adapter_bytes_each_worker_its_vllm_slice(job):
 @pytest.mark.timeout(1500)
 def test_two_adapters_in_one_engine_are_refitted_independently(job):
     if job["scenario"] != "llama":
-        pytest.skip("one adapter in this scenario")
+        pytest.skip("the qwen3_moe scenario trains one adapter: two adapters are checked on llama")
     second = checks(job, "second")
     default = checks(job, "default")
     # refits of 'default' leave 'second' as it was
@@ -311,7 +311,7 @@ def test_two_adapters_in_one_engine_are_refitted_independently(job):
 @pytest.mark.timeout(1500)
 def test_a_removed_adapter_leaves_the_engines_and_the_other_serves_on(job):
     if job["scenario"] != "llama":
-        pytest.skip("one adapter in this scenario")
+        pytest.skip("the qwen3_moe scenario trains one adapter: two adapters are checked on llama")
     removed = job["record"]["removed"]
     assert removed["failed"] == {}
     assert removed["adapter_ids"] == [[[1], [1]]] * len(removed["adapter_ids"])

@@ -42,8 +42,8 @@ import torch
 
 from ..._text import counted
 from ...errors import ExecutionError, LayoutValueError
-from ...io.torch_dtypes import torch_dtype
 from ...model import Layout
+from .targets import received_problems
 
 __all__ = [
     "SCHEME",
@@ -339,17 +339,10 @@ class AdapterTargets:
         """Check the received storages and build the adapter as vLLM's ``LoRAModel`` (vLLM's
         validation included); nothing is written into the engine. Raises
         :class:`~layoutlang.errors.ExecutionError` naming every problem."""
-        problems = list(self.problems)
-        for storage, shape in self.shapes.items():
-            dtype = torch_dtype(self.layout.tensors[storage].dtype)
-            tensor = received.get(storage)
-            if tensor is None:
-                problems.append(f"storage '{storage}' was not received")
-            elif tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                problems.append(
-                    f"storage '{storage}' was received as {list(tensor.shape)} {tensor.dtype}, "
-                    f"layout '{self.layout.name}' gives {list(shape)} {dtype}"
-                )
+        layout = self.layout
+        # each adapter tensor is a storage of its own
+        found = received_problems(layout, self.shapes, lambda storage: layout.tensors[storage].dtype, received)
+        problems = [*self.problems, *found]
         live = None
         if not problems:
             live = _Live(self.spec, self.helper, self.whole_tensors(received))

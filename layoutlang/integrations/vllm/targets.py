@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -52,7 +52,30 @@ from ...errors import ExecutionError, did_you_mean
 from ...io.torch_dtypes import torch_dtype
 from ...model import Box, Layout
 
-__all__ = ["EngineTargets", "PreparedRefit"]
+__all__ = ["EngineTargets", "PreparedRefit", "received_problems"]
+
+
+def received_problems(
+    layout: Layout,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtype_of: Callable[[str], str],
+    received: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """What is wrong with the storages a worker received against those of ``layout`` it holds
+    (``shapes``, each storage's dtype named by ``dtype_of``): one missing, or received in
+    another shape or dtype."""
+    problems = []
+    for storage, shape in shapes.items():
+        dtype = torch_dtype(dtype_of(storage))
+        tensor = received.get(storage)
+        if tensor is None:
+            problems.append(f"storage '{storage}' was not received")
+        elif tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+            problems.append(
+                f"storage '{storage}' was received as {list(tensor.shape)} {tensor.dtype}, "
+                f"layout '{layout.name}' gives {list(shape)} {dtype}"
+            )
+    return problems
 
 
 def _recorded(module: torch.nn.Module, leaf: str) -> torch.Tensor | None:
@@ -318,17 +341,10 @@ class EngineTargets:
         cast by other code in the engine): a direct copy would then write into a tensor the
         model no longer reads, or cast silently, so every storage's parameter must still be
         the one resolved, with its shape, dtype, device and contiguity."""
-        problems: list[str] = []
-        for storage, shape in self.shapes.items():
-            dtype = torch_dtype(self.layout.tensors[self.layout.storage(storage, self.rank).parts[0]].dtype)
-            tensor = received.get(storage)
-            if tensor is None:
-                problems.append(f"storage '{storage}' was not received")
-            elif tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
-                problems.append(
-                    f"storage '{storage}' was received as {list(tensor.shape)} {tensor.dtype}, "
-                    f"layout '{self.layout.name}' gives {list(shape)} {dtype}"
-                )
+        layout, rank = self.layout, self.rank
+        problems = received_problems(
+            layout, self.shapes, lambda storage: layout.tensors[layout.storage(storage, rank).parts[0]].dtype, received
+        )
         live = dict(self.model.named_parameters()) if self._resolved else {}
         for storage, (param, signature) in self._resolved.items():
             now = live.get(storage)
