@@ -560,21 +560,26 @@ NB_MODULE(_core, m) {
       [](uintptr_t source, const std::string& source_dtype, const Shape& shape, const Shape& source_strides,
          const Shape& block, const std::string& format, const std::string& convention, uintptr_t values,
          const Shape& value_strides, uintptr_t scales, const Shape& scale_shape, const Shape& scale_strides,
-         int threads) {
+         int threads, const std::string& kernel) {
         const QuantSource dtype = quant_source(source_dtype);
         const QuantFormat fmt = quant_format(format);
         const ScaleConvention conv = scale_convention(convention);
+        const QuantKernel which = quant_kernel_named(kernel);
         nb::gil_scoped_release release;
         quantize_blocks(QuantView{source, shape, source_strides}, dtype, block, fmt, conv,
                         QuantView{values, shape, value_strides}, QuantView{scales, scale_shape, scale_strides},
-                        threads);
+                        threads, which);
       },
       "source"_a, "source_dtype"_a, "shape"_a, "source_strides"_a, "block"_a, "format"_a, "convention"_a,
       "values"_a, "value_strides"_a, "scales"_a, "scale_shape"_a, "scale_strides"_a, "threads"_a = 1,
+      "kernel"_a = "auto",
       "Quantizes the strided view at address `source` (bf16, fp16 or fp32; strides in elements) block by block "
       "into fp8 bytes at `values` and scales at `scales` (fp32, or e8m0 bytes for mxfp8; shape ceil(shape / "
       "block)), by the rule of csrc/quantize.hpp, on at most `threads` threads (0: the hardware's, at most 8; "
-      "the bytes do not depend on it). The caller keeps the memory alive.");
+      "the bytes do not depend on it), with the block-strip `kernel` ('auto', 'avx512', 'avx2' or 'generic'; the same "
+      "bytes). The caller keeps the memory alive.");
+  m.def("quantize_kernels", &quantize_kernels,
+        "The quantizer's block-strip kernels this build runs on this CPU, fastest first ('avx512', 'avx2', 'generic').");
   m.def("default_quantize_threads", &default_quantize_threads,
         "The threads quantize_blocks uses for threads = 0: the hardware's, at most 8.");
 

@@ -7,84 +7,24 @@
 #include <limits>
 #include <thread>
 
+#include "quantize_kernel.hpp"
 #include "shard_math.hpp"
+
+// The baseline kernel, and the helpers of the general path below.
+#define LAYOUTLANG_QUANT_KERNEL generic
+#define LAYOUTLANG_QUANT_FMA 0
+#include "quantize_kernel.inc"
+#undef LAYOUTLANG_QUANT_KERNEL
+#undef LAYOUTLANG_QUANT_FMA
 
 namespace layoutlang {
 
 namespace {
 
-uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-
-float float_of(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-
-// fp16 -> fp32, exact (every half is a float).
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return float_of(sign | 0x7f800000u | (mant << 13));  // inf, NaN
-  if (exp != 0) return float_of(sign | ((exp + 112) << 23) | (mant << 13));
-  // zero or subnormal: mant * 2^-24, exact in fp32
-  const float magnitude = static_cast<float>(mant) * float_of(0x33800000u);  // 2^-24
-  return float_of(sign | bits_of(magnitude));
-}
-
-template <QuantSource S>
-inline float load(uintptr_t base, int64_t index) {
-  if constexpr (S == QuantSource::fp32) {
-    return reinterpret_cast<const float*>(base)[index];
-  } else if constexpr (S == QuantSource::bf16) {
-    return float_of(static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(base)[index]) << 16);
-  } else {
-    return half_to_float(reinterpret_cast<const uint16_t*>(base)[index]);
-  }
-}
-
-constexpr uint8_t kNan8 = 0x7f;          // e4m3fn's NaN; one of e5m2's (torch writes it too)
-constexpr uint32_t kNan32 = 0x7fc00000u;  // fp32's canonical quiet NaN
-constexpr uint8_t kNanE8m0 = 0xff;
-
-// The byte of one fp8 element with M mantissa bits and exponent bias B (e4m3fn: 3, 7; e5m2:
-// 2, 15): x rounded to nearest, ties to even; |x| must not exceed the format's largest value.
-template <int M, int B>
-inline uint8_t encode(float x) {
-  uint32_t bits = bits_of(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
-  bits &= 0x7fffffffu;
-  if (bits > 0x7f800000u) return kNan8 | sign;
-  constexpr int kMinExponent = 1 - B;                                   // of the format's normal numbers
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + kMinExponent) << 23;  // its fp32 bits
-  if (bits < kMinNormal) {
-    // zero or subnormal: a multiple of 2^(kMinExponent - M), rounded to the nearest even
-    // multiple; the product by a power of two is exact, nearbyint rounds ties to even (the
-    // default rounding mode), and a carry into 2^M is the least normal code.
-    constexpr float kSteps = static_cast<float>(1u << (M - kMinExponent));  // 2^(M - kMinExponent)
-    const float steps = std::nearbyint(float_of(bits) * kSteps);
-    return static_cast<uint8_t>(static_cast<uint32_t>(steps)) | sign;
-  }
-  constexpr int kShift = 23 - M;
-  bits += ((1u << (kShift - 1)) - 1) + ((bits >> kShift) & 1u);  // round to nearest, ties to even
-  const uint32_t exponent = (bits >> 23) - 127 + B;
-  const uint32_t mantissa = (bits >> kShift) & ((1u << M) - 1);
-  return static_cast<uint8_t>((exponent << M) | mantissa) | sign;
-}
-
-template <QuantFormat F>
-inline uint8_t encode_as(float x) {
-  if constexpr (F == QuantFormat::fp8_e5m2) {
-    return encode<2, 15>(x);
-  } else {
-    return encode<3, 7>(x);
-  }
-}
+using quant_kernel::generic::block_divisor;
+using quant_kernel::generic::encode_as;
+using quant_kernel::generic::load;
+using quant_kernel::generic::kNan8;
 
 // What the blocks are iterated with: the extents of one block along each dim.
 struct BlockExtent {
@@ -120,204 +60,46 @@ void for_each_row(const BlockExtent& e, const QuantView& src, const QuantView& d
   }
 }
 
-// The fast path, taken where the last dim is contiguous in the source and the values (every
-// region a sender packs from a row-major storage): one block row strip at a time, the amax of
-// each block of the strip kept in a small array while its rows stream by, then the strip's
-// values encoded. Every step is integer arithmetic or one IEEE operation the compiler
-// vectorizes (no per-element library call, no branch), and gives the bytes of the general
-// path: for non-negative floats the order of their bits is the order of their values, so the
-// amax is an integer max of |x|'s bits, and a block is finite when that max is below
-// infinity's bits.
-
-// |x|'s fp32 bits.
-template <QuantSource S>
-inline uint32_t abs_bits(uintptr_t base, int64_t index) {
-  if constexpr (S == QuantSource::fp32) {
-    return reinterpret_cast<const uint32_t*>(base)[index] & 0x7fffffffu;
-  } else if constexpr (S == QuantSource::bf16) {
-    return (static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(base)[index]) & 0x7fffu) << 16;
-  } else {
-    // fp16: only compared with each other and with infinity's bits, so the half's own bits,
-    // ordered alike, moved to where fp32's infinity test below reads them
-    const uint32_t h = reinterpret_cast<const uint16_t*>(base)[index] & 0x7fffu;
-    return h >= 0x7c00u ? 0x7f800000u | h : h;
-  }
-}
-
-// x, finite, as fp32 (fp16 by the exact product with 2^112 that also makes subnormals normal).
-template <QuantSource S>
-inline float finite_value(uintptr_t base, int64_t index) {
-  if constexpr (S == QuantSource::fp16) {
-    const uint32_t h = reinterpret_cast<const uint16_t*>(base)[index];
-    const float magnitude = float_of((h & 0x7fffu) << 13) * float_of(0x77800000u);  // 2^112
-    return float_of(bits_of(magnitude) | ((h & 0x8000u) << 16));
-  } else {
-    return load<S>(base, index);
-  }
-}
-
-// The amax of the bits `abs_bits` returned, as the general path's float amax.
-template <QuantSource S>
-inline float amax_of(uint32_t bits) {
-  if constexpr (S == QuantSource::fp16) {
-    return half_to_float(static_cast<uint16_t>(bits));
-  } else {
-    return float_of(bits);
-  }
-}
-
-// encode<M, B> of a finite x with |x| <= the format's largest value, without branches: a
-// subnormal result is the fp32 sum of |x| and the power of two whose ulp is the format's
-// least subnormal, rounded to nearest even by the addition itself (so the general path's
-// nearbyint of the product), its bits less the power's; a normal one is the fp32 bits
-// rounded at the format's mantissa, re-biased.
-// x may be infinite or beyond the largest value: |x| is clamped to it on its bits (the order
-// of non-negative floats' bits is theirs), as the general path's clamp does.
-template <int M, int B>
-inline uint8_t encode_finite(float x) {
-  constexpr uint32_t kMaxBits = M == 2 ? 0x47600000u : 0x43e00000u;  // 57344, 448
-  const uint32_t bits = bits_of(x);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  uint32_t a = bits & 0x7fffffffu;
-  a = a < kMaxBits ? a : kMaxBits;
-  constexpr int kShift = 23 - M;
-  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - B) << 23;
-  constexpr uint32_t kMagic = static_cast<uint32_t>((127 - B) + kShift + 1) << 23;
-  const uint32_t sub = bits_of(float_of(a) + float_of(kMagic)) - kMagic;
-  const uint32_t rounded = a + ((1u << (kShift - 1)) - 1) + ((a >> kShift) & 1u);
-  const uint32_t normal = (rounded >> kShift) - (static_cast<uint32_t>(127 - B) << M);
-  const uint32_t small = 0u - static_cast<uint32_t>(a < kMinNormal);  // a mask, not a branch
-  return static_cast<uint8_t>(((sub & small) | (normal & ~small)) | sign);
-}
-
-template <QuantFormat F>
-inline uint8_t encode_finite_as(float x) {
-  if constexpr (F == QuantFormat::fp8_e5m2) {
-    return encode_finite<2, 15>(x);
-  } else {
-    return encode_finite<3, 7>(x);
-  }
-}
-
-// What a block's values are divided by, writing its scale: the rule of the general path.
-template <QuantFormat format>
-inline float block_divisor(float amax, bool finite, ScaleConvention convention, uintptr_t scales, int64_t at) {
-  if constexpr (format == QuantFormat::mxfp8) {
-    uint8_t code = kNanE8m0;
-    float divisor = float_of(kNan32);
-    if (finite) {
-      int e = -127;
-      if (amax > 0.0f) {
-        int exponent;
-        std::frexp(amax, &exponent);  // amax = m * 2^exponent, m in [0.5, 1)
-        e = std::clamp(exponent - 1 - 8, -127, 127);
-      }
-      divisor = e >= -126 ? float_of(static_cast<uint32_t>(e + 127) << 23) : float_of(0x00400000u);  // 2^e
-      code = static_cast<uint8_t>(convention == ScaleConvention::scale_inv ? e + 127 : 127 - e);
-    }
-    reinterpret_cast<uint8_t*>(scales)[at] = code;
-    return divisor;
-  } else {
-    const float fmax = quant_fmax(format);
-    float scale_inv = float_of(kNan32);
-    if (finite) {
-      scale_inv = amax / fmax;
-      if (scale_inv == 0.0f) scale_inv = 1.0f;  // zero block: values are zeros, scale 1
-    }
-    reinterpret_cast<float*>(scales)[at] =
-        convention == ScaleConvention::scale_inv || !finite ? scale_inv : 1.0f / scale_inv;
-    return scale_inv;
-  }
-}
-
-// The block row strips [first, last) of the outer block grid (every dim but the last, in
-// row-major order of block indices).
-template <QuantSource S, QuantFormat format>
-void quantize_strips(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
-                     const QuantView& values, const QuantView& scales, const std::vector<int64_t>& grid,
-                     int64_t first, int64_t last) {
-  const size_t n = source.shape.size();
-  const size_t outer = n - 1;
-  const int64_t length = source.shape[outer], b = block[outer], columns = grid[outer];
-  // held in locals, the byte stores could alias `source` (a uint8_t may alias anything) and
-  // the loops would not vectorize
-  uint8_t* __restrict out = reinterpret_cast<uint8_t*>(values.data);
-  const uintptr_t src = source.data;
-  std::vector<uint32_t> amax(static_cast<size_t>(columns));
-  std::vector<float> divisor(static_cast<size_t>(columns));
-  std::vector<int64_t> at(outer), begin(outer), end(outer), index(outer);
-  for (int64_t strip = first; strip < last; ++strip) {
-    int64_t rest = strip, scale_base = 0;
-    for (size_t d = outer; d-- > 0;) {
-      at[d] = rest % grid[d];
-      rest /= grid[d];
-      begin[d] = at[d] * block[d];
-      end[d] = std::min(source.shape[d], begin[d] + block[d]);
-      scale_base += at[d] * scales.strides[d];
-    }
-    // calls row(offset in the source, offset in the values) for every row of the strip
-    auto for_rows = [&](auto&& row) {
-      index = begin;
-      while (true) {
-        int64_t s = 0, v = 0;
-        for (size_t d = 0; d < outer; ++d) {
-          s += index[d] * source.strides[d];
-          v += index[d] * values.strides[d];
-        }
-        row(s, v);
-        size_t d = outer;
-        while (d > 0) {
-          --d;
-          if (++index[d] < end[d]) break;
-          index[d] = begin[d];
-          if (d == 0) return;
-        }
-        if (outer == 0) return;
-      }
-    };
-    std::fill(amax.begin(), amax.end(), 0u);
-    for_rows([&](int64_t s, int64_t) {
-      for (int64_t c = 0; c < columns; ++c) {
-        const int64_t lo = c * b, hi = std::min(length, lo + b);
-        uint32_t m = amax[c];
-        for (int64_t i = lo; i < hi; ++i) {
-          const uint32_t x = abs_bits<S>(src, s + i);
-          m = x > m ? x : m;
-        }
-        amax[c] = m;
-      }
-    });
-    bool all_finite = true;
-    for (int64_t c = 0; c < columns; ++c) {
-      const bool finite = amax[c] < 0x7f800000u;
-      all_finite &= finite;
-      divisor[c] = block_divisor<format>(amax_of<S>(amax[c]), finite, convention, scales.data,
-                                         scale_base + c * scales.strides[outer]);
-    }
-    for_rows([&](int64_t s, int64_t v) {
-      for (int64_t c = 0; c < columns; ++c) {
-        const int64_t lo = c * b, hi = std::min(length, lo + b);
-        if (!all_finite && !(amax[c] < 0x7f800000u)) {
-          std::memset(out + v + lo, kNan8, static_cast<size_t>(hi - lo));
-          continue;
-        }
-        const float dv = divisor[c];
-        for (int64_t i = lo; i < hi; ++i) {
-          out[v + i] = encode_finite_as<format>(finite_value<S>(src, s + i) / dv);
-        }
-      }
-    });
-  }
-}
-
 // The least elements a thread of the fast path is given: below it, starting a thread costs
 // more than the share of work it takes (a thread start is some tens of microseconds, a
 // million bf16 elements about a millisecond).
 constexpr int64_t kElementsPerThread = int64_t{1} << 18;
 
+using StripKernel = void (*)(const StripJob&, int64_t, int64_t);
+
+bool avx2_supported() {
+#if LAYOUTLANG_HAVE_AVX2_KERNEL
+  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+bool avx512_supported() {
+#if LAYOUTLANG_HAVE_AVX2_KERNEL
+  static const bool supported = avx2_supported() && __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+StripKernel strip_kernel(QuantKernel kernel) {
+#if LAYOUTLANG_HAVE_AVX2_KERNEL
+  if ((kernel == QuantKernel::automatic || kernel == QuantKernel::avx512) && avx512_supported())
+    return &quant_kernel::avx512::quantize_strips;
+  if ((kernel == QuantKernel::automatic || kernel == QuantKernel::avx2) && avx2_supported())
+    return &quant_kernel::avx2::quantize_strips;
+#endif
+  (void)kernel;
+  return &quant_kernel::generic::quantize_strips;
+}
+
 template <QuantSource S, QuantFormat format>
 void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, ScaleConvention convention,
-                    const QuantView& values, const QuantView& scales, int threads) {
+                    const QuantView& values, const QuantView& scales, int threads, QuantKernel kernel) {
   const size_t n = source.shape.size();
   const float fmax = quant_fmax(format);
   const int64_t src_last = source.strides[n - 1], val_last = values.strides[n - 1];
@@ -326,7 +108,11 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
   for (size_t d = 0; d < n; ++d) grid[d] = (source.shape[d] + block[d] - 1) / block[d];
   for (size_t d = 0; d < n; ++d)
     if (grid[d] == 0) return;  // an empty tensor has no block
-  if (src_last == 1 && val_last == 1) {
+  if (src_last == 1 && val_last == 1 && n <= quant_kernel::generic::kMaxStripDims) {
+    const StripJob job{S, format, convention, n, source.shape.data(), block.data(), grid.data(),
+                       source.strides.data(), values.strides.data(), scales.strides.data(),
+                       source.data, values.data, scales.data};
+    const StripKernel quantize_strips = strip_kernel(kernel);
     int64_t strips = 1, elements = 1;
     for (size_t d = 0; d + 1 < n; ++d) strips *= grid[d];
     for (size_t d = 0; d < n; ++d) elements *= source.shape[d];
@@ -334,15 +120,14 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
     // share them out in contiguous ranges: the bytes are those of one thread.
     const int64_t workers = std::min<int64_t>({static_cast<int64_t>(threads), strips,
                                                std::max<int64_t>(1, elements / kElementsPerThread)});
-    if (workers <= 1) return quantize_strips<S, format>(source, block, convention, values, scales, grid, 0, strips);
+    if (workers <= 1) return quantize_strips(job, 0, strips);
     std::vector<std::thread> pool;
     std::vector<std::exception_ptr> errors(static_cast<size_t>(workers));
     pool.reserve(static_cast<size_t>(workers));
     for (int64_t t = 0; t < workers; ++t) {
       pool.emplace_back([&, t] {
         try {
-          quantize_strips<S, format>(source, block, convention, values, scales, grid, strips * t / workers,
-                                     strips * (t + 1) / workers);
+          quantize_strips(job, strips * t / workers, strips * (t + 1) / workers);
         } catch (...) {
           errors[static_cast<size_t>(t)] = std::current_exception();
         }
@@ -416,14 +201,15 @@ void quantize_typed(const QuantView& source, const std::vector<int64_t>& block, 
 
 template <QuantSource S>
 void dispatch_format(const QuantView& source, const std::vector<int64_t>& block, QuantFormat format,
-                     ScaleConvention convention, const QuantView& values, const QuantView& scales, int threads) {
+                     ScaleConvention convention, const QuantView& values, const QuantView& scales, int threads,
+                     QuantKernel kernel) {
   switch (format) {
     case QuantFormat::fp8_e4m3:
-      return quantize_typed<S, QuantFormat::fp8_e4m3>(source, block, convention, values, scales, threads);
+      return quantize_typed<S, QuantFormat::fp8_e4m3>(source, block, convention, values, scales, threads, kernel);
     case QuantFormat::fp8_e5m2:
-      return quantize_typed<S, QuantFormat::fp8_e5m2>(source, block, convention, values, scales, threads);
+      return quantize_typed<S, QuantFormat::fp8_e5m2>(source, block, convention, values, scales, threads, kernel);
     case QuantFormat::mxfp8:
-      return quantize_typed<S, QuantFormat::mxfp8>(source, block, convention, values, scales, threads);
+      return quantize_typed<S, QuantFormat::mxfp8>(source, block, convention, values, scales, threads, kernel);
   }
 }
 
@@ -470,15 +256,42 @@ int default_quantize_threads() {
 float quant_fmax(QuantFormat format) { return format == QuantFormat::fp8_e5m2 ? 57344.0f : 448.0f; }
 
 uint8_t fp8_encode(float x, QuantFormat format) {
-  return format == QuantFormat::fp8_e5m2 ? encode<2, 15>(x) : encode<3, 7>(x);
+  return format == QuantFormat::fp8_e5m2 ? quant_kernel::generic::encode<2, 15>(x)
+                                         : quant_kernel::generic::encode<3, 7>(x);
+}
+
+QuantKernel quant_kernel_named(const std::string& name) {
+  if (name == "auto") return QuantKernel::automatic;
+  if (name == "generic") return QuantKernel::generic;
+  if (name == "avx2") return QuantKernel::avx2;
+  if (name == "avx512") return QuantKernel::avx512;
+  throw CoreValueError("argument", "unknown quantizer kernel '" + name + "' (auto, avx512, avx2, generic)");
+}
+
+std::vector<std::string> quantize_kernels() {
+  std::vector<std::string> names;
+  if (avx512_supported()) names.push_back("avx512");
+  if (avx2_supported()) names.push_back("avx2");
+  names.push_back("generic");
+  return names;
 }
 
 void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
                      QuantFormat format, ScaleConvention convention, const QuantView& values,
-                     const QuantView& scales, int threads) {
+                     const QuantView& scales, int threads, QuantKernel kernel) {
   const size_t n = source.shape.size();
   if (threads < 0) throw CoreValueError("argument", "threads must be 0 (automatic) or more");
   if (threads == 0) threads = default_quantize_threads();
+  if ((kernel == QuantKernel::avx2 && !avx2_supported()) || (kernel == QuantKernel::avx512 && !avx512_supported()))
+    throw CoreValueError("argument", "the quantizer's " + std::string(kernel == QuantKernel::avx2 ? "avx2" : "avx512") +
+                                         " kernel cannot run here (" +
+                                         (LAYOUTLANG_HAVE_AVX2_KERNEL ? "this CPU lacks the instructions"
+                                                                      : "it is built for x86-64 only") +
+                                         "); kernels here: " + [] {
+                                           std::string names;
+                                           for (const auto& k : quantize_kernels()) names += (names.empty() ? "" : ", ") + k;
+                                           return names;
+                                         }());
   if (n == 0) throw CoreValueError("argument", "a scalar has no blocks: quantize it as a [1] view");
   if (block.size() != n)
     throw CoreValueError("argument", "the block has " + std::to_string(block.size()) + " dims, the source " +
@@ -499,11 +312,11 @@ void quantize_blocks(const QuantView& source, QuantSource source_dtype, const st
   }
   switch (source_dtype) {
     case QuantSource::bf16:
-      return dispatch_format<QuantSource::bf16>(source, block, format, convention, values, scales, threads);
+      return dispatch_format<QuantSource::bf16>(source, block, format, convention, values, scales, threads, kernel);
     case QuantSource::fp16:
-      return dispatch_format<QuantSource::fp16>(source, block, format, convention, values, scales, threads);
+      return dispatch_format<QuantSource::fp16>(source, block, format, convention, values, scales, threads, kernel);
     case QuantSource::fp32:
-      return dispatch_format<QuantSource::fp32>(source, block, format, convention, values, scales, threads);
+      return dispatch_format<QuantSource::fp32>(source, block, format, convention, values, scales, threads, kernel);
   }
 }
 

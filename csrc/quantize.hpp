@@ -30,6 +30,10 @@ namespace layoutlang {
 enum class QuantSource : uint8_t { bf16, fp16, fp32 };
 enum class QuantFormat : uint8_t { fp8_e4m3, fp8_e5m2, mxfp8 };
 enum class ScaleConvention : uint8_t { scale_inv, scale };
+// Which of the block-strip kernels quantizes (csrc/quantize_kernel.inc); every one writes the
+// same bytes. `automatic`: the fastest this CPU runs (avx512 where it has AVX-512 F/BW/VL and
+// FMA, else avx2 where it has AVX2 and FMA, else generic).
+enum class QuantKernel : uint8_t { automatic, generic, avx2, avx512 };
 
 // One strided N-D view of raw memory: its address, its shape and its strides in elements.
 struct QuantView {
@@ -41,6 +45,10 @@ struct QuantView {
 QuantSource quant_source(const std::string& dtype);        // "bf16", "fp16", "fp32"
 QuantFormat quant_format(const std::string& format);       // "fp8_e4m3", "fp8_e5m2", "mxfp8"
 ScaleConvention scale_convention(const std::string& name);  // "scale_inv", "scale"
+QuantKernel quant_kernel_named(const std::string& name);    // "auto", "avx512", "avx2", "generic"
+
+// The kernels this build runs on this CPU, fastest first ("avx512", "avx2", "generic").
+std::vector<std::string> quantize_kernels();
 
 // The largest finite value of a format's elements (448 for e4m3 and mxfp8, 57344 for e5m2).
 float quant_fmax(QuantFormat format);
@@ -52,9 +60,11 @@ float quant_fmax(QuantFormat format);
 // `threads`: at most that many threads share the block row strips of a view whose last dim is
 // contiguous in the source and the values (0: default_quantize_threads()); each is given at
 // least 2^18 elements, so small views take one. The bytes do not depend on it.
+// `kernel`: which kernel quantizes such views (others take the general strided path); the
+// bytes do not depend on it either. Asking for one this CPU cannot run throws.
 void quantize_blocks(const QuantView& source, QuantSource source_dtype, const std::vector<int64_t>& block,
                      QuantFormat format, ScaleConvention convention, const QuantView& values,
-                     const QuantView& scales, int threads = 1);
+                     const QuantView& scales, int threads = 1, QuantKernel kernel = QuantKernel::automatic);
 
 // The threads quantize_blocks uses for `threads = 0`: the hardware's, at most 8.
 int default_quantize_threads();

@@ -30,7 +30,7 @@ from ..model.quantization import CONVENTIONS, FORMATS, Quantization, scale_shape
 from .quantize_torch import quantize_into_torch
 from .torch_dtypes import dtype_name, torch_dtype
 
-__all__ = ["quantize", "quantize_into", "quantize_tensors", "quantize_threads"]
+__all__ = ["quantize", "quantize_into", "quantize_kernels", "quantize_tensors", "quantize_threads"]
 
 
 def quantize_threads() -> int:
@@ -43,6 +43,13 @@ def quantize_threads() -> int:
         return max(0, int(text)) if text else 0
     except ValueError:
         raise LayoutValueError(f"LAYOUTLANG_QUANTIZE_THREADS must be a number of threads, not '{text}'") from None
+
+
+def quantize_kernels() -> list[str]:
+    """The C++ quantizer's kernels this build runs on this CPU, fastest first: ``avx512``
+    (AVX-512 F/BW/VL and FMA), ``avx2`` (AVX2 and FMA) and ``generic`` (any CPU). Every one
+    writes the same bytes; :func:`quantize_into` takes the first unless told otherwise."""
+    return list(_core.quantize_kernels())
 
 
 def _check_view(name: str, tensor: torch.Tensor, device: torch.device) -> None:
@@ -60,12 +67,15 @@ def quantize_into(
     block: Sequence[int],
     convention: str = "scale_inv",
     threads: int | None = None,
+    kernel: str = "auto",
 ) -> None:
     """Quantizes ``source`` into the existing tensors ``values`` (the shape of ``source``,
     ``float8_e4m3fn`` or ``float8_e5m2`` as the format says) and ``scales`` (one per block,
     ``ceil(shape / block)``; float32, or ``float8_e8m0fnu`` for ``mxfp8``). Any strides; all
     three on one device: the C++ core on the CPU, torch operations elsewhere (the same bytes).
-    ``threads``: the C++ core's threads (None: :func:`quantize_threads`; the bytes are the same)."""
+    ``threads``: the C++ core's threads (None: :func:`quantize_threads`); ``kernel``: one of
+    :func:`quantize_kernels` for regions whose rows are contiguous (``auto``: the fastest).
+    Neither changes a byte."""
     if format not in FORMATS:
         raise LayoutValueError(f"quantize: unknown format '{format}' (formats: {', '.join(FORMATS)})")
     if convention not in CONVENTIONS:
@@ -100,6 +110,7 @@ def quantize_into(
             list(scales.shape),
             list(scales.stride()),
             quantize_threads() if threads is None else threads,
+            kernel,
         )
 
 
