@@ -81,4 +81,5 @@ def refit_fp8(text, participants, mode=None, bucket_bytes=None, timeout=30.0, mu
         "storages": {name: (str(t.dtype), t.view(torch.uint8).clone()) for name, t in destinations.items()},
         "sent": report.sent,
         "received": report.received,
+        "received_in_place": report.received_in_place,
     }

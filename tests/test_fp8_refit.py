@@ -23,6 +23,7 @@ import layoutlang
 from layoutlang.errors import LayoutError
 from layoutlang.io.weights import synthetic_box
 from layoutlang.plan import compile_plan
+from layoutlang.runtime.schedule import OWN_TRANSFER_BYTES, schedule
 
 TP = """
 topology { domain_size = 2 }
@@ -92,7 +93,32 @@ layout serve on infer {
 reshard refit: train -> serve
 """
 
-CASES = {"tp_uneven": TP, "pp_ep": PP_EP, "stacked": STACKED}
+# Regions of at least 1 MiB travel as two transfers each, the values and then their scales
+# (schedule.Message.transfers): "rows" lands its values in place (whole rows of the
+# destination storage), "cols" stages them (half of each row); domains of 2 relay the
+# replicas' values and scales part by part.
+LARGE = """
+topology { domain_size = 2 }
+mesh train [tp = 2]
+mesh infer [tp = 2, dp = 2] on ranks 4..7
+tensor "cols" [4096, 1024] bf16
+tensor "rows" [1024, 4096] bf16
+tensor "small" [256, 256] bf16
+layout train on train {
+  "cols": tp = shard(1)
+  "rows": tp = shard(0)
+  "small": tp = shard(0)
+}
+layout serve on infer {
+  "cols": tp = shard(0)
+  "rows": tp = shard(1)
+  "small": tp = shard(1)
+  quantize "*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}
+reshard refit: train -> serve
+"""
+
+CASES = {"tp_uneven": TP, "pp_ep": PP_EP, "stacked": STACKED, "large_regions": LARGE}
 
 
 def participants_of(text: str) -> list[int]:
@@ -154,6 +180,26 @@ def test_every_destination_byte_equals_the_reference(pool, name, mode):
     text = CASES[name]
     results = pool.run(jobs.refit_fp8, text, participants_of(text), mode)
     assert check(text, results) > 0
+
+
+def test_large_regions_travel_as_values_then_scales_and_land_in_place(pool):
+    """Both ends cut a region of at least 1 MiB into its values, then its scales, alike; a
+    receiver whose region is whole rows of its fp8 storage receives the values there."""
+    plan = compile_plan(layoutlang.loads(LARGE))
+    names = list(plan.tensors)
+    for rank in plan.destination.mesh.ranks:
+        receiving = [t for step in schedule(plan, rank) for t in step.recv_transfers]
+        for t in receiving:
+            large = t.pieces[0].quantized is not None and t.pieces[0].nbytes >= OWN_TRANSFER_BYTES
+            assert (t.part != "") == (len(t.pieces) == 1 and large), (rank, t)
+        parts = [(names[t.pieces[0].tensor], t.part) for t in receiving if t.part]
+        assert parts[0::2] == [(n, "values") for n, _ in parts[1::2]]  # each region's values, then its scales
+        assert {n for n, _ in parts} == {"cols", "rows"}
+    results = pool.run(jobs.refit_fp8, LARGE, participants_of(LARGE))
+    assert check(LARGE, results) > 0
+    in_place = {r["rank"]: r["received_in_place"] for r in results if r and r["rank"] in plan.destination.mesh}
+    # every destination rank holds [1024, 2048] of "rows": its fp8 values arrive where they lie
+    assert in_place == dict.fromkeys(plan.destination.mesh.ranks, 1024 * 2048), in_place
 
 
 def test_small_buckets_cut_slabs_on_block_rows(pool):

@@ -167,12 +167,12 @@ class DeltaRefits:
         self,
         transport: Any,
         timeout: float,
-        held: Callable[[Piece], list[torch.Tensor]],
+        held: Callable[[Message], list[torch.Tensor]],
         destination_dtypes: dict[str, torch.dtype],
     ) -> None:
         """Exchange the offers with every peer and decide which sends travel as deltas.
-        ``held(piece)``: the destination tensors a received piece lands in (its region, and
-        its scales for a quantized one)."""
+        ``held(transfer)``: the destination tensors a received transfer lands in (its regions,
+        and a quantized one's scales)."""
         self._version = secrets.randbits(62) or 1  # this run's version of what it sends
         self._held = held
         self._stale: set[str] = set()
@@ -208,7 +208,7 @@ class DeltaRefits:
         if base is None or key not in self._patchable:
             return 0
         transfer = self.steps[key[0]].recv_transfers[key[1]]
-        regions = [t for p in transfer.pieces for t in self._held(p)]
+        regions = self._held(transfer)
         if base.places != _places(regions) or _regions_checksum(regions) != base.checksum:
             self._stale.update(p.storage for p in transfer.pieces)
             return 0
@@ -237,15 +237,15 @@ class DeltaRefits:
             if key in self._digested:
                 encoded, self._kept[key] = encode_blocks(
                     message.reshape(-1), kept, self._version, buffer, delta=key in self._delta_sends,
-                    spans=_spans(transfer),
+                    spans=transfer.spans(),
                 )
             elif kept is None:
                 kept = self._kept[key] = self._new_copy(message.numel())
                 kept.view(message.shape).copy_(message)
-                encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=_spans(transfer))
+                encoded = encode(message, None, _unit(transfer), self._version, buffer, spans=transfer.spans())
             else:
                 encoded = encode(message, kept, _unit(transfer), self._version, buffer,
-                                 delta=key in self._delta_sends, spans=_spans(transfer))
+                                 delta=key in self._delta_sends, spans=transfer.spans())
             self._kept_versions[key] = self._version
             self._counts[encoded.header.encoding.name.lower()] += 1
             self._dense += message.numel()
@@ -290,11 +290,11 @@ class DeltaRefits:
         received: Sequence[tuple[int, torch.Tensor]],
         landing: Sequence[tuple[int, torch.Tensor]],
         staged: set[int],
-        gather: Callable[[Piece, torch.Tensor], None],
+        gather: Callable[[Message, torch.Tensor], None],
     ) -> None:
         """Write step ``n``'s messages where the executor expects them (``landing``: the region
         itself, or the staging its unpack copies from: the messages in ``staged``, whose base
-        ``gather(piece, slot)`` writes into the piece's slot of the message first)."""
+        ``gather(transfer, place)`` writes where the message is patched first)."""
         for k, ((_, message), (_, place), transfer) in enumerate(
             zip(received, landing, self.steps[n].recv_transfers)
         ):
@@ -307,11 +307,10 @@ class DeltaRefits:
                     f"rank {self.rank}: a delta arrived for message {k} of step {n}, whose base this rank does not hold"
                 )
             if header.encoding != Encoding.DENSE and k in staged:
-                for piece, offset in zip(transfer.pieces, transfer.offsets):  # the base, where it is patched
-                    gather(piece, place[offset : offset + piece.nbytes])
+                gather(transfer, place)  # the base, where it is patched
             apply_patch(message, place, _unit(transfer))
             if key in self._patchable:
-                regions = [t for p in transfer.pieces for t in self._held(p)]
+                regions = self._held(transfer)
                 self._bases[key] = _Base(header.version, header.checksum, _places(regions))
 
     def report(self, kept_besides: int = 0) -> DeltaReport:
@@ -355,19 +354,6 @@ def _size(transfer: Message) -> int:
     """Arena bytes a transfer takes, aligned so every buffer starts on 16 bytes."""
     return -(-capacity(transfer.wire_bytes) // 16) * 16 if transfer.wire_bytes >= MIN_DELTA_BYTES else 0
 
-
-def _spans(transfer: Message) -> list[tuple[int, int]]:
-    """The bytes of a message that hold its regions (not the padding between them): a
-    quantized region's values, then its scales."""
-    spans = []
-    for piece, offset in zip(transfer.pieces, transfer.offsets):
-        q = piece.quantized
-        if q is None:
-            spans.append((offset, piece.nbytes))
-            continue
-        values = piece.numel * q.values.itemsize
-        spans += [(offset, values), (offset + -(-values // 16) * 16, math.prod(q.scale_sizes) * q.scale_dtype.itemsize)]
-    return spans
 
 
 def _places(regions: Sequence[torch.Tensor]) -> tuple[tuple[int, tuple[int, ...], torch.dtype], ...]:

@@ -27,7 +27,7 @@ from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
 from .delta import DeltaOptions, DeltaRefits, DeltaReport, delta_options
-from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, schedule
+from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, part_bytes, schedule
 from .wire_encoding import MIN_DELTA_BYTES
 
 #: intra-op threads of the executor's copies on the CPU (packing staged sends, unpacking
@@ -72,6 +72,9 @@ class RunReport:
     peak_staging_bytes: int
     #: a delta run's encodings and wire bytes (None: a dense run)
     delta: DeltaReport | None = None
+    #: of ``received``, the bytes that arrived straight in their storage (a region that is one
+    #: run of it, or a large quantized region's values there): no staging copy on this rank
+    received_in_place: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = attrs.asdict(self)
@@ -121,6 +124,11 @@ class Executor:
         self.transport = transport
         self.timeout = timeout
         self.steps = schedule(plan, rank)
+        #: per step: whether this rank quantizes a region it sends (its sends then stream)
+        self._quantizes_sends = [
+            any(p.quantized is not None and p.space == _SOURCE for t in step.send_transfers for p in t.pieces)
+            for step in self.steps
+        ]
         self._shapes = [plan.source.tensors[n].shape for n in plan.tensors]
         # Scratch memory (the broadcast policy's gathered tensors) as the regions moves write.
         self._scratch = _ScratchRegions(self.steps)
@@ -368,15 +376,22 @@ class Executor:
         with copy_threads(device):  # the copies around the wire: see copy_threads
             for n, step in enumerate(self.steps):
                 mark = clock()
-                sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
                 recvs = self._receive_buffers(n, spaces, staging)
                 landing = recvs
-                if deltas is not None:
-                    sends = deltas.encode_sends(n, sends)
-                    recvs = deltas.receive_buffers(n, landing)
-                posting = clock()
+                pending: Pending
+                if packed_next is None and deltas is None and self._streams(n, device):
+                    # the receives first, then each send as soon as it is packed (quantized):
+                    # the wire starts with the first region, not after the step's last
+                    pending = self._post_streamed(step, self._packing(n, spaces, staging), recvs)
+                    posting = clock()
+                else:
+                    sends = packed_next if packed_next is not None else self._pack(n, spaces, staging)
+                    if deltas is not None:
+                        sends = deltas.encode_sends(n, sends)
+                        recvs = deltas.receive_buffers(n, landing)
+                    posting = clock()
+                    pending = self._post(step, sends, recvs)
                 timing["pack"] += posting - mark
-                pending = self._post(step, sends, recvs)
                 local = clock()
                 timing["post"] += local - posting
                 self._copy_locally(step, spaces, tally)
@@ -388,7 +403,7 @@ class Executor:
                 timing["wait"] += unpacking - waiting
                 if deltas is not None:
                     staged = {k for k in range(len(landing)) if (n, "recv", k) not in staging.direct}
-                    deltas.decode(n, recvs, landing, staged, lambda piece, slot: _gather_base(spaces, piece, slot))
+                    deltas.decode(n, recvs, landing, staged, lambda sent, place: _gather_base(spaces, sent, place))
                 self._unpack(n, landing, spaces, tally, staging)
                 timing["unpack"] += clock() - unpacking
                 self._copy_out_of_scratch(n, spaces)
@@ -416,7 +431,7 @@ class Executor:
         if self._deltas is None or self._deltas.options != options:
             self._deltas = DeltaRefits(self.steps, self.rank, options)
         dtypes = {name: tensor.dtype for name, tensor in destinations.items()}
-        self._deltas.start(self.transport, self.timeout, lambda piece: _held(spaces, piece), dtypes)
+        self._deltas.start(self.transport, self.timeout, lambda transfer: _held(spaces, transfer), dtypes)
         return self._deltas
 
     def _staging(
@@ -438,7 +453,7 @@ class Executor:
             staged = 0
             for way, transfers in (("send", step.send_transfers), ("recv", step.recv_transfers)):
                 for k, transfer in enumerate(transfers):
-                    if in_place and len(transfer.pieces) == 1 and spaces.contiguous(transfer.pieces[0]):
+                    if in_place and len(transfer.pieces) == 1 and spaces.contiguous(transfer.pieces[0], transfer.part):
                         direct.add((n, way, k))
                     else:
                         staged += transfer.nbytes
@@ -552,13 +567,20 @@ class Executor:
         """Copy every staged region out of its transfer into its place (casting on arrival);
         a transfer received in place is already there."""
         for k, (transfer, (peer, buf)) in enumerate(zip(self.steps[n].recv_transfers, recvs)):
+            direct = (n, "recv", k) in staging.direct
+            tally.in_place += transfer.wire_bytes if direct else 0
+            if transfer.part:  # one part of a quantized region: its values (maybe in place), or scales
+                if not direct:
+                    _copy_bytes(_part_of(spaces, transfer), _part_view(buf, transfer))
+                tally.received[self._kind(peer)] += transfer.wire_bytes
+                continue
             nbytes = 0
             for piece, offset in zip(transfer.pieces, transfer.offsets):
                 if piece.quantized is not None:  # fp8 values and scales, written as they came
                     values, scales = _quantized_views(buf[offset : offset + piece.nbytes], piece)
                     _copy_bytes(spaces.region(piece), values)
                     _copy_bytes(spaces.scales(piece), scales)
-                elif (n, "recv", k) not in staging.direct:
+                elif not direct:
                     staged = buf[offset : offset + piece.nbytes].view(piece.dtype).view(piece.sizes)
                     spaces.region(piece).copy_(staged)
                 nbytes += piece.nbytes
@@ -576,41 +598,90 @@ class Executor:
         same = self.plan.domain_size and peer // self.plan.domain_size == self.rank // self.plan.domain_size
         return "domain" if same else "network"
 
+    def _pack_part(self, transfer: Message, buf: torch.Tensor, after: torch.Tensor, spaces: _Spaces) -> None:
+        """Stage one part of a large quantized region (:meth:`~.schedule.Message.transfers`):
+        a source region is quantized once, when its values are packed, with its scales
+        written straight into the slot of the next transfer (``after``), which is its scales
+        part; a relay forwards what it received, part by part."""
+        piece = transfer.pieces[0]
+        q = piece.quantized
+        assert q is not None
+        if piece.space == _SOURCE:
+            if transfer.part == "values":
+                values = buf.view(q.values).view(piece.sizes)
+                scales = after[: part_bytes(piece, "scales")].view(q.scale_dtype).view(q.scale_sizes)
+                quantize_into(spaces.view(piece), values, scales, q.format, q.block, q.convention)
+            return
+        _copy_bytes(_part_view(buf, transfer), _part_of(spaces, transfer, received=False))
+
+    def _streams(self, n: int, device: torch.device) -> bool:
+        """Whether step ``n``'s sends are posted one by one as they are packed: where packing
+        them is real work (a region quantized by this sender) and the transport's operations
+        progress on their own (gloo's, on the CPU; NCCL's of one stream would queue a send
+        behind the step's receives)."""
+        return device.type == "cpu" and self._quantizes_sends[n]
+
+    def _post_streamed(self, step: Step, sends: Iterable[tuple[int, torch.Tensor]], recvs: Buffers) -> Pending:
+        """Post the step's receives, then each send as it comes: a peer's transfers still
+        leave in their order, with the step's tag, so they match as :meth:`_post`'s do."""
+        posted = [self._post(step, [], recvs)]
+        posted.extend(self._post(step, [send], []) for send in sends)  # each packed, then posted
+        return _AllPending(posted)
+
     def _pack(self, n: int, spaces: _Spaces, staging: _Staging) -> list[tuple[int, torch.Tensor]]:
         """Step ``n``'s transfers: the region itself (in place), or its regions copied at their
         offsets into the step's arena."""
-        out = []
+        return list(self._packing(n, spaces, staging))
+
+    def _packing(self, n: int, spaces: _Spaces, staging: _Staging) -> Iterator[tuple[int, torch.Tensor]]:
+        """:meth:`_pack`, one transfer at a time."""
         buffer = staging.arena(n)
         offset = 0
         for k, transfer in enumerate(self.steps[n].send_transfers):
             if (n, "send", k) in staging.direct:
-                out.append((transfer.peer, _wire(spaces.view(transfer.pieces[0]))))
+                yield (transfer.peer, _wire(spaces.view(transfer.pieces[0])))
                 continue
             rows = _region_rows(spaces, transfer) if staging.encode_in_place else None
             if rows is not None:  # the delta encoder reads the region where it lies: nothing to pack
-                out.append((transfer.peer, rows))
+                yield (transfer.peer, rows)
                 offset += transfer.nbytes
                 continue
             buf = buffer[offset : offset + transfer.wire_bytes]
-            for piece, at in zip(transfer.pieces, transfer.offsets):
-                if piece.quantized is not None:
-                    values, scales = _quantized_views(buf[at : at + piece.nbytes], piece)
-                    if piece.space == _SOURCE:  # quantized while packing, read where it lies
-                        q = piece.quantized
-                        quantize_into(spaces.view(piece), values, scales, q.format, q.block, q.convention)
-                    else:  # a relay forwards the values and scales it received
-                        _copy_bytes(values, spaces.view(piece))
-                        _copy_bytes(scales, spaces.scales(piece))
-                    continue
-                staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
-                if piece.space == _SCRATCH:  # from the regions that hold it
-                    for where, value in spaces.parts(piece):
-                        staged[where].copy_(value)
-                else:
-                    staged.copy_(spaces.view(piece))
-            out.append((transfer.peer, buf))
+            if transfer.part:
+                self._pack_part(transfer, buf, buffer[offset + transfer.nbytes :], spaces)
+            else:
+                for piece, at in zip(transfer.pieces, transfer.offsets):
+                    if piece.quantized is not None:
+                        values, scales = _quantized_views(buf[at : at + piece.nbytes], piece)
+                        if piece.space == _SOURCE:  # quantized while packing, read where it lies
+                            q = piece.quantized
+                            quantize_into(spaces.view(piece), values, scales, q.format, q.block, q.convention)
+                        else:  # a relay forwards the values and scales it received
+                            _copy_bytes(values, spaces.view(piece))
+                            _copy_bytes(scales, spaces.scales(piece))
+                        continue
+                    staged = buf[at : at + piece.nbytes].view(piece.dtype).view(piece.sizes)
+                    if piece.space == _SCRATCH:  # from the regions that hold it
+                        for where, value in spaces.parts(piece):
+                            staged[where].copy_(value)
+                    else:
+                        staged.copy_(spaces.view(piece))
+            yield (transfer.peer, buf)
             offset += transfer.nbytes
-        return out
+
+
+class _AllPending(Pending):
+    """Exchanges posted one after another for one step, completed together."""
+
+    def __init__(self, parts: Sequence[Pending]):
+        first = parts[0]
+        super().__init__(first.transport, [x for p in parts for x in p.labels], [x for p in parts for x in p.peers])
+        self.parts = list(parts)
+
+    def _wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for part in self.parts:
+            part._wait(max(0.001, deadline - time.monotonic()))
 
 
 class _Spaces:
@@ -696,9 +767,16 @@ class _Spaces:
             self.scratch.pop(rid, None)
             self._bound.discard(rid)
 
-    def contiguous(self, piece: Piece) -> bool:
+    def contiguous(self, piece: Piece, part: str = "") -> bool:
         """Whether the piece's region is one run of its storage's memory in the order and
-        dtype of the wire, so that it can be sent or received without a staging copy."""
+        dtype of the wire, so that it can be sent or received without a staging copy. A
+        quantized region's values alone (``part``) are received in place in a destination
+        storage of fp8 values; a sender stages them, since it quantizes them there."""
+        if piece.quantized is not None and part == "values" and piece.space == _DESTINATION and not piece.transposed:
+            storage = self._storages[piece.key][piece.storage]
+            return storage.dtype == piece.quantized.values and storage.is_contiguous() and (
+                _contiguous_region(tuple(storage.shape), piece.index)
+            )
         if piece.transposed or piece.quantized is not None or piece.space == _ASSEMBLY:
             return False  # quantized pieces are staged with their scales; assemblies are apart
         if piece.space == _SCRATCH:
@@ -740,20 +818,49 @@ def _quantized_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, tor
     return values, scales
 
 
-def _held(spaces: _Spaces, piece: Piece) -> list[torch.Tensor]:
-    """The destination tensors a received piece lands in: its region (and its scales)."""
-    return [spaces.region(piece)] + ([spaces.scales(piece)] if piece.quantized is not None else [])
+def _part_view(buf: torch.Tensor, transfer: Message) -> torch.Tensor:
+    """The bytes of a part transfer as its part: the region's fp8 values, or its scales."""
+    piece = transfer.pieces[0]
+    q = piece.quantized
+    assert q is not None
+    if transfer.part == "values":
+        return buf[: transfer.wire_bytes].view(q.values).view(piece.sizes)
+    return buf[: transfer.wire_bytes].view(q.scale_dtype).view(q.scale_sizes)
 
 
-def _gather_base(spaces: _Spaces, piece: Piece, slot: torch.Tensor) -> None:
-    """Write what a received piece's region holds into its slot of a message (the inverse of
-    :meth:`Executor._unpack`): the base a delta patches."""
-    if piece.quantized is not None:
-        values, scales = _quantized_views(slot, piece)
-        _copy_bytes(values, spaces.region(piece))
-        _copy_bytes(scales, spaces.scales(piece))
-    else:
-        slot.view(piece.dtype).view(piece.sizes).copy_(spaces.region(piece))
+def _part_of(spaces: _Spaces, transfer: Message, received: bool = True) -> torch.Tensor:
+    """Where a part transfer's region lies on this rank: its values (the region it writes
+    where ``received``, else the one it reads), or its scales."""
+    piece = transfer.pieces[0]
+    if transfer.part == "values":
+        return spaces.region(piece) if received else spaces.view(piece)
+    return spaces.scales(piece)
+
+
+def _held(spaces: _Spaces, transfer: Message) -> list[torch.Tensor]:
+    """The destination tensors a received transfer lands in: its regions (and their scales)."""
+    if transfer.part:
+        return [_part_of(spaces, transfer)]
+    out = []
+    for piece in transfer.pieces:
+        out += [spaces.region(piece)] + ([spaces.scales(piece)] if piece.quantized is not None else [])
+    return out
+
+
+def _gather_base(spaces: _Spaces, transfer: Message, place: torch.Tensor) -> None:
+    """Write what a received transfer's regions hold into its staged message (the inverse
+    of :meth:`Executor._unpack`): the base a delta patches."""
+    if transfer.part:
+        _copy_bytes(_part_view(place, transfer), _part_of(spaces, transfer))
+        return
+    for piece, offset in zip(transfer.pieces, transfer.offsets):
+        slot = place[offset : offset + piece.nbytes]
+        if piece.quantized is not None:
+            values, scales = _quantized_views(slot, piece)
+            _copy_bytes(values, spaces.region(piece))
+            _copy_bytes(scales, spaces.scales(piece))
+        else:
+            slot.view(piece.dtype).view(piece.sizes).copy_(spaces.region(piece))
 
 
 def _copy_bytes(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -922,6 +1029,7 @@ class _Tally:
     received: dict[str, int] = attrs.field(factory=lambda: dict.fromkeys(KINDS, 0))
     messages: int = 0
     peak: int = 0
+    in_place: int = 0
 
     def staged(self, live: int) -> None:
         """Staging memory live during a step: both arenas and the scratch buffers."""
@@ -933,7 +1041,9 @@ class _Tally:
         self.messages += len(step.sends)
 
     def report(self, rank: int, seconds: float, steps: int) -> RunReport:
-        return RunReport(rank, seconds, self.sent, self.received, self.messages, steps, self.peak)
+        return RunReport(
+            rank, seconds, self.sent, self.received, self.messages, steps, self.peak, received_in_place=self.in_place
+        )
 
 
 class _Arena:

@@ -107,30 +107,68 @@ class Message:
     pieces: list[Piece] = attrs.field(factory=list)
     offsets: list[int] = attrs.field(factory=list)
     nbytes: int = 0
+    #: a message of one quantized region's ``"values"`` alone, or of its ``"scales"``; ``""``:
+    #: every region whole (a quantized one's values, then its scales)
+    part: str = ""
 
     def add(self, piece: Piece) -> None:
         self.pieces.append(piece)
         self.offsets.append(self.nbytes)
         self.nbytes += -(-piece.nbytes // _ALIGN) * _ALIGN
 
+    @classmethod
+    def of_part(cls, peer: int, piece: Piece, part: str) -> Message:
+        nbytes = part_bytes(piece, part)
+        return cls(peer, [piece], [0], -(-nbytes // _ALIGN) * _ALIGN, part)
+
     def transfers(self) -> list[Message]:
         """What is posted for this message, in order: its small regions packed together, then
-        each large region alone. Both ends derive the same list from the plan (pieces are in
-        move order on both), so the transfers match one to one whatever each end stages."""
+        each large region alone; a large quantized region as its values, then its scales (so
+        that the values land in place where their region is one run of the storage). Both ends
+        derive the same list from the plan (pieces are in move order on both), so the
+        transfers match one to one whatever each end stages."""
         small, large = Message(self.peer), []
         for piece in self.pieces:
-            if piece.nbytes >= OWN_TRANSFER_BYTES:
+            if piece.nbytes < OWN_TRANSFER_BYTES:
+                small.add(piece)
+            elif piece.quantized is not None:
+                large += [Message.of_part(self.peer, piece, "values"), Message.of_part(self.peer, piece, "scales")]
+            else:
                 large.append(Message(self.peer))
                 large[-1].add(piece)
-            else:
-                small.add(piece)
         return ([small] if small.pieces else []) + large
 
     @property
     def wire_bytes(self) -> int:
         """The bytes that travel: the regions at their offsets, without the last one's padding
         (so a message of one region is that region's bytes, whether it is staged or not)."""
+        if self.part:
+            return part_bytes(self.pieces[0], self.part)
         return self.offsets[-1] + self.pieces[-1].nbytes if self.pieces else 0
+
+    def spans(self) -> list[tuple[int, int]]:
+        """(offset, bytes) of what holds the regions in the message (not the padding between
+        them): a quantized region's values, then its scales."""
+        if self.part:
+            return [(0, self.wire_bytes)]
+        spans = []
+        for piece, offset in zip(self.pieces, self.offsets):
+            q = piece.quantized
+            if q is None:
+                spans.append((offset, piece.nbytes))
+                continue
+            values = part_bytes(piece, "values")
+            spans += [(offset, values), (offset + -(-values // _ALIGN) * _ALIGN, part_bytes(piece, "scales"))]
+        return spans
+
+
+def part_bytes(piece: Piece, part: str) -> int:
+    """The bytes of a quantized region's fp8 ``"values"`` or of its ``"scales"``."""
+    q = piece.quantized
+    assert q is not None
+    if part == "values":
+        return piece.numel * q.values.itemsize
+    return math.prod(q.scale_sizes) * q.scale_dtype.itemsize
 
 
 @attrs.define
