@@ -335,3 +335,89 @@ def test_bad_fp8_storages_stop_every_rank_before_any_byte_moves(pool, mutate, me
     results = [r for r in pool.run(jobs.refit_fp8, TP, participants_of(TP), None, None, 10.0, mutate) if r]
     assert results and all(r["error"] is not None for r in results)
     assert any(re.search(message, r["error"]) for r in results), [r["error"] for r in results]
+
+
+# One sender feeding four replicas over fast links: quantizing everything it sends would make
+# the sender the slowest rank, so the cost model quantizes on the destinations.
+FAN = """
+topology fan {{
+  domain_size = 1
+  network_bandwidth = {network} GB/s
+  quantize_bandwidth = 3 GB/s
+}}
+mesh train [tp = 1]
+mesh infer [dp = 4] on ranks 1..4
+tensor "w" [1024, 1024] bf16
+tensor "v" [512, 256] bf16
+layout train on train {{ default: replicate }}
+layout serve on infer {{
+  default: replicate
+  quantize "*" as fp8_e4m3 blocks 128 x 128 scale_inv fp32
+}}
+reshard refit: train -> serve
+"""
+
+
+@pytest.mark.parametrize("network, expected", [(50, "destination"), (1, "source")])
+def test_the_cost_model_weighs_links_against_quantizing(network, expected):
+    program = layoutlang.loads(FAN.format(network=network))
+    plan = compile_plan(program)
+    assert plan.quantize_at == expected, plan.quantize_reason
+    # the model re-derived: the sender sends both tensors to 4 replicas; over the link they
+    # cross as fp8 values and scales (quantized by the sender) or as bf16
+    logical = 4 * (1024 * 1024 + 512 * 256) * 2
+    fp8 = 4 * (1024 * 1024 + 8 * 8 * 4 + 512 * 256 + 4 * 2 * 4)
+    at_source = max(logical / 3e9, fp8 / (network * 1e9))
+    at_destination = max(logical / (network * 1e9), logical / 4 / 3e9)
+    assert (at_destination < at_source) == (expected == "destination")
+    assert f"{at_source:.3g} s quantizing at the senders" in plan.quantize_reason
+    assert f"{at_destination:.3g} s at the destinations" in plan.quantize_reason
+    at = plan.quantization.totals(plan.arrays)["moves_quantized_at"]
+    assert at == ({"source": 0, "destination": 8} if expected == "destination" else {"source": 8, "destination": 0})
+    for move in plan.moves():  # what crosses: bf16 to be quantized there, or fp8 from the sender
+        assert move.quantized == expected and (move.wire_bytes == move.nbytes) == (expected == "destination")
+
+
+def test_asked_for_pairwise_and_undeclared_quantizing_keep_or_set_the_side():
+    program = layoutlang.loads(FAN.format(network=50))
+    assert compile_plan(program, quantize_at="source").quantize_at == "source"
+    assert compile_plan(program, quantize_at="destination").quantize_reason.endswith("(quantize_at='destination')")
+    pairwise = compile_plan(program, mode="pairwise")
+    assert pairwise.quantize_at == "source" and "pairwise" in pairwise.quantize_reason
+    undeclared = layoutlang.loads(FAN.format(network=50).replace("  quantize_bandwidth = 3 GB/s\n", ""))
+    plan = compile_plan(undeclared)
+    assert plan.quantize_at == "source" and "no quantize_bandwidth" in plan.quantize_reason
+    with pytest.raises(LayoutError, match="unknown quantize_at 'middle'"):
+        compile_plan(program, quantize_at="middle")
+
+
+def test_a_plan_quantized_on_the_destinations_reads_back_and_differs_from_the_senders():
+    from layoutlang.plan.serialize import load_plan
+
+    program = layoutlang.loads(FAN.format(network=50))
+    plan = compile_plan(program)
+    back = load_plan(plan.to_bytes(), program)
+    assert back.quantize_at == "destination" and back.fingerprint == plan.fingerprint
+    assert compile_plan(program, quantize_at="source").fingerprint != plan.fingerprint
+
+
+def test_the_plan_command_says_where_and_why(tmp_path, capsys):
+    from layoutlang.cli.main import main
+
+    path = tmp_path / "fan.layout"
+    path.write_text(FAN.format(network=50))
+    assert main(["plan", str(path), "--no-compare", "--explain", "w", "--limit", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "where: the destinations quantize (cost model): the slowest rank takes" in out
+    assert "(bucket 0, stage 0, quantized on the destination)" in out
+    assert main(["plan", str(path), "--no-compare", "--quantize-at", "source"]) == 0
+    assert "where: the senders quantize: asked for (quantize_at='source')" in capsys.readouterr().out
+
+
+def test_regions_quantized_on_the_destinations_equal_the_reference(pool):
+    text = FAN.format(network=50)
+    assert compile_plan(layoutlang.loads(text)).quantize_at == "destination"
+    results = pool.run(jobs.refit_fp8, text, participants_of(text))
+    assert check(text, results) > 0
+    sent = next(r for r in results if r and r["rank"] == 0)["sent"]["network"]
+    assert sent == 4 * (1024 * 1024 + 512 * 256) * 2  # bf16 crossed, to be quantized there

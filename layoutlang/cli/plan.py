@@ -17,6 +17,7 @@ from ..lang import load
 from ..model import Program
 from ..plan import Move, Plan, compile_plan
 from ..plan.data import PLAN_MODES
+from ..plan.quantized import QUANTIZE_AT
 from . import arguments
 from .json_output import emit
 from .progress import Progress
@@ -61,6 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PLAN_MODES,
         help="fleet (the default: choices balanced over the whole fleet) or pairwise (choices both ends "
         "of a move compute alone, as per-rank plans make them)",
+    )
+    parser.add_argument(
+        "--quantize-at",
+        choices=QUANTIZE_AT,
+        default="auto",
+        help="into a layout that stores tensors quantized: who quantizes the regions that keep whole blocks, "
+        "their senders (source) or their destinations; auto (the default) weighs the topology's links "
+        "against its quantize_bandwidth, and the report says why",
     )
     parser.add_argument(
         "--rank",
@@ -142,7 +151,13 @@ def run(args: argparse.Namespace) -> int:
         program.check()
     with progress.step("compiling the plan" if args.rank is None else f"compiling rank {args.rank}'s plan"):
         plan = compile_plan(
-            program, args.reshard, bucket_bytes=args.bucket_size, policy=args.policy, mode=args.mode, rank=args.rank
+            program,
+            args.reshard,
+            bucket_bytes=args.bucket_size,
+            policy=args.policy,
+            mode=args.mode,
+            rank=args.rank,
+            quantize_at=args.quantize_at,
         )
     with progress.step("validating the plan"):
         plan.validate()

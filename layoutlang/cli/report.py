@@ -134,4 +134,5 @@ def quantized_report(plan: Plan) -> list[str]:
             f"moves quantized by their sender: {at['source']:,} ({totals['blocks_quantized_by_senders']:,} blocks); "
             f"assembled and quantized on the destination: {at['destination']:,}"
         ),
+        *([f"where: {plan.quantize_reason}"] if plan.quantize_reason else []),
     ]

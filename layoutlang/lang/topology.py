@@ -42,6 +42,7 @@ SETTINGS: dict[str, dict[str, float] | None] = {
     "domain_latency": TIME_UNITS,
     "network_latency": TIME_UNITS,
     "copy_bandwidth": BANDWIDTH_UNITS,
+    "quantize_bandwidth": BANDWIDTH_UNITS,
 }
 
 

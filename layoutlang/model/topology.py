@@ -21,7 +21,9 @@ class Topology:
     """How ranks share fast links: ``domain_size`` consecutive ranks form one domain.
 
     Bandwidths are per rank and per direction (what one rank can send, and separately
-    receive, per second); ``copy_bandwidth`` is the rate of a copy inside one rank's memory.
+    receive, per second); ``copy_bandwidth`` is the rate of a copy inside one rank's memory,
+    ``quantize_bandwidth`` the bytes of source one rank quantizes per second (no preset gives
+    one: declare what your ranks measure, e.g. with ``benchmarks/bench_quantize.py``).
     A named topology starts from the preset of that name (:data:`TOPOLOGY_PRESETS`).
     """
 
@@ -32,6 +34,9 @@ class Topology:
     network_latency: float | None = None  # seconds
     name: str | None = None
     copy_bandwidth: float | None = None  # bytes copied per second inside one rank (local moves)
+    #: bytes of source (bf16) one rank quantizes to fp8 per second: where a plan into a
+    #: quantized layout quantizes is decided against the links with it (None: the senders do)
+    quantize_bandwidth: float | None = None
 
     def domain_of(self, rank: int) -> int:
         return rank // self.domain_size

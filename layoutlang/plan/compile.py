@@ -8,10 +8,10 @@ from typing import Any
 from .._text import rank_ranges
 from ..core import _core
 from ..errors import LayoutError, LayoutValueError
-from ..model import Layout, Program, Reshard
+from ..model import Layout, Program, Reshard, Topology
 from .data import DEFAULT_BUCKET_BYTES, PLAN_MODES, POLICIES, Plan
 from .loss import check_recoverable
-from .quantized import check_quantized_plan, record_blocks
+from .quantized import QUANTIZE_AT, QuantizeChoice, check_quantized_plan, choose_quantize_at, record_blocks
 
 
 def _check_pair(source: Layout, destination: Layout, storages: bool = True) -> None:
@@ -70,6 +70,8 @@ def plan_layouts(
     policies: Sequence[str] | str = "reshard",
     mode: str | None = None,
     rank: int | None = None,
+    quantize_at: str = "source",
+    topology: Topology | None = None,
 ) -> Plan:
     """Compile the plan from ``source`` to ``destination`` (layouts of the same tensors).
 
@@ -85,6 +87,13 @@ def plan_layouts(
     memory that grow with what ``r`` moves, not with the fleet; the whole pairwise plan is
     the union of the per-rank ones. A pairwise plan moves ``reshard`` tensors only; each of
     its messages carries at most ``bucket_bytes``.
+
+    ``quantize_at`` (:data:`~layoutlang.plan.quantized.QUANTIZE_AT`), for a destination that
+    stores tensors quantized: whether the regions that keep whole blocks are quantized by
+    their senders (``source``) or their destinations; ``auto`` lets the cost model weigh the
+    ``topology``'s links against its ``quantize_bandwidth``
+    (:func:`~layoutlang.plan.quantized.choose_quantize_at`). A pairwise plan takes ``auto``
+    as ``source``: the choice weighs the whole fleet's bytes, which a rank's part lacks.
 
     >>> import layoutlang
     >>> p = layoutlang.loads('''
@@ -118,6 +127,8 @@ def plan_layouts(
     if domain_size < 1:
         raise LayoutValueError(f"the domain size must be at least 1, not {domain_size}")
     mode = _plan_mode(source, destination, names, per_tensor, mode, rank)
+    if quantize_at not in QUANTIZE_AT:
+        raise LayoutValueError(f"unknown quantize_at '{quantize_at}' (one of: {', '.join(QUANTIZE_AT)})")
     # A quantized destination: refused where plans cannot fill it, then its blocks recorded so
     # that slab cuts fall on block boundaries (each slab quantized by its sender).
     if check_quantized_plan([source], destination):
@@ -131,6 +142,7 @@ def plan_layouts(
             arrays = _core.build_plan(source.core, destination.core, codes, domain_size, bucket_bytes)
     except _core.CoreError as err:
         raise LayoutValueError.from_core(err, names, destination.span) from None
+    choice = _quantize_choice(source, destination, arrays, per_tensor, mode, quantize_at, topology)
     return Plan(
         source,
         destination,
@@ -141,7 +153,31 @@ def plan_layouts(
         arrays,
         mode=mode,
         rank=rank,
+        quantize_at=choice.at,
+        quantize_reason=choice.reason,
     )
+
+
+def _quantize_choice(
+    source: Layout,
+    destination: Layout,
+    arrays: _core.PlanArrays,
+    policies: Sequence[str],
+    mode: str,
+    asked: str,
+    topology: Topology | None,
+) -> QuantizeChoice:
+    """Where a plan into a quantized destination quantizes, and why."""
+    if not destination.quantized():
+        return QuantizeChoice("source", "")
+    if asked != "auto":
+        side = "senders" if asked == "source" else "destinations"
+        return QuantizeChoice(asked, f"the {side} quantize: asked for (quantize_at='{asked}')")
+    if mode == "pairwise":
+        return QuantizeChoice(
+            "source", "the senders quantize: a pairwise plan cannot weigh the whole fleet's bytes (quantize_at='auto')"
+        )
+    return choose_quantize_at(source, destination, arrays, policies, topology or Topology(domain_size=1))
 
 
 def _plan_mode(
@@ -290,12 +326,15 @@ def compile_plan(
     policy: str | None = None,
     mode: str | None = None,
     rank: int | None = None,
+    quantize_at: str = "auto",
 ) -> Plan:
     """Compile the plan of a ``reshard`` statement (the only one when ``reshard`` is None).
 
     Each tensor takes its policy from the statement (``broadcast`` rules); ``policy``
     overrides them all, e.g. ``policy="broadcast"`` for the gather-and-broadcast baseline.
-    ``mode`` and ``rank`` ask for a pairwise or a per-rank plan, as in :func:`plan_layouts`.
+    ``mode`` and ``rank`` ask for a pairwise or a per-rank plan, and ``quantize_at`` where a
+    quantized destination's regions are quantized (weighed against the program's topology),
+    as in :func:`plan_layouts`.
     """
     statement = reshard if isinstance(reshard, Reshard) else program.reshard(reshard)
     source = program.layout(statement.source)
@@ -316,6 +355,8 @@ def compile_plan(
             policies=policies,
             mode=mode,
             rank=rank,
+            quantize_at=quantize_at,
+            topology=program.topology,
         )
     except LayoutError as err:
         err.with_span(statement.span)  # found deep down: it gets the statement's place

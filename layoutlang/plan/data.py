@@ -137,7 +137,7 @@ class Move:
             verb = "quantized by its sender" if self.src_space == "source" else "forwarded quantized"
             notes.append(f"{verb}: {self.wire_bytes:,} B for {self.nbytes:,} B")
         elif self.quantized == "destination":
-            notes.append("quantized on the destination: splits a block")
+            notes.append("quantized on the destination")
         return f"{self.tensor}[{region}] r{self.src} -> r{self.dst} {self.kind} ({', '.join(notes)})"
 
 
@@ -250,6 +250,11 @@ class Plan:
     mode: str = attrs.field(kw_only=True, default="fleet")
     #: the rank whose moves the plan holds (a per-rank plan, always pairwise); None: every rank's
     rank: int | None = attrs.field(kw_only=True, default=None)
+    #: into a quantized layout: where the regions that keep whole blocks are quantized,
+    #: ``source`` (their senders) or ``destination`` (:data:`~layoutlang.plan.quantized.QUANTIZE_AT`)
+    quantize_at: str = attrs.field(kw_only=True, default="source")
+    #: why, in words (the cost model's figures; empty for a plan read from a file)
+    quantize_reason: str = attrs.field(kw_only=True, default="")
     _derived: _Derived = attrs.field(init=False, factory=_Derived, repr=False)
 
     def __repr__(self) -> str:
@@ -298,7 +303,11 @@ class Plan:
         if self._derived.quantization is None:
             found = self.destination.quantized() if not self.is_recovery else {}
             self._derived.quantization = [
-                quantized_regions(self.source, self.destination, self.arrays, self.policies) if found else None
+                quantized_regions(
+                    self.source, self.destination, self.arrays, self.policies, self.quantize_at == "destination"
+                )
+                if found
+                else None
             ]
         return self._derived.quantization[0]
 
@@ -529,7 +538,8 @@ class Plan:
         found = self.destination.quantized() if not self.is_recovery else {}
         if not found:
             return {}
-        return {
+        at = {"quantize_at": self.quantize_at} if self.quantize_at != "source" else {}  # as before when source
+        return at | {
             "quantized": [
                 [name, q.format, list(q.block), q.convention, q.scale.dtype, q.replicated]
                 for name, q in found.items()

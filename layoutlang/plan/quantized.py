@@ -40,7 +40,7 @@ import numpy.typing as npt
 
 from ..core import _core
 from ..errors import LayoutValueError
-from ..model import Layout
+from ..model import Layout, Topology
 from ..model.dtypes import DTYPES
 from ..model.quantization import Quantization
 
@@ -165,12 +165,18 @@ def broadcast_into_quantized(destination: Layout, tensors: Sequence[str], polici
 
 
 def quantized_regions(
-    source: Layout, destination: Layout, arrays: Any, policies: Sequence[str] | None = None
+    source: Layout,
+    destination: Layout,
+    arrays: Any,
+    policies: Sequence[str] | None = None,
+    at_destination: bool = False,
 ) -> QuantizedRegions:
     """Where each region of a plan's ``arrays`` (from ``source`` to ``destination``) is
     quantized, and its bytes on the wire (numpy over all regions: DeepSeek-V3's plans hold
     millions). Tensors whose policy (``policies``, one per tensor) is not ``reshard`` are
-    left as they are."""
+    left as they are. A region that keeps whole blocks is quantized by its sender, one that
+    splits a block on its destination; ``at_destination``: every region on its destination
+    (:func:`choose_quantize_at`)."""
     found = destination.quantized()
     names = source.resolved.names
     tensor_of = np.asarray(arrays.region_tensor, dtype=np.int64)
@@ -214,12 +220,90 @@ def quantized_regions(
         aligned[has] &= (o % b == 0) & ((end % b == 0) | (end == n))
         nblocks[has] *= -(-end // b) - o // b
         numel[has] *= s
-    at[mine] = np.where(aligned[mine], 1, 2)
+    at[mine] = np.where(aligned[mine] & (not at_destination), 1, 2)
     blocks[mine] = nblocks[mine]
     sender = at == 1
     values = numel[sender] * value_size[tensor_of[sender]]
     wire[sender] = -(-values // _ALIGN) * _ALIGN + nblocks[sender] * scale_size[tensor_of[sender]]
     return QuantizedRegions(at, blocks, wire, found)
+
+
+#: where a plan quantizes the regions that keep whole blocks: ``source`` (their senders: fp8
+#: crosses the links) or ``destination`` (their receivers: bf16 crosses; what splits a block
+#: is quantized on its destination either way); ``auto``: :func:`choose_quantize_at` decides
+QUANTIZE_AT: tuple[str, ...] = ("auto", "source", "destination")
+
+
+@attrs.frozen
+class QuantizeChoice:
+    """Where a plan quantizes (``at``: ``source`` or ``destination``) and why, in words."""
+
+    at: str
+    reason: str
+
+
+def choose_quantize_at(
+    source: Layout, destination: Layout, arrays: Any, policies: Sequence[str], topology: Topology
+) -> QuantizeChoice:
+    """The cost model's choice for a fleet plan into a quantized destination.
+
+    Each rank's time is what its busiest resource takes, as the executor overlaps them: its
+    quantizer (``topology.quantize_bandwidth``: bytes of source a rank quantizes per second)
+    and each of its links, out and in (``network_bandwidth``, ``domain_bandwidth``), carrying
+    the plan's bytes. Quantized by their senders, the regions that keep whole blocks cost the
+    sender their quantizing and cross as fp8; quantized on their destinations, they cross in
+    bf16 and cost the receiver. The plan takes the side whose slowest rank is faster: the
+    destination where links are faster than the senders can quantize what they send (one
+    sender feeding many receivers, say), the source otherwise and when the topology does not
+    say how fast a rank quantizes."""
+    if topology.quantize_bandwidth is None:
+        return QuantizeChoice(
+            "source", "the senders quantize: the topology gives no quantize_bandwidth to weigh against its links"
+        )
+    if topology.network_bandwidth is None or (topology.domain_size > 1 and topology.domain_bandwidth is None):
+        return QuantizeChoice("source", "the senders quantize: the topology gives no link bandwidths")
+    quantize_rate = topology.quantize_bandwidth
+    regions = quantized_regions(source, destination, arrays, policies)
+    region = np.asarray(arrays.move_region)
+    src = np.asarray(arrays.move_src, dtype=np.int64)
+    dst = np.asarray(arrays.move_dst, dtype=np.int64)
+    kind = np.asarray(arrays.move_kind)
+    logical = np.asarray(arrays.region_bytes, dtype=np.int64)[region]
+    wire = regions.wire_bytes[region]
+    eligible = regions.at[region] == 1
+    ranks = int(max(src.max(initial=-1), dst.max(initial=-1))) + 1
+    links = {_core.MoveKind.network.value: topology.network_bandwidth}
+    if topology.domain_bandwidth is not None:
+        links[_core.MoveKind.domain.value] = topology.domain_bandwidth
+
+    def slowest(quantizer: npt.NDArray[np.int64], carried: npt.NDArray[np.int64]) -> tuple[float, int, str]:
+        """The slowest rank's time, that rank, and its busiest resource, when the ranks in
+        ``quantizer`` quantize the eligible moves and the links carry ``carried``."""
+        quantizing = np.bincount(quantizer[eligible], weights=logical[eligible], minlength=ranks)
+        busiest = quantizing / quantize_rate
+        what = np.zeros(ranks, dtype=np.int64)  # 0: quantizing, 1: a link out, 2: a link in
+        for code, bandwidth in links.items():
+            on = kind == code
+            for way, ends in ((1, src), (2, dst)):
+                t = np.bincount(ends[on], weights=carried[on], minlength=ranks) / bandwidth
+                what = np.where(t > busiest, way, what)
+                busiest = np.maximum(busiest, t)
+        rank = int(np.argmax(busiest))
+        return float(busiest[rank]), rank, ("quantizing", "sending", "receiving")[int(what[rank])]
+
+    if ranks == 0 or not eligible.any():
+        return QuantizeChoice("source", "the senders quantize: no region keeps whole blocks (each splits one)")
+    at_source = slowest(src, np.where(eligible, wire, logical))
+    at_destination = slowest(dst, logical)
+    rate = quantize_rate / 1e9
+    figures = (
+        f"the slowest rank takes {at_source[0]:.3g} s quantizing at the senders (rank {at_source[1]}, "
+        f"{at_source[2]}) against {at_destination[0]:.3g} s at the destinations (rank {at_destination[1]}, "
+        f"{at_destination[2]}), quantizing {rate:g} GB/s per rank"
+    )
+    if at_destination[0] < at_source[0]:
+        return QuantizeChoice("destination", f"the destinations quantize (cost model): {figures}")
+    return QuantizeChoice("source", f"the senders quantize (cost model): {figures}")
 
 
 def region_wire_bytes(numel: int, nblocks: int, q: Quantization) -> int:

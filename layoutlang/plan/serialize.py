@@ -21,6 +21,7 @@ from ..errors import LayoutValueError
 from ..model import Program
 from .compile import plan_layouts
 from .data import _COLUMNS, _MAGIC, PLAN_MODES, Plan, layout_digest, plan_arrays
+from .quantized import QUANTIZE_AT
 
 __all__ = ["load_plan"]
 
@@ -137,6 +138,7 @@ def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], p
         arrays,
         mode=mode,
         rank=part,
+        quantize_at=_quantize_at(header),
     )
     plan.validate()  # a pairwise plan as one; a per-rank plan as its rank's part
     # The header's totals are derived data: recompute them rather than trust them (a per-rank
@@ -158,3 +160,11 @@ def _from_header(header: dict[str, Any], columns: dict[str, npt.NDArray[Any]], p
     if header["num_buckets"] != (int(np.max(columns["move_bucket"])) + 1 if columns["move_bucket"].size else 0):
         raise LayoutValueError("the plan file is damaged: its num_buckets does not match its moves")
     return plan
+
+
+def _quantize_at(header: dict[str, Any]) -> str:
+    """Where the plan quantizes (a header without the key: the senders, as before the choice)."""
+    at = header.get("quantize_at", "source")
+    if at not in QUANTIZE_AT[1:]:
+        raise LayoutValueError(f"the plan file is damaged: unknown quantize_at {at!r}")
+    return at
