@@ -8,7 +8,10 @@ strided view, as a region cut across a storage's rows is): the best of ``--runs`
 contiguous, per block row strip one vectorized pass for the amax and one for the values)
 against the torch reference of ``tests/test_quantize.py`` (whole-tensor ops, torch's own
 threads), after checking that both give the same bytes.
-Prints seconds, GB/s of bf16 read, and the ratio. Run from the repository root:
+Prints seconds, GB/s of bf16 read, and the ratio; then the dense case once per kernel the
+CPU runs (``layoutlang.io.quantize.quantize_kernels``: avx512, avx2, generic), one thread
+each, into preallocated tensors, after checking that every kernel writes the same bytes.
+Run from the repository root:
 
     python benchmarks/bench_quantize.py [--runs N] [--threads T]
 
@@ -27,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from test_quantize import reference
 
-from layoutlang.io.quantize import quantize
+from layoutlang.io.quantize import quantize, quantize_into, quantize_kernels
 
 CASES = [
     ("dense gate_proj [18432, 7168] fp8_e4m3 128x128", (18432, 7168), "fp8_e4m3", (128, 128), False),
@@ -71,7 +74,29 @@ def main() -> int:
         theirs = best(lambda x=x, fmt=fmt, block=block: reference(x, fmt, block, "scale_inv"), args.runs)
         gbs = x.numel() * 2 / ours / 1e9
         print(f"{label:50s} {ours:9.3f} s {theirs:9.3f} s {theirs / ours:6.2f}x   ({gbs:.2f} GB/s of bf16)")
-    return 0
+    return kernels(args.runs)
+
+
+def kernels(runs: int) -> int:
+    """The dense case on each kernel, one thread, side by side."""
+    label, shape, fmt, block, _ = CASES[0]
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    outputs = {}
+    print(f"\n{label}, one thread, by kernel:")
+    for kernel in quantize_kernels():
+        values = torch.empty(shape, dtype=torch.float8_e4m3fn)
+        scales = torch.empty([-(-n // b) for n, b in zip(shape, block)], dtype=torch.float32)
+
+        def run(values=values, scales=scales, kernel=kernel) -> None:
+            quantize_into(x, values, scales, fmt, block, threads=1, kernel=kernel)
+
+        seconds = best(run, runs)
+        outputs[kernel] = (values.view(torch.uint8), scales)
+        print(f"  {kernel:8s} {seconds:7.3f} s   ({x.numel() * 2 / seconds / 1e9:.2f} GB/s of bf16)")
+    first = next(iter(outputs.values()))
+    same = all(torch.equal(v, first[0]) and torch.equal(s, first[1]) for v, s in outputs.values())
+    print(f"  every kernel wrote the same bytes: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

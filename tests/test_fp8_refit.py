@@ -12,6 +12,7 @@ tensor before any plan is made.
 
 from __future__ import annotations
 
+import json
 import re
 
 import fp8_refit_jobs as jobs
@@ -412,6 +413,9 @@ def test_the_plan_command_says_where_and_why(tmp_path, capsys):
     assert "(bucket 0, stage 0, quantized on the destination)" in out
     assert main(["plan", str(path), "--no-compare", "--quantize-at", "source"]) == 0
     assert "where: the senders quantize: asked for (quantize_at='source')" in capsys.readouterr().out
+    assert main(["plan", str(path), "--no-compare", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["result"]
+    assert result["quantize_at"] == "destination" and result["quantize_reason"].startswith("the destinations quantize")
 
 
 def test_regions_quantized_on_the_destinations_equal_the_reference(pool):

@@ -179,6 +179,8 @@ def run(args: argparse.Namespace) -> int:
                 del out["tensors"], out["broadcast_tensors"]
             if not args.per_rank:
                 del out["stats"]["per_rank"]
+            if plan.quantization is not None:  # who quantizes, and why
+                out["quantize_at"], out["quantize_reason"] = plan.quantize_at, plan.quantize_reason
             if baseline is not None:
                 out["gather_and_broadcast"] = baseline.stats.to_json()
                 out["gather_and_broadcast"].pop("per_rank")
