@@ -425,3 +425,39 @@ def test_regions_quantized_on_the_destinations_equal_the_reference(pool):
     assert check(text, results) > 0
     sent = next(r for r in results if r and r["rank"] == 0)["sent"]["network"]
     assert sent == 4 * (1024 * 1024 + 512 * 256) * 2  # bf16 crossed, to be quantized there
+
+
+def test_the_cost_model_counts_a_relays_forwarding_as_no_quantizing():
+    """With domains, relays forward what their domain's first receiver got: under the senders'
+    choice only moves read from the source are quantized (by their sender), under the
+    destinations' only moves written into a destination storage (by their receiver)."""
+    text = LARGE.replace(
+        "topology { domain_size = 2 }",
+        "topology { domain_size = 2  network_bandwidth = 10 GB/s  domain_bandwidth = 100 GB/s  "
+        "quantize_bandwidth = 3 GB/s }",
+    )
+    plan = compile_plan(layoutlang.loads(text), quantize_at="source")
+    moves = list(plan.moves())
+    assert any(m.is_relay and m.quantized == "source" for m in moves)  # the case is there
+    bandwidth = {"network": 10e9, "domain": 100e9}
+
+    def slowest(quantizer: str) -> float:
+        busiest: dict[int, float] = {}
+        for m in moves:
+            rank = m.src if quantizer == "sender" else m.dst
+            reads = m.src_space == "source" if quantizer == "sender" else m.dst_space == "destination"
+            if m.quantized == "source" and reads:
+                busiest[rank] = busiest.get(rank, 0.0) + m.nbytes / 3e9
+        links: dict[tuple[int, str, str], float] = {}
+        for m in moves:
+            carried = m.wire_bytes if quantizer == "sender" and m.wire_bytes is not None else m.nbytes
+            if m.kind in bandwidth:
+                for end, way in ((m.src, "out"), (m.dst, "in")):
+                    links[(end, m.kind, way)] = links.get((end, m.kind, way), 0.0) + carried / bandwidth[m.kind]
+        for (rank, _, _), seconds in links.items():
+            busiest[rank] = max(busiest.get(rank, 0.0), seconds)
+        return max(busiest.values())
+
+    reason = compile_plan(layoutlang.loads(text)).quantize_reason
+    assert f"{slowest('sender'):.3g} s quantizing at the senders" in reason, reason
+    assert f"{slowest('receiver'):.3g} s at the destinations" in reason, reason

@@ -271,15 +271,22 @@ def choose_quantize_at(
     logical = np.asarray(arrays.region_bytes, dtype=np.int64)[region]
     wire = regions.wire_bytes[region]
     eligible = regions.at[region] == 1
+    # who quantizes a move: its sender where it reads the source (a relay forwards what it
+    # got), or its receiver where it writes a destination storage (a bystander's scratch
+    # only passes it on)
+    by_sender = eligible & (np.asarray(arrays.move_src_space) == _core.Space.source.value)
+    by_receiver = eligible & (np.asarray(arrays.move_dst_space) == _core.Space.destination.value)
     ranks = int(max(src.max(initial=-1), dst.max(initial=-1))) + 1
     links = {_core.MoveKind.network.value: topology.network_bandwidth}
     if topology.domain_bandwidth is not None:
         links[_core.MoveKind.domain.value] = topology.domain_bandwidth
 
-    def slowest(quantizer: npt.NDArray[np.int64], carried: npt.NDArray[np.int64]) -> tuple[float, int, str]:
+    def slowest(
+        quantizer: npt.NDArray[np.int64], quantized: npt.NDArray[np.bool_], carried: npt.NDArray[np.int64]
+    ) -> tuple[float, int, str]:
         """The slowest rank's time, that rank, and its busiest resource, when the ranks in
-        ``quantizer`` quantize the eligible moves and the links carry ``carried``."""
-        quantizing = np.bincount(quantizer[eligible], weights=logical[eligible], minlength=ranks)
+        ``quantizer`` quantize the ``quantized`` moves and the links carry ``carried``."""
+        quantizing = np.bincount(quantizer[quantized], weights=logical[quantized], minlength=ranks)
         busiest = quantizing / quantize_rate
         what = np.zeros(ranks, dtype=np.int64)  # 0: quantizing, 1: a link out, 2: a link in
         for code, bandwidth in links.items():
@@ -293,8 +300,8 @@ def choose_quantize_at(
 
     if ranks == 0 or not eligible.any():
         return QuantizeChoice("source", "the senders quantize: no region keeps whole blocks (each splits one)")
-    at_source = slowest(src, np.where(eligible, wire, logical))
-    at_destination = slowest(dst, logical)
+    at_source = slowest(src, by_sender, np.where(eligible, wire, logical))
+    at_destination = slowest(dst, by_receiver, logical)
     rate = quantize_rate / 1e9
     figures = (
         f"the slowest rank takes {at_source[0]:.3g} s quantizing at the senders (rank {at_source[1]}, "

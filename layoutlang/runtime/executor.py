@@ -770,8 +770,9 @@ class _Spaces:
     def contiguous(self, piece: Piece, part: str = "") -> bool:
         """Whether the piece's region is one run of its storage's memory in the order and
         dtype of the wire, so that it can be sent or received without a staging copy. A
-        quantized region's values alone (``part``) are received in place in a destination
-        storage of fp8 values; a sender stages them, since it quantizes them there."""
+        quantized region's values alone (``part``) travel in place from or into a
+        destination storage of fp8 values (a receiver, a relay forwarding them); a sender
+        that quantizes them stages them, since that is where it writes them."""
         if piece.quantized is not None and part == "values" and piece.space == _DESTINATION and not piece.transposed:
             storage = self._storages[piece.key][piece.storage]
             return storage.dtype == piece.quantized.values and storage.is_contiguous() and (
