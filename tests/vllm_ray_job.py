@@ -43,6 +43,8 @@ ENGINES = ("A", "B")
 JOB = "vllm-ray-refit"
 #: seconds a refit waits for a peer
 TIMEOUT = 60.0
+#: the pause between steps 2 and 3, and 3 and 4, as a training step would take (seconds)
+STEP_SECONDS = 5.0
 #: buckets of 64 KiB: the model moves in tens of executor steps, so "halfway" is mid-transfer
 MEMORY_BUDGET = 128 * 2**10
 TRAINER_NODE, ENGINE_NODE = "layoutlang_test_trainer_node", "layoutlang_test_engine_node"
@@ -274,7 +276,13 @@ def driver(work: Path) -> dict[str, Any]:
         run_step(2, kill=1)
         # Ray starts B's actor again (a new process, dummy weights); the trainer is not told
         wait_until_up(engines[1], timeout=900)
+        # a training step's time: the trainer's client probes the actor every second, and on a
+        # loaded machine one probe can take seconds; without it steps 3 and 4, milliseconds
+        # apart here, could both pass before the client saw the new process (B then rejoins at
+        # a later step: correct, but past what this job drives)
+        time.sleep(STEP_SECONDS)
         run_step(3)
+        time.sleep(STEP_SECONDS)
         run_step(4)
         result["engine_pids_after"] = ray.get([e.pid.remote() for e in engines])
         result["trainer_pids_after"] = ray.get([t.pid.remote() for t in trainers])
