@@ -260,6 +260,18 @@ uint8_t fp8_encode(float x, QuantFormat format) {
                                          : quant_kernel::generic::encode<3, 7>(x);
 }
 
+// Throws where `kernel` names one this CPU (or this build) cannot run, naming those it can.
+static void check_kernel_runs(QuantKernel kernel) {
+  const bool missing = (kernel == QuantKernel::avx2 && !avx2_supported()) ||
+                       (kernel == QuantKernel::avx512 && !avx512_supported());
+  if (!missing) return;
+  std::string here;
+  for (const auto& name : quantize_kernels()) here += (here.empty() ? "" : ", ") + name;
+  const std::string why = LAYOUTLANG_HAVE_AVX2_KERNEL ? "this CPU lacks the instructions" : "it is built for x86-64 only";
+  throw CoreValueError("argument", "the quantizer's " + std::string(kernel == QuantKernel::avx2 ? "avx2" : "avx512") +
+                                       " kernel cannot run here (" + why + "); kernels here: " + here);
+}
+
 QuantKernel quant_kernel_named(const std::string& name) {
   if (name == "auto") return QuantKernel::automatic;
   if (name == "generic") return QuantKernel::generic;
@@ -282,16 +294,7 @@ void quantize_blocks(const QuantView& source, QuantSource source_dtype, const st
   const size_t n = source.shape.size();
   if (threads < 0) throw CoreValueError("argument", "threads must be 0 (automatic) or more");
   if (threads == 0) threads = default_quantize_threads();
-  if ((kernel == QuantKernel::avx2 && !avx2_supported()) || (kernel == QuantKernel::avx512 && !avx512_supported()))
-    throw CoreValueError("argument", "the quantizer's " + std::string(kernel == QuantKernel::avx2 ? "avx2" : "avx512") +
-                                         " kernel cannot run here (" +
-                                         (LAYOUTLANG_HAVE_AVX2_KERNEL ? "this CPU lacks the instructions"
-                                                                      : "it is built for x86-64 only") +
-                                         "); kernels here: " + [] {
-                                           std::string names;
-                                           for (const auto& k : quantize_kernels()) names += (names.empty() ? "" : ", ") + k;
-                                           return names;
-                                         }());
+  check_kernel_runs(kernel);
   if (n == 0) throw CoreValueError("argument", "a scalar has no blocks: quantize it as a [1] view");
   if (block.size() != n)
     throw CoreValueError("argument", "the block has " + std::to_string(block.size()) + " dims, the source " +

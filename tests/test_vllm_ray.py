@@ -57,6 +57,11 @@ def report(job: dict[str, Any], step: int) -> dict[str, Any]:
     return job["steps"][str(step)]["report"]
 
 
+def steps(job: dict[str, Any]) -> range:
+    """The refits the job ran: until B rejoined (how many depends on the machine's load), and one more."""
+    return range(1, job["last_step"] + 1)
+
+
 def test_two_nodes_and_no_address_set_by_hand(job: dict[str, Any]) -> None:
     assert job["nodes"] == 2
     # both trainer ranks joined through the rendezvous actor; the store took a free port
@@ -66,21 +71,21 @@ def test_two_nodes_and_no_address_set_by_hand(job: dict[str, Any]) -> None:
 
 
 def test_every_engine_generates_the_fresh_engines_tokens_after_every_refit(job: dict[str, Any]) -> None:
-    for step in (1, 2, 3, 4):
+    for step in steps(job):
         expected = job["oracle"][str(step)]
         for name, tokens in job["tokens"][str(step)].items():
             assert tokens == expected, f"engine {name} after step {step}"
     # both engines served after the first refit and the last (B was restarting in between)
-    assert [sorted(job["tokens"][str(s)]) for s in (1, 4)] == [["A", "B"]] * 2
+    assert [sorted(job["tokens"][str(s)]) for s in (1, job["last_step"])] == [["A", "B"]] * 2
     # the checks can fail: each step's tokens differ from the previous step's
-    assert all(job["oracle"][str(s)] != job["oracle"][str(s - 1)] for s in (2, 3, 4))
+    assert all(job["oracle"][str(s)] != job["oracle"][str(s - 1)] for s in steps(job)[1:])
 
 
 def test_refits_commit_on_both_engines(job: dict[str, Any]) -> None:
     assert report(job, 1)["refitted"] == [A, B]
-    assert report(job, 4)["refitted"] == [A, B]
-    last = report(job, 4)["step"]  # the session's step of the fourth refit
-    assert job["steps"]["4"]["versions"] == {"0": last, "1": last}
+    assert report(job, job["last_step"])["refitted"] == [A, B]
+    last = report(job, job["last_step"])["step"]  # the session's step of the last refit
+    assert job["steps"][str(job["last_step"])]["versions"] == {"0": last, "1": last}
 
 
 def test_an_engine_actor_killed_mid_refit_is_lost_and_the_others_commit(job: dict[str, Any]) -> None:
@@ -98,11 +103,11 @@ def test_the_restarted_actor_rejoins_by_itself_and_nothing_else_restarts(job: di
     assert job["engine_pids_after"][A] == job["engine_pids_before"][A]
     assert job["engine_pids_after"][B] != job["engine_pids_before"][B]
     assert job["trainer_pids_after"] == job["trainer_pids_before"]
-    # nobody called add_engine: the trainer admitted it under its own index at the first step
-    # boundary after Ray had it up again (step 3, or step 4 on a loaded machine)
-    rejoined = [n for n in (3, 4) if report(job, n)["joined"] == [B]]
+    # nobody called add_engine: the trainer admitted it under its own index at a step boundary
+    # after Ray had it up again (which one depends on the machine's load), once
+    rejoined = [n for n in steps(job)[2:] if report(job, n)["joined"] == [B]]
     assert len(rejoined) == 1
     assert sorted(report(job, rejoined[0])["refitted"]) == [A, B]
-    assert job["steps"]["4"]["states"] == {"0": "serving", "1": "serving"}
+    assert job["steps"][str(job["last_step"])]["states"] == {"0": "serving", "1": "serving"}
     # it caught up from an engine that holds the same boxes (A), not from the trainer
     assert report(job, rejoined[0])["recovered_from"].get("destination", 0) > 0

@@ -15,8 +15,9 @@ session is the trainer's (a free port, told to the engines in their init info). 
 2. step 2: the trainer's rank 0 kills engine B's actor with ``ray.kill(..., no_restart=False)``
    halfway through its sends; the step commits on A, which ``send_weights()`` reports, B lost;
    Ray starts B's actor again (its constructor: dummy weights);
-3. steps 3 and 4: B rejoins by itself (nobody calls ``add_engine``): admitted at step 3's
-   boundary, caught up from A, applied; step 4 refits both.
+3. steps 3 onwards, a second apart: B rejoins by itself (nobody calls ``add_engine``),
+   admitted at the first step boundary after the trainer's client saw Ray's new process,
+   caught up from A, applied; one more step then refits both (``last_step`` in the result).
 
 After every step the trainer saves its weights as a checkpoint (WORKDIR/stepN) and the driver
 records every serving engine's greedy tokens. Then a fresh engine loaded from step 1's
@@ -43,8 +44,10 @@ ENGINES = ("A", "B")
 JOB = "vllm-ray-refit"
 #: seconds a refit waits for a peer
 TIMEOUT = 60.0
-#: the pause between steps 2 and 3, and 3 and 4, as a training step would take (seconds)
-STEP_SECONDS = 5.0
+#: the pause before each step after B's restart, as a training step would take (seconds)
+STEP_SECONDS = 1.0
+#: the last step at which B may still be admitted (the job then ends with one more step)
+MAX_STEPS = 12
 #: buckets of 64 KiB: the model moves in tens of executor steps, so "halfway" is mid-transfer
 MEMORY_BUDGET = 128 * 2**10
 TRAINER_NODE, ENGINE_NODE = "layoutlang_test_trainer_node", "layoutlang_test_engine_node"
@@ -276,14 +279,20 @@ def driver(work: Path) -> dict[str, Any]:
         run_step(2, kill=1)
         # Ray starts B's actor again (a new process, dummy weights); the trainer is not told
         wait_until_up(engines[1], timeout=900)
-        # a training step's time: the trainer's client probes the actor every second, and on a
-        # loaded machine one probe can take seconds; without it steps 3 and 4, milliseconds
-        # apart here, could both pass before the client saw the new process (B then rejoins at
-        # a later step: correct, but past what this job drives)
+        # Training goes on: B is admitted at the first step boundary after the trainer's client
+        # saw its new process (it probes every second; how many steps pass first depends on
+        # the machine's load), then one more step refits both.
+        step = 2
+        while step < MAX_STEPS:
+            time.sleep(STEP_SECONDS)
+            step += 1
+            run_step(step)
+            if result["steps"][str(step)]["report"]["joined"] == [1]:
+                break
         time.sleep(STEP_SECONDS)
-        run_step(3)
-        time.sleep(STEP_SECONDS)
-        run_step(4)
+        step += 1
+        run_step(step)
+        result["last_step"] = step
         result["engine_pids_after"] = ray.get([e.pid.remote() for e in engines])
         result["trainer_pids_after"] = ray.get([t.pid.remote() for t in trainers])
         for engine in engines:
@@ -293,7 +302,7 @@ def driver(work: Path) -> dict[str, Any]:
         oracle = ray.remote(num_cpus=0, resources={ENGINE_NODE: 1})(vllm_ray_job.engine_class()).remote(
             str(work / "step1"), False)
         result["oracle"] = {"1": ray.get(oracle.tokens.remote(), timeout=900)}
-        for step in (2, 3, 4):
+        for step in range(2, result["last_step"] + 1):
             ray.get(oracle.reload.remote(str(work / f"step{step}")), timeout=300)
             result["oracle"][str(step)] = ray.get(oracle.tokens.remote(), timeout=300)
     finally:
