@@ -8,4 +8,5 @@
 
 #define LAYOUTLANG_QUANT_KERNEL avx2
 #define LAYOUTLANG_QUANT_FMA 1
+#define LAYOUTLANG_QUANT_AVX512 0
 #include "quantize_kernel.inc"
