@@ -13,11 +13,13 @@
 // The baseline kernel, and the helpers of the general path below.
 #define LAYOUTLANG_QUANT_KERNEL generic
 #define LAYOUTLANG_QUANT_FMA 0
+#define LAYOUTLANG_QUANT_AVX2 0
 #define LAYOUTLANG_QUANT_AVX512 0
 #include "quantize_kernel.inc"
 #undef LAYOUTLANG_QUANT_KERNEL
 #undef LAYOUTLANG_QUANT_FMA
 #undef LAYOUTLANG_QUANT_AVX512
+#undef LAYOUTLANG_QUANT_AVX2
 
 namespace layoutlang {
 

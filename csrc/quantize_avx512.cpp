@@ -16,5 +16,6 @@
 
 #define LAYOUTLANG_QUANT_KERNEL avx512
 #define LAYOUTLANG_QUANT_FMA 1
+#define LAYOUTLANG_QUANT_AVX2 0
 #define LAYOUTLANG_QUANT_AVX512 1
 #include "quantize_kernel.inc"
