@@ -318,3 +318,21 @@ def test_a_removed_adapter_leaves_the_engines_and_the_other_serves_on(job):
     last = checks(job)[-1]
     assert removed["default"] == [e["default"] for e in last["engines"]]
     assert removed["base"] == job["record"]["base_before"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_base_weights_refitted_into_lora_engines_match_vllms_own_reload(job):
+    """vLLM's LoRA layers hold the layer they adapt as ``base_layer`` (its weight is
+    ``X.base_layer.weight``): a refit of the base weights into LoRA engines reaches them, and
+    the engines then generate, without an adapter and with one, what an engine generates that
+    reloaded the same checkpoint by vLLM's own ``reload_weights`` and loads the adapter by path."""
+    if job["scenario"] != "llama":
+        pytest.skip("the base weights are refitted in the llama scenario")
+    base = job["record"]["base_refit"]
+    assert base["refitted"] == [0, 1], base["report"]
+    oracle = base["oracle"]
+    assert oracle["base"] != job["record"]["base_before"][0]  # the changed weights change the tokens
+    for engine in base["engines"]:
+        assert engine["base"] == oracle["base"]
+        assert engine["default"] == oracle["default"]

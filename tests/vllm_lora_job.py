@@ -65,6 +65,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "adapters": {"default": (1, ATTENTION + MLP, 16), "second": (2, ATTENTION, 32)},
         "engines": 2,
         "steps": 3,
+        # then the base weights themselves, refitted into the same LoRA engines
+        "base_refit": True,
     },
     "qwen3_moe": {
         "model_type": "qwen3_moe",
@@ -175,6 +177,58 @@ def peft_model(scenario: str, model: torch.nn.Module | None = None) -> torch.nn.
     assert wrapped is not None
     wrapped.base_model.set_adapter(list(adapters))  # every adapter trainable (each has its own optimizer)
     return wrapped
+
+
+# [base-weights]
+def base_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The PEFT model's base weights (its FSDP2 parameters) by their checkpoint names: PEFT's
+    ``base_model.model.`` prefix and its LoRA layers' ``base_layer`` taken out."""
+    return {
+        name.removeprefix("base_model.model.").replace(".base_layer.", "."): param
+        for name, param in model.named_parameters()
+        if ".lora_" not in name
+    }
+# [/base-weights]
+
+
+def refit_base(rank: int, model: torch.nn.Module, clients: list[Any], engines: list[Any], oracle: Any,
+               base: Path, infer: str, work: Path, serving: dict[str, Any], adapter: Any) -> dict[str, Any] | None:
+    """The base weights changed (every MLP's down_proj negated, a stand-in for a full
+    fine-tuning step), refitted by a session of their own into the LoRA engines; the oracle
+    reloads the same weights by vLLM's own ``reload_weights`` from a checkpoint, then loads
+    ``adapter`` (the trainer's current "default", saved) by path over them."""
+    from safetensors.torch import save_file
+
+    from layoutlang.integrations.dtensor import layout_from_state_dict
+    from layoutlang.integrations.vllm.trainer import LayoutlangTrainerInitInfo, LayoutlangTrainerWeightTransferEngine
+
+    weights = base_weights(model)
+    with torch.no_grad():
+        for name, param in weights.items():
+            if name.endswith("mlp.down_proj.weight"):
+                param.neg_()
+    program = (
+        f'tensors from hf "{base / "config.json"}" as cfg dtype fp32\n' + layout_from_state_dict(weights)
+        + f'{infer}\ninclude "preset:llama/vllm_fused"\nreshard refit: train -> vllm_fused\n'
+    )
+    info = LayoutlangTrainerInitInfo(rank=rank, master_address="127.0.0.1", program=program, timeout=TIMEOUT,
+                                     namespace="base")
+    refit = LayoutlangTrainerWeightTransferEngine.trainer_init(info, client=clients, source=weights)
+    report = refit.send_weights()
+    whole = {name: param.full_tensor() for name, param in weights.items()}  # every rank
+    refit.shutdown()
+    if rank != 0:
+        return None
+    checkpoint = work / "base-changed"
+    checkpoint.mkdir()
+    save_file({name: t.contiguous() for name, t in whole.items()}, str(checkpoint / "model.safetensors"))
+    (checkpoint / "config.json").write_text((base / "config.json").read_text())
+    out: dict[str, Any] = {"report": report.to_json(), "refitted": list(report.refitted)}
+    out["engines"] = [{"base": generate(e), "default": generate(e, serving["default"])} for e in engines]
+    oracle.llm_engine.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint)})
+    oracle.reset_prefix_cache()
+    out["oracle"] = {"base": generate(oracle), "default": generate(oracle, adapter)}
+    return out
 
 
 def trainer(rank: int, scenario: str, work: Path) -> None:
@@ -322,6 +376,10 @@ def trainer(rank: int, scenario: str, work: Path) -> None:
             removed["base"] = [generate(e) for e in engines]
             removed["adapter_ids"] = [e.llm_engine.collective_rpc(adapter_ids) for e in engines]
             record["removed"] = removed
+    if spec.get("base_refit"):
+        # "default" last changed at its last step: the oracle loads that save over the new base
+        adapter = LoRARequest("oracle-after-base", next(oracle_ids), str(work / f"default-{spec['steps']}"))
+        record["base_refit"] = refit_base(rank, model, clients, engines, oracle, base, infer, work, serving, adapter)
     for name, engine in refits.items():
         if name != "second":
             engine.shutdown()

@@ -3,7 +3,9 @@
 For every storage the destination layout gives this worker, the model must hold a
 parameter of that name whose shape, as vLLM created it, is the storage's (vLLM records
 each parameter's created shape before post-processing; the CPU backend, for one, repacks
-linear weights after loading, and ``named_parameters()`` then shows ``[0]``). Two ways in:
+linear weights after loading, and ``named_parameters()`` then shows ``[0]``); in an engine
+with LoRA enabled, ``X.weight`` is the parameter ``X.base_layer.weight`` of the LoRA layer
+wrapping ``X``. Three ways in:
 
 * **direct**: the parameter's module transforms nothing after loading (no quantization
   method, or one whose ``process_weights_after_loading`` is the base class's no-op, and no
@@ -203,6 +205,13 @@ def _describe(signature: tuple[tuple[int, ...], torch.dtype, torch.device, bool]
     return f"{list(shape)} {dtype} on {device}" + ("" if contiguous else " (not contiguous)")
 
 
+def _lora_base_names(parameters: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """A LoRA engine's base weights by the names they have without LoRA: vLLM's LoRA layers
+    (``vllm/lora/layers/``) hold the layer they adapt as ``base_layer``, so the model's
+    ``X.weight`` is the engine's ``X.base_layer.weight`` there."""
+    return {name.replace(".base_layer.", "."): name for name in parameters if ".base_layer." in name}
+
+
 class EngineTargets:
     """This worker's destination storages, resolved against the live model.
 
@@ -240,8 +249,12 @@ class EngineTargets:
             return
         modules = dict(model.named_modules())
         parameters = dict(model.named_parameters())
+        #: storage -> the engine's name of its parameter, where they differ (a LoRA engine's)
+        self.parameter_names: dict[str, str] = {}
+        wrapped = _lora_base_names(parameters)
         for storage, shape in self.shapes.items():
-            param = parameters.get(storage)
+            name = storage if storage in parameters else wrapped.get(storage, storage)
+            param = parameters.get(name)
             if param is None:
                 hint = did_you_mean(storage, parameters)
                 self.problems.append(
@@ -249,7 +262,9 @@ class EngineTargets:
                     + (f"; {hint}" if hint else "")
                 )
                 continue
-            owner, _, leaf = storage.rpartition(".")
+            if name != storage:
+                self.parameter_names[storage] = name
+            owner, _, leaf = name.rpartition(".")
             module = modules[owner]
             created, dtype = _created_shape(module, leaf, param)
             want_dtype = torch_dtype(layout.tensors[layout.storage(storage, rank).parts[0]].dtype)
@@ -274,7 +289,7 @@ class EngineTargets:
             else:
                 self.loaded[storage] = module
             self._resolved[storage] = (param, _signature(param))
-        missing = sorted(set(parameters) - set(self.shapes))
+        missing = sorted(set(parameters) - {self.parameter_names.get(storage, storage) for storage in self.shapes})
         for name in missing:
             owner, _, leaf = name.rpartition(".")
             if _derived(modules[owner], leaf):
@@ -347,7 +362,7 @@ class EngineTargets:
         )
         live = dict(self.model.named_parameters()) if self._resolved else {}
         for storage, (param, signature) in self._resolved.items():
-            now = live.get(storage)
+            now = live.get(self.parameter_names.get(storage, storage))
             if now is None:
                 problems.append(f"the model no longer has parameter '{storage}'")
             elif now is not param:
@@ -470,5 +485,6 @@ class EngineTargets:
         # experts' prepack): the model as this apply left it is what the next prepare expects
         live = dict(self.model.named_parameters())
         for storage in prepared.loaded:
-            if storage in self._resolved and storage in live:
-                self._resolved[storage] = (live[storage], _signature(live[storage]))
+            name = self.parameter_names.get(storage, storage)
+            if storage in self._resolved and name in live:
+                self._resolved[storage] = (live[name], _signature(live[name]))
