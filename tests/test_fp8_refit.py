@@ -16,6 +16,7 @@ import json
 import re
 
 import fp8_refit_jobs as jobs
+import numpy as np
 import pytest
 import torch
 from test_quantize import reference
@@ -24,6 +25,7 @@ import layoutlang
 from layoutlang.errors import LayoutError
 from layoutlang.io.weights import synthetic_box
 from layoutlang.plan import compile_plan
+from layoutlang.plan.quantized import quantized_regions
 from layoutlang.runtime.schedule import OWN_TRANSFER_BYTES, schedule
 
 TP = """
@@ -377,6 +379,10 @@ def test_the_cost_model_weighs_links_against_quantizing(network, expected):
     assert at == ({"source": 0, "destination": 8} if expected == "destination" else {"source": 8, "destination": 0})
     for move in plan.moves():  # what crosses: bf16 to be quantized there, or fp8 from the sender
         assert move.quantized == expected and (move.wire_bytes == move.nbytes) == (expected == "destination")
+    # the regions the plan keeps (the cost model's, where it chose the senders) are its own
+    fresh = quantized_regions(plan.source, plan.destination, plan.arrays, plan.policies, expected == "destination")
+    assert np.array_equal(fresh.at, plan.quantization.at)
+    assert np.array_equal(fresh.wire_bytes, plan.quantization.wire_bytes)
 
 
 def test_asked_for_pairwise_and_undeclared_quantizing_keep_or_set_the_side():

@@ -143,7 +143,7 @@ def plan_layouts(
     except _core.CoreError as err:
         raise LayoutValueError.from_core(err, names, destination.span) from None
     choice = _quantize_choice(source, destination, arrays, per_tensor, mode, quantize_at, topology)
-    return Plan(
+    plan = Plan(
         source,
         destination,
         name or f"{source.name}->{destination.name}",
@@ -156,6 +156,9 @@ def plan_layouts(
         quantize_at=choice.at,
         quantize_reason=choice.reason,
     )
+    if choice.regions is not None:  # what the cost model weighed: the plan's, not computed again
+        plan._derived.quantization = [choice.regions]
+    return plan
 
 
 def _quantize_choice(

@@ -236,10 +236,13 @@ QUANTIZE_AT: tuple[str, ...] = ("auto", "source", "destination")
 
 @attrs.frozen
 class QuantizeChoice:
-    """Where a plan quantizes (``at``: ``source`` or ``destination``) and why, in words."""
+    """Where a plan quantizes (``at``: ``source`` or ``destination``) and why, in words;
+    ``regions``: the plan's :func:`quantized_regions` where the cost model computed them for
+    the side it chose (the plan keeps them instead of computing them again)."""
 
     at: str
     reason: str
+    regions: QuantizedRegions | None = attrs.field(default=None, eq=False, repr=False)
 
 
 def choose_quantize_at(
@@ -310,7 +313,7 @@ def choose_quantize_at(
     )
     if at_destination[0] < at_source[0]:
         return QuantizeChoice("destination", f"the destinations quantize (cost model): {figures}")
-    return QuantizeChoice("source", f"the senders quantize (cost model): {figures}")
+    return QuantizeChoice("source", f"the senders quantize (cost model): {figures}", regions)
 
 
 def region_wire_bytes(numel: int, nblocks: int, q: Quantization) -> int:

@@ -6,7 +6,6 @@ import bisect
 import contextlib
 import hashlib
 import itertools
-import math
 import os
 import time
 from collections import defaultdict
@@ -27,7 +26,19 @@ from ..transport import Pending, Transport
 from ..transport.base import Buffers
 from .agreement import AGREEMENT_TAG, agree
 from .delta import DeltaOptions, DeltaRefits, DeltaReport, delta_options
-from .schedule import _ASSEMBLY, _DESTINATION, _SCRATCH, _SOURCE, Assembly, Message, Piece, Step, part_bytes, schedule
+from .schedule import (
+    _ASSEMBLY,
+    _DESTINATION,
+    _SCRATCH,
+    _SOURCE,
+    Assembly,
+    Message,
+    Piece,
+    Step,
+    part_bytes,
+    quantized_spans,
+    schedule,
+)
 from .wire_encoding import MIN_DELTA_BYTES
 
 #: intra-op threads of the executor's copies on the CPU (packing staged sends, unpacking
@@ -811,9 +822,7 @@ def _quantized_views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, tor
     the next 16-byte boundary its scales."""
     q = piece.quantized
     assert q is not None
-    nvalues = piece.numel * q.values.itemsize
-    start = -(-nvalues // 16) * 16
-    nscales = math.prod(q.scale_sizes) * q.scale_dtype.itemsize
+    (_, nvalues), (start, nscales) = quantized_spans(piece)
     values = buf[:nvalues].view(q.values).view(piece.sizes)
     scales = buf[start : start + nscales].view(q.scale_dtype).view(q.scale_sizes)
     return values, scales

@@ -157,9 +157,15 @@ class Message:
             if q is None:
                 spans.append((offset, piece.nbytes))
                 continue
-            values = part_bytes(piece, "values")
-            spans += [(offset, values), (offset + -(-values // _ALIGN) * _ALIGN, part_bytes(piece, "scales"))]
+            spans += [(offset + at, nbytes) for at, nbytes in quantized_spans(piece)]
         return spans
+
+
+def quantized_spans(piece: Piece) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(offset, bytes) of a quantized region's fp8 values and of its scales where the region
+    travels whole: the scales start at the next 16-byte boundary after the values."""
+    values = part_bytes(piece, "values")
+    return (0, values), (-(-values // _ALIGN) * _ALIGN, part_bytes(piece, "scales"))
 
 
 def part_bytes(piece: Piece, part: str) -> int:
